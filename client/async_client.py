@@ -1,0 +1,169 @@
+"""AsyncClient: many requests in flight over one DEALER socket.
+
+One reader task routes every reply to its request's queue by rid. A request
+never waits forever: if nothing arrives for `timeout` seconds, or the server's
+connection drops, it fails with MlxdError.
+"""
+
+import asyncio
+import logging
+import uuid
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from protocol import AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StreamChunk, encode
+
+from .types import Chunk, MlxdError, Result
+
+log = logging.getLogger("mlxd.client")
+
+
+class AsyncStream:
+    """Async iterator of Chunks for one request; `rid` names it for abort().
+    The request is sent when iteration starts (or on `await stream.start()`)."""
+
+    def __init__(self, client: "AsyncClient", request: GenerateRequest):
+        self.rid = request.rid
+        self._client = client
+        self._request = request
+        self._queue: asyncio.Queue | None = None
+        self._done = False
+
+    async def start(self) -> "AsyncStream":
+        if self._queue is None:
+            self._queue = await self._client._send(self._request)
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._done:
+            raise StopAsyncIteration
+        await self.start()
+        try:
+            msg = await asyncio.wait_for(self._queue.get(), self._client.timeout)
+        except asyncio.TimeoutError:
+            self._finish()
+            raise MlxdError("timeout", f"no reply for {self._client.timeout} s") from None
+        if isinstance(msg, MlxdError):
+            self._finish()
+            raise msg
+        chunk = Chunk.from_message(msg)
+        if chunk.finish_reason is not None:
+            self._finish()
+        return chunk
+
+    def _finish(self) -> None:
+        self._done = True
+        self._client._queues.pop(self.rid, None)
+
+    async def abort(self) -> None:
+        await self._client.abort(self.rid)
+
+
+class AsyncClient:
+    def __init__(self, address: str, timeout: float | None = 600.0):
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._sock.connect(address)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._decoder = Decoder(StreamChunk, ErrorReply)
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- public surface ----------------------------------------------------
+
+    async def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
+                       messages: list[dict] | None = None, rid: str | None = None,
+                       **params) -> Result:
+        stream = AsyncStream(self, _request(prompt, input_ids, messages, rid, params, False))
+        result = Result(stream.rid)
+        async for chunk in stream:
+            result.add(chunk)
+        return result
+
+    async def chat(self, messages: list[dict], **params) -> Result:
+        return await self.generate(messages=messages, **params)
+
+    def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
+               messages: list[dict] | None = None, rid: str | None = None,
+               **params) -> AsyncStream:
+        """`async for chunk in client.stream(...)`: the request's output as it is made."""
+        return AsyncStream(self, _request(prompt, input_ids, messages, rid, params, True))
+
+    async def abort(self, rid: str) -> None:
+        await self._sock.send(encode(AbortRequest(rid)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    # ---- internals ---------------------------------------------------------
+
+    async def _send(self, request: GenerateRequest) -> asyncio.Queue:
+        self._start_tasks()
+        if request.rid in self._queues:
+            raise MlxdError("duplicate_rid", f"request id {request.rid!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.rid] = queue
+        await self._sock.send(encode(request))
+        return queue
+
+    def _start_tasks(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.ensure_future(self._read_replies()),
+                           asyncio.ensure_future(self._watch_connection())]
+
+    async def _read_replies(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                msg = self._decoder.decode(frame)
+            except ProtocolError as exc:
+                log.error("dropped a malformed reply: %s", exc)
+                continue
+            if isinstance(msg, ErrorReply):
+                if msg.rid is None:
+                    log.error("server rejected a frame: %s: %s", msg.code, msg.message)
+                    continue
+                rid, msg = msg.rid, MlxdError(msg.code, msg.message)
+            else:
+                rid = msg.rid
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def _watch_connection(self) -> None:
+        connected = False
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
+                connected = False
+                self._fail_all(MlxdError("disconnected", f"lost the connection to {self.address}"))
+
+    def _fail_all(self, error: MlxdError) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+
+def _request(prompt, input_ids, messages, rid, params, stream) -> GenerateRequest:
+    return GenerateRequest(rid or uuid.uuid4().hex, prompt, messages, input_ids, params, stream)

@@ -1,0 +1,73 @@
+"""Client: the blocking SDK. It runs an AsyncClient on a private event-loop thread,
+so one Client can be shared by many threads."""
+
+import asyncio
+import threading
+
+from .async_client import AsyncClient, AsyncStream
+from .types import Chunk, Result
+
+
+class Stream:
+    """Iterator of Chunks for one request; `rid` names it for abort()."""
+
+    def __init__(self, client: "Client", inner: AsyncStream):
+        self.rid = inner.rid
+        self._client = client
+        self._inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        try:
+            return self._client._call(self._inner.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def abort(self) -> None:
+        self._client.abort(self.rid)
+
+
+class Client:
+    def __init__(self, address: str, timeout: float | None = 600.0):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mlxd-client",
+                                        daemon=True)
+        self._thread.start()
+        self._inner: AsyncClient = self._call(_make(address, timeout))
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        return self._call(self._inner.generate(prompt, **kwargs))
+
+    def chat(self, messages: list[dict], **params) -> Result:
+        return self._call(self._inner.chat(messages, **params))
+
+    def stream(self, prompt: str | None = None, **kwargs) -> Stream:
+        inner = self._inner.stream(prompt, **kwargs)
+        self._call(inner.start())
+        return Stream(self, inner)
+
+    def abort(self, rid: str) -> None:
+        self._call(self._inner.abort(rid))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._inner.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+async def _make(address: str, timeout: float | None) -> AsyncClient:
+    return AsyncClient(address, timeout)

@@ -1,0 +1,61 @@
+"""What the SDK returns: chunks of a stream and the result of a whole request."""
+
+from dataclasses import dataclass, field
+
+
+class MlxdError(Exception):
+    """The server rejected a request (bad input) or could not be reached."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _top_dicts(tops: list | None) -> list | None:
+    if tops is None:
+        return None
+    return [None if t is None else dict(zip(t[0], t[1])) for t in tops]
+
+
+@dataclass
+class Chunk:
+    """Part of a streamed output. `top_logprobs[i]` maps token id -> logprob."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_message(cls, msg) -> "Chunk":
+        return cls(msg.text, msg.token_ids, msg.logprobs, _top_dicts(msg.top_logprobs),
+                   msg.finish_reason, msg.usage, msg.error)
+
+
+@dataclass
+class Result:
+    """A finished request. finish_reason is stop, length, abort or error."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        if chunk.top_logprobs is not None:
+            self.top_logprobs = (self.top_logprobs or []) + chunk.top_logprobs
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.usage, self.error = (
+                chunk.finish_reason, chunk.usage, chunk.error)

@@ -1,0 +1,1 @@
+"""Process plumbing shared by every mlxd process: config flags, lifecycle, logging."""

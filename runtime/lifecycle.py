@@ -1,0 +1,66 @@
+"""Process lifecycle: die with the parent, turn SIGTERM/SIGINT into a clean exit."""
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Shutdown(Exception):
+    """Raised in the main thread when the process is asked to stop."""
+
+
+def _raise_shutdown(signum, _frame):
+    raise Shutdown(signal.Signals(signum).name)
+
+
+def install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(signal.SIGINT, _raise_shutdown)
+
+
+def _set_linux_pdeathsig() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def die_with_parent(parent_pid: int | None, poll_seconds: float = 0.5) -> None:
+    """Make this process exit when `parent_pid` dies.
+
+    On Linux the kernel signals us (prctl PDEATHSIG). Everywhere (macOS
+    included) a daemon thread polls the parent pid as the portable backstop;
+    if a polite SIGTERM does not end us within 3 s it exits hard.
+    """
+    if not parent_pid:
+        return
+    if sys.platform.startswith("linux"):
+        _set_linux_pdeathsig()
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_seconds)
+        log.error("parent %d died; exiting", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(3.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def setup_logging(process: str, level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

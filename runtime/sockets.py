@@ -1,0 +1,25 @@
+"""ZeroMQ socket helpers. Rule: a process binds the sockets it receives on."""
+
+import zmq
+
+
+def bind_pull(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    return sock
+
+
+def connect_push(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def close_all(ctx: zmq.Context, *sockets: zmq.Socket) -> None:
+    """Close sockets before the context, never leaving a blocked term()."""
+    for sock in sockets:
+        if sock is not None:
+            sock.close(linger=0)
+    ctx.term()

@@ -1,0 +1,1 @@
+"""The scheduler process: request lifecycle, KV slot bookkeeping, batching policy."""

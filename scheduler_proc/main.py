@@ -1,0 +1,156 @@
+"""The scheduler process: a thin socket loop around the pure Scheduler.
+
+Sockets (each process binds what it receives on):
+  input_addr          PULL  TokenizedRequest / Abort from the tokenizer
+  worker_output_addr  PULL  Ready / StepResult / WorkerError from the worker
+  output_addr         PUSH  Ready, then one TokenBatch per step, to the tokenizer
+  worker_input_addr   PUSH  one Step at a time to the worker
+  ready_addr          PUSH  Ready to the launcher (optional)
+"""
+
+import logging
+from dataclasses import dataclass
+
+import zmq
+
+from protocol import (
+    Abort, Decoder, ProtocolError, Ready, StepResult, TokenBatch, TokenizedRequest,
+    WorkerError, encode,
+)
+from runtime.config import parse_config
+from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
+from runtime.sockets import bind_pull, close_all, connect_push
+
+from .scheduler import Scheduler, SchedulerLimits
+
+log = logging.getLogger("mlxd.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    input_addr: str
+    output_addr: str
+    worker_input_addr: str
+    worker_output_addr: str
+    ready_addr: str = ""
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 4096
+    parent_pid: int = 0
+    log_level: str = "info"
+
+
+class SchedulerLoop:
+    def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context):
+        self.cfg = cfg
+        self.from_tokenizer = bind_pull(ctx, cfg.input_addr)
+        self.from_worker = bind_pull(ctx, cfg.worker_output_addr)
+        self.to_tokenizer = connect_push(ctx, cfg.output_addr)
+        self.to_worker = connect_push(ctx, cfg.worker_input_addr)
+        self.to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
+        self.request_decoder = Decoder(TokenizedRequest, Abort)
+        self.worker_decoder = Decoder(StepResult, WorkerError, Ready)
+        self.scheduler: Scheduler | None = None
+        self.in_flight: int | None = None   # step_id sent and not yet answered
+
+    @property
+    def sockets(self):
+        return [self.from_tokenizer, self.from_worker, self.to_tokenizer, self.to_worker,
+                self.to_launcher]
+
+    def start(self) -> None:
+        """Wait for the worker's Ready, then announce ourselves."""
+        while True:
+            msg = self._decode(self.worker_decoder, self.from_worker.recv(), "worker")
+            if isinstance(msg, Ready):
+                break
+        info = msg.info
+        self.scheduler = Scheduler(SchedulerLimits(
+            kv_capacity=info["kv_capacity"], max_context=info["max_context"],
+            max_running_requests=self.cfg.max_running_requests,
+            max_prefill_tokens=self.cfg.max_prefill_tokens))
+        ready = encode(Ready("scheduler", {**info, "max_running_requests":
+                                           self.cfg.max_running_requests}))
+        self.to_tokenizer.send(ready)
+        if self.to_launcher:
+            self.to_launcher.send(ready)
+        log.info("ready: kv_capacity=%d max_context=%d", info["kv_capacity"],
+                 info["max_context"])
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.from_tokenizer, zmq.POLLIN)
+        poller.register(self.from_worker, zmq.POLLIN)
+        while True:
+            # 1. receive: block only when there is no step to build
+            busy = self.in_flight is None and self.scheduler.has_work
+            events = dict(poller.poll(0 if busy else None))
+            if self.from_tokenizer in events:
+                self._drain_requests()
+            if self.from_worker in events:
+                self._drain_worker()
+            # 2. schedule and send the next step as soon as the worker is free
+            if self.in_flight is None:
+                step = self.scheduler.schedule()
+                if step is not None:
+                    self.to_worker.send(encode(step))
+                    self.in_flight = step.step_id
+            # 3. stream everything this iteration produced, in one message
+            entries = self.scheduler.take_outputs()
+            if entries:
+                self.to_tokenizer.send(encode(TokenBatch(entries)))
+
+    def _drain_requests(self) -> None:
+        while True:
+            try:
+                frame = self.from_tokenizer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decode(self.request_decoder, frame, "tokenizer")
+            if isinstance(msg, TokenizedRequest):
+                self.scheduler.add_request(msg)
+            elif isinstance(msg, Abort):
+                self.scheduler.abort(msg.rid)
+
+    def _drain_worker(self) -> None:
+        while True:
+            try:
+                frame = self.from_worker.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decode(self.worker_decoder, frame, "worker")
+            if isinstance(msg, StepResult):
+                self._expect_step(msg.step_id)
+                self.scheduler.process_result(msg)
+            elif isinstance(msg, WorkerError):
+                log.error("worker failed step %d: %s", msg.step_id, msg.message)
+                self._expect_step(msg.step_id)
+                self.scheduler.fail_step(msg)
+
+    def _expect_step(self, step_id: int) -> None:
+        if step_id != self.in_flight:
+            log.error("worker answered step %d, expected %s", step_id, self.in_flight)
+        self.in_flight = None
+
+    @staticmethod
+    def _decode(decoder: Decoder, frame: bytes, sender: str):
+        try:
+            return decoder.decode(frame)
+        except ProtocolError as exc:
+            log.error("dropped a malformed frame from the %s: %s", sender, exc)
+            return None
+
+
+def main(argv=None) -> None:
+    cfg = parse_config(SchedulerConfig, "mlxd scheduler process", argv)
+    setup_logging("scheduler", cfg.log_level)
+    die_with_parent(cfg.parent_pid)
+    install_signal_handlers()
+    ctx = zmq.Context()
+    loop = SchedulerLoop(cfg, ctx)
+    try:
+        loop.start()
+        loop.run()
+    except Shutdown as why:
+        log.info("shutting down (%s)", why)
+    finally:
+        close_all(ctx, *loop.sockets)

@@ -1,0 +1,1 @@
+"""The tokenizer process: the client-facing socket, text in, text out."""

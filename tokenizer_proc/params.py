@@ -1,0 +1,109 @@
+"""Validation of client parameters (OpenAI names) into what the scheduler needs."""
+
+import math
+from dataclasses import dataclass, field
+
+from protocol import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass
+class RequestParams:
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+def _number(params, name, default, lo=-math.inf, hi=math.inf, lo_open=False):
+    value = params.get(name, default)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise InvalidRequest(f"{name} must be in {bound}, got {value}")
+    return float(value)
+
+
+def _integer(params, name, default, lo, hi):
+    value = params.get(name, default)
+    if type(value) is not int:
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _flag(params, name):
+    value = params.get(name, False)
+    if type(value) is not bool:
+        raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _stop_strings(params) -> list[str]:
+    stop = params.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("stop must be a non-empty string or a list of them")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings")
+    return stop
+
+
+def _token_ids(params, name, vocab_size) -> list[int]:
+    ids = params.get(name) or []
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size
+                                            for t in ids):
+        raise InvalidRequest(f"{name} must be a list of token ids in [0, {vocab_size})")
+    return ids
+
+
+def _seed(params):
+    seed = params.get("seed")
+    if seed is None:
+        return None
+    return _integer(params, "seed", None, 0, MAX_SEED)
+
+
+def _top_logprobs(params, logprobs: bool) -> int:
+    n = _integer(params, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if n and not logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs=True")
+    return n
+
+
+KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs"})
+
+
+def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> RequestParams:
+    unknown = sorted(set(params) - KNOWN)
+    if unknown:
+        raise InvalidRequest(f"unknown parameter(s) {unknown}; known: {sorted(KNOWN)}")
+    top_k = _integer(params, "top_k", 0, -1, 2**31 - 1)
+    logprobs = _flag(params, "logprobs")
+    sampling = SamplingParams(
+        temperature=_number(params, "temperature", 0.0, lo=0.0),
+        top_p=_number(params, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=max(top_k, 0),   # -1 means disabled, as in vLLM
+        min_p=_number(params, "min_p", 0.0, lo=0.0, hi=1.0),
+        seed=_seed(params),
+        top_logprobs=_top_logprobs(params, logprobs))
+    return RequestParams(
+        sampling=sampling,
+        max_tokens=_integer(params, "max_tokens", default_max_tokens, 1, 2**31 - 1),
+        stop=_stop_strings(params),
+        stop_token_ids=_token_ids(params, "stop_token_ids", vocab_size),
+        ignore_eos=_flag(params, "ignore_eos"),
+        logprobs=logprobs)

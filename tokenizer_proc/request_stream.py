@@ -1,0 +1,91 @@
+"""Per-request output state in the tokenizer: detokenization, stop strings, chunks.
+
+Text that could be the start of a stop string is held back until it is known
+not to be one, so a stop string never reaches the client, even in a stream.
+"""
+
+from protocol import StreamChunk, TokenEntry
+
+from .detokenizer import IncrementalDetokenizer
+
+
+class RequestStream:
+    def __init__(self, client: bytes, client_rid: str, rid: int, detokenizer:
+                 IncrementalDetokenizer, stop: list[str], stream: bool,
+                 logprobs: bool, prompt_tokens: int):
+        self.client = client
+        self.client_rid = client_rid
+        self.rid = rid
+        self.detokenizer = detokenizer
+        self.stop = stop
+        self.stream = stream
+        self.want_logprobs = logprobs
+        self.prompt_tokens = prompt_tokens
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list = []
+        self.finish_reason: str | None = None
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._searched = 0      # text before this was checked for stop strings
+        self._sent_text = 0     # chunk cursors
+        self._sent_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_entry(self, entry: TokenEntry) -> StreamChunk | None:
+        """Take the scheduler's new tokens; return a chunk to send, if any.
+        After a stop-string hit `finish_reason` is "stop" and the scheduler
+        still has to be told to abort the request."""
+        self.token_ids += entry.token_ids
+        self.logprobs += entry.logprobs
+        self.top_logprobs += entry.top_logprobs or [None] * len(entry.token_ids)
+        self.text += self.detokenizer.add(entry.token_ids)
+        if entry.finish_reason:
+            self.text += self.detokenizer.flush()
+        if self._cut_at_stop_string():
+            self.finish_reason = "stop"
+        elif entry.finish_reason:
+            self.finish_reason = entry.finish_reason
+        return self._chunk(entry)
+
+    def _cut_at_stop_string(self) -> bool:
+        if not self.stop:
+            return False
+        start = max(0, self._searched - self._holdback)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        self._searched = len(self.text)
+        if not hits:
+            return False
+        self.text = self.text[:min(hits)]
+        return True
+
+    def _chunk(self, entry: TokenEntry) -> StreamChunk | None:
+        if not self.stream and not self.finished:
+            return None
+        end = len(self.text) if self.finished else max(
+            self._sent_text, len(self.text) - self._holdback)
+        start_text, start_tok = (self._sent_text, self._sent_tokens) if self.stream else (0, 0)
+        chunk = StreamChunk(self.client_rid, self.text[start_text:end],
+                            self.token_ids[start_tok:])
+        if self.want_logprobs:
+            chunk.logprobs = self.logprobs[start_tok:]
+            tops = self.top_logprobs[start_tok:]
+            chunk.top_logprobs = tops if any(t is not None for t in tops) else None
+        self._sent_text, self._sent_tokens = end, len(self.token_ids)
+        if self.finished:
+            chunk.finish_reason = self.finish_reason
+            chunk.usage = self.usage(entry)
+            chunk.error = entry.error
+        elif not chunk.text and not chunk.token_ids:
+            return None
+        return chunk
+
+    def usage(self, entry: TokenEntry | None = None) -> dict:
+        usage = {"prompt_tokens": self.prompt_tokens,
+                 "completion_tokens": len(self.token_ids), "cached_tokens": 0}
+        if entry is not None and entry.usage:
+            usage["cached_tokens"] = entry.usage.get("cached_tokens", 0)
+        return usage

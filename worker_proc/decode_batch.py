@@ -1,0 +1,78 @@
+"""The running requests' decode state: one batched KV cache, one row per request.
+
+Rows are left-padded `BatchKVCache`s from mlx_lm (one per layer). Requests join
+after their prefill and leave when released; `forward` decodes every row at once.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .sampling import RowState
+
+
+@dataclass
+class Joiner:
+    """A freshly prefilled request waiting to join the batch."""
+
+    rid: int
+    caches: list[KVCache]
+    first_token: mx.array   # [1], lazy
+    row: RowState
+
+
+class DecodeBatch:
+    def __init__(self):
+        self.rids: list[int] = []
+        self.rows: list[RowState] = []
+        self.caches: list[BatchKVCache] | None = None
+        self.tokens: mx.array | None = None   # [B] next input token of each row
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def add(self, joiners: list[Joiner]) -> None:
+        num_layers = len(joiners[0].caches)
+        merged = [BatchKVCache.merge([j.caches[layer] for j in joiners])
+                  for layer in range(num_layers)]
+        tokens = mx.concatenate([j.first_token for j in joiners])
+        if self.caches is None:
+            self.caches, self.tokens = merged, tokens
+        else:
+            for cache, new in zip(self.caches, merged):
+                cache.extend(new)
+            self.tokens = mx.concatenate([self.tokens, tokens])
+        self.rids += [j.rid for j in joiners]
+        self.rows += [j.row for j in joiners]
+
+    def remove(self, rids: set[int]) -> None:
+        keep = [i for i, rid in enumerate(self.rids) if rid not in rids]
+        if len(keep) == len(self.rids):
+            return
+        if not keep:
+            self.clear()
+            return
+        idx = mx.array(keep)
+        for cache in self.caches:
+            cache.filter(idx)
+        self.tokens = self.tokens[idx]
+        self.rids = [self.rids[i] for i in keep]
+        self.rows = [self.rows[i] for i in keep]
+
+    def clear(self) -> None:
+        self.rids, self.rows, self.caches, self.tokens = [], [], None, None
+
+    def forward(self, model) -> mx.array:
+        """Logits `[B, V]` for the next token of every row (lazy)."""
+        return model(self.tokens[:, None], cache=self.caches)[:, -1, :]
+
+    def newest_kv(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Keys/values `[B, heads, dim]` of the position the last forward wrote."""
+        cache = self.caches[layer]
+        i = cache.size() - 1
+        return cache.keys[:, :, i, :], cache.values[:, :, i, :]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches) if self.caches else 0

@@ -1,0 +1,125 @@
+"""The worker process: a thin socket loop around the ModelRunner.
+
+  input_addr   PULL  Step from the scheduler
+  output_addr  PUSH  Ready, then one StepResult (or WorkerError) per Step
+"""
+
+import json
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from protocol import Decoder, ProtocolError, Ready, Step, WorkerError, encode
+from runtime.config import parse_config
+from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
+from runtime.sockets import bind_pull, close_all, connect_push
+
+log = logging.getLogger("mlxd.worker")
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    input_addr: str
+    output_addr: str
+    kv_capacity: int = 0
+    mem_fraction: float = 0.3
+    mem_limit_gb: float = 0.0
+    max_running_requests: int = 64
+    prefill_step_size: int = 2048
+    parent_pid: int = 0
+    log_level: str = "info"
+
+
+def model_max_context(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    return int(text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
+
+
+def loaded_blas() -> str:
+    """Which BLAS this process runs on (Linux: read from the memory map)."""
+    if not sys.platform.startswith("linux"):
+        return "platform default (Accelerate/Metal)"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for marker in ("openblas", "mkl_rt", "libblis"):
+        for line in maps.splitlines():
+            # numpy's bundled OpenBLAS has prefixed symbols that mlx cannot use
+            if marker in line and "numpy" not in line and "scipy" not in line:
+                return line.split()[-1]
+    return "reference BLAS bundled with mlx (slow)"
+
+
+def build_runner(cfg: WorkerConfig):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from .kv_pool import KVPool
+    from .memory import kv_capacity_for, memory_limit_bytes
+    from .model_runner import ModelRunner, probe_geometry
+
+    model, _ = load(cfg.model)
+    weights_bytes = mx.get_active_memory()
+    geometry = probe_geometry(model)
+    max_context = model_max_context(cfg.model)
+    capacity = cfg.kv_capacity or kv_capacity_for(
+        memory_limit_bytes(cfg.mem_fraction, cfg.mem_limit_gb), weights_bytes,
+        geometry.bytes_per_token, ceiling=cfg.max_running_requests * max_context)
+    pool = KVPool(geometry, capacity)
+    info = {
+        "kv_capacity": capacity, "max_context": max_context,
+        "kv_pool_bytes": pool.nbytes, "weights_bytes": weights_bytes,
+        "bytes_per_token": geometry.bytes_per_token, "blas": loaded_blas(),
+        "device": str(mx.default_device()),
+    }
+    return ModelRunner(model, pool, cfg.prefill_step_size), info
+
+
+def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list) -> None:
+    steps_in = bind_pull(ctx, cfg.input_addr)
+    results_out = connect_push(ctx, cfg.output_addr)
+    sockets += [steps_in, results_out]
+    runner, info = build_runner(cfg)
+    log.info("ready: %s", info)
+    results_out.send(encode(Ready("worker", info)))
+    decoder = Decoder(Step)
+    while True:
+        frame = steps_in.recv()
+        try:
+            step = decoder.decode(frame)
+        except ProtocolError as exc:
+            log.error("dropped a malformed frame from the scheduler: %s", exc)
+            continue
+        try:
+            reply = runner.run(step)
+        except Exception as exc:  # a failed step must not kill the worker
+            log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
+            runner.reset()
+            reply = WorkerError(step.step_id, f"{type(exc).__name__}: {exc}")
+        results_out.send(encode(reply))
+
+
+def main(argv=None) -> None:
+    cfg = parse_config(WorkerConfig, "mlxd MLX worker process", argv)
+    setup_logging("worker", cfg.log_level)
+    die_with_parent(cfg.parent_pid)
+    install_signal_handlers()
+    log.info("pid %d, LD_PRELOAD=%s", os.getpid(), os.environ.get("LD_PRELOAD", ""))
+    ctx = zmq.Context()
+    sockets: list = []
+    try:
+        serve(cfg, ctx, sockets)
+    except Shutdown as why:
+        log.info("shutting down (%s)", why)
+    finally:
+        close_all(ctx, *sockets)

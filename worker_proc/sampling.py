@@ -1,0 +1,101 @@
+"""Batched token selection: greedy, temperature, top-k, top-p, min-p, seeded.
+
+Every request owns a seed; the random key for its n-th token is derived from
+(seed, n) alone, so a seeded request samples the same tokens whatever else
+shares its batch. Reported logprobs are the model's raw log-softmax.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from protocol import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_key(seed: int, n: int) -> mx.array:
+    mixed = (seed * 0x9E3779B97F4A7C15 + n * 0xBF58476D1CE4E5B9) & _MASK64
+    return mx.random.key(mixed)
+
+
+@dataclass
+class RowState:
+    """Sampling state of one running request."""
+
+    params: SamplingParams
+    seed: int
+    generated: int = 0   # tokens sampled so far; indexes the random key
+
+
+@dataclass
+class Sampled:
+    """Lazy outputs for a batch of rows."""
+
+    tokens: mx.array                  # [B] int32
+    logprobs: mx.array                # [B] chosen-token logprobs
+    top_ids: mx.array | None = None   # [B, n] unsorted
+    top_logprobs: mx.array | None = None
+
+
+def _mask_below(x: mx.array, threshold: mx.array) -> mx.array:
+    return mx.where(x >= threshold, x, -mx.inf)
+
+
+def _filter(x: mx.array, params: list[SamplingParams]) -> mx.array:
+    """Apply top-k, top-p and min-p to temperature-scaled logprobs `x` [S, V]."""
+    vocab = x.shape[-1]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sorted_x = -mx.sort(-x, axis=-1)
+        ks = mx.array([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
+        kth = mx.take_along_axis(sorted_x, (ks - 1)[:, None], axis=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = mx.array([p.top_p for p in params])[:, None]
+            probs = mx.softmax(sorted_x, axis=-1)
+            keep = (mx.cumsum(probs, axis=-1) - probs) < top_p
+            nucleus = mx.min(mx.where(keep, sorted_x, mx.inf), axis=-1, keepdims=True)
+            kth = mx.maximum(kth, nucleus)
+        x = _mask_below(x, kth)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = mx.array([p.min_p for p in params])[:, None]
+        x = _mask_below(x, mx.max(x, axis=-1, keepdims=True) + mx.log(min_p))
+    return x
+
+
+def _sample_rows(logprobs: mx.array, rows: list[RowState]) -> mx.array:
+    params = [r.params for r in rows]
+    temps = mx.array([p.temperature for p in params])[:, None]
+    x = _filter(logprobs / temps, params)
+    vocab = logprobs.shape[-1]
+    noise = mx.stack([mx.random.gumbel((vocab,), key=step_key(r.seed, r.generated))
+                      for r in rows])
+    return mx.argmax(x + noise, axis=-1)
+
+
+def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
+    """Pick one token per row of `logits` [B, V] and advance each row's state."""
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    tokens = mx.argmax(logprobs, axis=-1)
+    sampled_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(sampled_idx) == len(rows):
+        tokens = _sample_rows(logprobs, rows)
+    elif sampled_idx:
+        idx = mx.array(sampled_idx)
+        tokens[idx] = _sample_rows(logprobs[idx], [rows[i] for i in sampled_idx])
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    out = Sampled(tokens, chosen)
+    n_top = max(r.params.top_logprobs for r in rows)
+    if n_top > 0:
+        n_top = min(n_top, logprobs.shape[-1])
+        out.top_ids = mx.argpartition(-logprobs, kth=n_top - 1, axis=-1)[:, :n_top]
+        out.top_logprobs = mx.take_along_axis(logprobs, out.top_ids, axis=-1)
+    for r in rows:
+        r.generated += 1
+    return out
+
+
+def top_lists(ids: list[int], lps: list[float], n: int) -> list[list]:
+    """Sort one row's top candidates by logprob and keep `n`: `[ids, logprobs]`."""
+    order = sorted(range(len(ids)), key=lambda j: -lps[j])[:n]
+    return [[ids[j] for j in order], [lps[j] for j in order]]
