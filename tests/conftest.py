@@ -1,0 +1,26 @@
+import pytest
+
+from model_store.tiny import TinySpec, build_tiny_model
+from support import Server
+
+LLAMA = TinySpec(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 intermediate_size=256, vocab_size=512, seed=0)
+QWEN3 = TinySpec(arch="qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 intermediate_size=256, vocab_size=512, seed=1)
+
+
+@pytest.fixture(scope="session")
+def llama_model(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "llama", LLAMA))
+
+
+@pytest.fixture(scope="session")
+def qwen3_model(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3", QWEN3))
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_model):
+    server = Server(llama_model, "--kv-capacity", "16384", "--log-level", "warning")
+    yield server
+    server.stop()

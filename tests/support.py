@@ -1,0 +1,138 @@
+"""Test support: tiny models, the mlx_lm reference, real server processes."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROMPTS = [
+    "Hello model server",
+    "What is the capital of France? The capital",
+    "a b c d e f g",
+    "The quick brown fox jumps over the lazy dog and then",
+    "x",
+    "Paris is a city in France and it has a river",
+    "Write a sentence about water, mountains and people who live there.",
+    "the the the the",
+]
+
+
+@lru_cache(maxsize=4)
+def load_reference(model_path: str):
+    from mlx_lm import load
+
+    return load(model_path)
+
+
+def reference_tokens(model_path: str, input_ids: list[int], max_tokens: int):
+    """mlx_lm's own greedy generation: [(token, chosen-token logprob)], stopping at EOS."""
+    from mlx_lm import stream_generate
+
+    model, tokenizer = load_reference(model_path)
+    return [(r.token, r.logprobs[r.token].item())
+            for r in stream_generate(model, tokenizer, input_ids, max_tokens=max_tokens)]
+
+
+def encode(model_path: str, prompt: str) -> list[int]:
+    _, tokenizer = load_reference(model_path)
+    return tokenizer.encode(prompt)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child pids of `pid` (Linux /proc; empty elsewhere)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists():   # a zombie is dead for our purposes
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    return True
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class Server:
+    """`python launch.py ...` as a real subprocess. Always call stop()."""
+
+    def __init__(self, model_path: str, *args: str, ready_timeout: float = 120.0):
+        self.stderr_lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--model", str(model_path),
+             "--port", "0", "--host", "127.0.0.1", *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        threading.Thread(target=self._pump_stderr, daemon=True).start()
+        self.address = self._wait_ready(ready_timeout)
+        self.child_pids = children_of(self.proc.pid)
+
+    def _pump_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line.rstrip("\n"))
+
+    def _wait_ready(self, timeout: float) -> str:
+        result: list[str] = []
+
+        def read():
+            for line in self.proc.stdout:
+                if line.startswith("mlxd ready: "):
+                    result.append(line.split(": ", 1)[1].strip())
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not result:
+            self.stop()
+            raise RuntimeError("server did not become ready:\n" +
+                               "\n".join(self.stderr_lines[-40:]))
+        return result[0]
+
+    def child(self, name: str) -> int:
+        for pid in self.child_pids:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            if f"-m {name}".encode() in cmdline:
+                return pid
+        raise LookupError(name)
+
+    def stop(self) -> int | None:
+        """Stop the launcher and make sure no child survives it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.child_pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        return self.proc.returncode

@@ -1,0 +1,95 @@
+"""Process lifecycle: a dead child stops the server, signals stop it, no orphans ever."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from client import Client, MlxdError
+from support import ROOT, Server, children_of, pid_alive, wait_until
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads /proc to find child processes")
+
+
+def all_gone(pids) -> bool:
+    return not any(pid_alive(p) for p in pids)
+
+
+@pytest.fixture
+def server(llama_model):
+    s = Server(llama_model, "--kv-capacity", "4096", "--log-level", "warning")
+    yield s
+    s.stop()
+
+
+def test_three_children_are_started(server):
+    assert len(server.child_pids) == 3
+    for name in ("worker_proc", "scheduler_proc", "tokenizer_proc"):
+        assert server.child(name)
+
+
+def test_sigkill_of_the_worker_stops_everything_with_an_error(server):
+    start = time.monotonic()
+    os.kill(server.child("worker_proc"), signal.SIGKILL)
+    server.proc.wait(10)
+    assert time.monotonic() - start < 10
+    assert server.proc.returncode != 0
+    assert wait_until(lambda: all_gone(server.child_pids), 5)
+    assert any("worker process exited" in line for line in server.stderr_lines)
+
+
+def test_sigterm_shuts_down_cleanly(server):
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(6)
+    assert time.monotonic() - start < 5.5
+    assert server.proc.returncode == 0
+    assert wait_until(lambda: all_gone(server.child_pids), 2)
+
+
+def test_children_die_with_a_killed_launcher(server):
+    server.proc.kill()
+    server.proc.wait()
+    assert wait_until(lambda: all_gone(server.child_pids), 10)
+
+
+def test_in_flight_request_fails_when_the_server_dies(server):
+    with Client(server.address, timeout=30) as c:
+        stream = c.stream("Hello", max_tokens=3000, ignore_eos=True)
+        next(stream)
+        os.kill(server.child("worker_proc"), signal.SIGKILL)
+        with pytest.raises(MlxdError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code in ("disconnected", "timeout")
+
+
+def test_bad_model_path_exits_with_a_message(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--model", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "not a model folder" in proc.stderr
+
+
+def test_a_child_that_fails_at_start_is_reported(tmp_path, llama_model):
+    """An unloadable model makes the worker die; the launcher says so and exits non-zero."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((Path(llama_model) / name).read_bytes())
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--model", str(broken),
+                             "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "worker process exited" in err
+    assert not children_of(proc.pid)

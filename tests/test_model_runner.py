@@ -1,0 +1,129 @@
+"""ModelRunner in-process against mlx_lm: tokens, logprobs and the KV pool contents."""
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from protocol import PrefillInput, SamplingParams, Step
+from support import PROMPTS, encode, load_reference, reference_tokens
+from worker_proc.kv_pool import KVPool
+from worker_proc.model_runner import ModelRunner, probe_geometry
+
+MAX_TOKENS = 20
+
+
+class Driver:
+    """Plays the scheduler: hands out slot ids and records what comes back."""
+
+    def __init__(self, model_path: str, capacity: int = 8192):
+        model, _ = load_reference(model_path)
+        self.model = model
+        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity))
+        self.slots = itertools.count(1)
+        self.step_id = itertools.count(1)
+        self.running: list[int] = []
+        self.slot_ids: dict[int, list[int]] = {}
+        self.out: dict[int, list[tuple[int, float]]] = {}
+
+    def new_slots(self, rid: int, n: int) -> list[int]:
+        slots = [next(self.slots) for _ in range(n)]
+        self.slot_ids.setdefault(rid, []).extend(slots)
+        return slots
+
+    def step(self, prefills=(), releases=()):
+        self.running = [r for r in self.running if r not in releases]
+        decode_slots = [self.new_slots(rid, 1)[0] for rid in self.running]
+        result = self.runner.run(Step(next(self.step_id), list(self.running), decode_slots,
+                                      list(prefills), list(releases)))
+        for rid, tok, lp in zip(result.rids, result.tokens, result.logprobs):
+            self.out.setdefault(rid, []).append((tok, lp))
+        self.running += [p.rid for p in prefills if p.needs_logits]
+        return result
+
+    def prefill(self, rid, ids, prefix_slots=(), sampling=None, needs_logits=True):
+        return PrefillInput(rid, ids, list(prefix_slots), self.new_slots(rid, len(ids)),
+                            sampling or SamplingParams(), needs_logits)
+
+
+def assert_matches_reference(model_path, input_ids, got):
+    ref = reference_tokens(model_path, input_ids, MAX_TOKENS)
+    got = got[:len(ref)]
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert max(abs(a[1] - b[1]) for a, b in zip(got, ref)) < 1e-3
+
+
+@pytest.mark.parametrize("model_fixture", ["llama_model", "qwen3_model"])
+def test_staggered_batch_matches_mlx_lm(model_fixture, request):
+    path = request.getfixturevalue(model_fixture)
+    d = Driver(path)
+    ids = [encode(path, p) for p in PROMPTS]
+    for step in range(MAX_TOKENS + 6):
+        joining = [d.prefill(r, ids[r]) for r in range(len(ids)) if r % 3 == step]
+        done = [r for r in d.running if len(d.out[r]) >= MAX_TOKENS]
+        d.step(joining, done)
+    for r in range(len(ids)):
+        assert_matches_reference(path, ids[r], d.out[r])
+
+
+def test_prefix_from_pool_matches_full_prefill(llama_model):
+    d = Driver(llama_model)
+    full = encode(llama_model, PROMPTS[5])
+    split = len(full) // 2
+    d.step([d.prefill(1, full[:split], needs_logits=False)])   # only fills the pool
+    d.step([d.prefill(2, full[split:], prefix_slots=d.slot_ids[1][:split])])
+    for _ in range(MAX_TOKENS - 1):
+        d.step()
+    assert_matches_reference(llama_model, full, d.out[2])
+
+
+def test_pool_holds_the_kv_mlx_lm_computes(llama_model):
+    """Prefill and decode KV land exactly at the slots the scheduler sent."""
+    d = Driver(llama_model)
+    ids = encode(llama_model, PROMPTS[3])
+    d.step([d.prefill(7, ids)])
+    for _ in range(5):
+        d.step()
+    tokens = ids + [t for t, _ in d.out[7]][:-1]   # the last token has no KV yet
+    cache = make_prompt_cache(d.model)
+    d.model(mx.array(tokens)[None], cache=cache)
+    slots = mx.array(d.slot_ids[7])
+    assert len(d.slot_ids[7]) == len(tokens)
+    for layer, c in enumerate(cache):
+        expect = c.keys[0, :, :len(tokens), :].swapaxes(0, 1)
+        got_k, got_v = d.runner.pool.read(layer, slots)
+        assert mx.allclose(got_k, expect, atol=1e-4).item()
+        assert mx.allclose(got_v, c.values[0, :, :len(tokens), :].swapaxes(0, 1),
+                           atol=1e-4).item()
+
+
+def test_seeded_sampling_ignores_batch_neighbours(llama_model):
+    ids = encode(llama_model, PROMPTS[0])
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+
+    def run(with_neighbours: bool):
+        d = Driver(llama_model)
+        prefills = [d.prefill(1, ids, sampling=sampling)]
+        if with_neighbours:
+            prefills += [d.prefill(2, encode(llama_model, PROMPTS[1])),
+                         d.prefill(3, ids, sampling=SamplingParams(temperature=1.0, seed=5))]
+        d.step(prefills)
+        for _ in range(15):
+            d.step()
+        return [t for t, _ in d.out[1]]
+
+    assert run(False) == run(True)
+
+
+def test_mismatched_decode_set_is_rejected(llama_model):
+    d = Driver(llama_model)
+    d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
+    with pytest.raises(ValueError, match="do not match"):
+        d.runner.run(Step(99, [1, 2], [500, 501]))
+
+
+def test_slot_ids_outside_the_pool_are_rejected(llama_model):
+    d = Driver(llama_model, capacity=64)
+    with pytest.raises(ValueError, match="slot id"):
+        d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [64, 65], SamplingParams())]))
