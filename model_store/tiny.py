@@ -131,7 +131,8 @@ def build_tiny_model(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(),
     tok = train_tokenizer(spec.vocab_size, corpus or training_corpus(seed=spec.seed))
     tok.save(str(tmp / "tokenizer.json"))
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    config = model_config(spec, tok.get_vocab_size(), bos_id, eos_id)
+    # The model's vocabulary may be larger than the trained tokenizer's, as in real models.
+    config = model_config(spec, max(spec.vocab_size, tok.get_vocab_size()), bos_id, eos_id)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -50,6 +50,8 @@ def test_sigterm_shuts_down_cleanly(server):
     assert time.monotonic() - start < 5.5
     assert server.proc.returncode == 0
     assert wait_until(lambda: all_gone(server.child_pids), 2)
+    assert not any("did not stop in time" in line for line in server.stderr_lines)
+    assert not any("Traceback" in line for line in server.stderr_lines)
 
 
 def test_children_die_with_a_killed_launcher(server):

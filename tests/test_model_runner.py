@@ -127,3 +127,16 @@ def test_slot_ids_outside_the_pool_are_rejected(llama_model):
     d = Driver(llama_model, capacity=64)
     with pytest.raises(ValueError, match="slot id"):
         d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [64, 65], SamplingParams())]))
+
+
+def test_memory_stays_flat_over_many_decode_steps(llama_model):
+    """Each step's pool writes are evaluated with it; nothing lazy piles up."""
+    d = Driver(llama_model)
+    ids = [encode(llama_model, p) for p in PROMPTS]
+    d.step([d.prefill(r, ids[r]) for r in range(len(ids))])
+    for _ in range(20):
+        d.step()
+    before = mx.get_active_memory()
+    for _ in range(80):
+        d.step()
+    assert mx.get_active_memory() - before < 1_000_000

@@ -9,6 +9,7 @@
 import asyncio
 import itertools
 import logging
+import signal
 from dataclasses import dataclass
 
 import zmq
@@ -19,7 +20,7 @@ from protocol import (
     TokenBatch, TokenizedRequest, encode,
 )
 from runtime.config import parse_config
-from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
+from runtime.lifecycle import die_with_parent, setup_logging
 
 from .detokenizer import IncrementalDetokenizer
 from .params import InvalidRequest, parse_params
@@ -216,11 +217,18 @@ def _checked_messages(messages: list) -> list[dict]:
 
 
 async def serve(cfg: TokenizerConfig) -> None:
+    # Signals cancel the main task: an exception raised from a plain signal
+    # handler would be swallowed by the event loop's callback machinery.
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, asyncio.current_task().cancel)
     codec = TextCodec(cfg.model)
     ctx = zmq.asyncio.Context()
     server = TokenizerServer(cfg, codec, ctx)
     try:
         await server.run()
+    except asyncio.CancelledError:
+        log.info("shutting down")
     finally:
         for sock in server.sockets:
             sock.close(linger=0)
@@ -231,14 +239,10 @@ def main(argv=None) -> None:
     cfg = parse_config(TokenizerConfig, "mlxd tokenizer process", argv)
     setup_logging("tokenizer", cfg.log_level)
     die_with_parent(cfg.parent_pid)
-    install_signal_handlers()
     try:
         import uvloop
 
         runner = uvloop.run
     except ImportError:   # uvloop is optional where it does not build
         runner = asyncio.run
-    try:
-        runner(serve(cfg))
-    except Shutdown as why:
-        log.info("shutting down (%s)", why)
+    runner(serve(cfg))

@@ -20,6 +20,14 @@ def _config_eos_ids(model_path: Path) -> set[int]:
     return ids
 
 
+def _config_vocab_size(model_path: Path) -> int:
+    path = model_path / "config.json"
+    if not path.exists():
+        return 0
+    config = json.loads(path.read_text())
+    return int(config.get("text_config", config).get("vocab_size") or 0)
+
+
 class TextCodec:
     def __init__(self, model_path: str):
         from transformers import AutoTokenizer
@@ -28,7 +36,8 @@ class TextCodec:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = sorted(_config_eos_ids(self.path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
-        self.vocab_size = len(self.tokenizer)
+        # Token ids the model accepts: its embedding may be larger than the tokenizer.
+        self.vocab_size = max(len(self.tokenizer), _config_vocab_size(self.path))
 
     @property
     def has_chat_template(self) -> bool:

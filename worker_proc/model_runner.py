@@ -136,7 +136,9 @@ class ModelRunner:
             arrays += [o.sampled.tokens, o.sampled.logprobs]
             if o.sampled.top_ids is not None:
                 arrays += [o.sampled.top_ids, o.sampled.top_logprobs]
-        mx.eval(arrays)
+        # The pool writes are not in the tokens' graph: evaluate them with the step,
+        # or lazy scatters pile up and pin every step's KV in memory.
+        mx.eval(arrays, self.pool.keys, self.pool.values)
         result = StepResult(step_id, [], [], [])
         tops = []
         for o in outputs:

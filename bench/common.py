@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmarks: the bench model, workloads, a server handle."""
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model_store.tiny import TinySpec, build_tiny_model, default_cache_dir  # noqa: E402
+
+# ~40M parameters: hidden 512, 8 layers, vocab 32000, tied embeddings.
+BENCH_SPEC = TinySpec(arch="llama", hidden_size=512, num_layers=8, num_heads=8,
+                      num_kv_heads=8, intermediate_size=1408, vocab_size=32000,
+                      tie_word_embeddings=True, seed=7)
+
+
+def bench_model(path: str | None) -> str:
+    if path:
+        return path
+    return str(build_tiny_model(default_cache_dir() / "bench-llama-h512-l8-v32000", BENCH_SPEC))
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def tokenizer_vocab(model_path: str) -> int:
+    import json
+
+    return len(json.loads((Path(model_path) / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def blas_env() -> dict:
+    """The environment the launcher gives its worker: the same BLAS for every system."""
+    from launch import find_blas
+
+    env = dict(os.environ)
+    blas = find_blas("auto")
+    if blas:
+        env["LD_PRELOAD"] = blas
+    return env
+
+
+class MlxdServer:
+    def __init__(self, model: str, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--model", model, "--port", "0",
+             "--log-level", "warning", *args],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        self.address = self._ready()
+
+    def _ready(self) -> str:
+        found = []
+
+        def read():
+            for line in self.proc.stdout:
+                if line.startswith("mlxd ready: "):
+                    found.append(line.split(": ", 1)[1].strip())
+                    return
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(600)
+        if not found:
+            self.stop()
+            raise RuntimeError("mlxd did not start")
+        return found[0]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def machine_summary() -> str:
+    import platform
+
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores"
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,118 @@
+"""Throughput: N concurrent requests of P prompt + G output tokens.
+
+mlxd through the async SDK vs the same workload in-process with mlx_lm's
+BatchGenerator, on the same model with the same BLAS, alternating runs.
+
+    python bench/throughput.py                 # ~40M random-weight model
+    python bench/throughput.py --model PATH --n 64 --prompt-len 128 --gen-len 64
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+
+from common import (
+    ROOT, MlxdServer, bench_model, blas_env, machine_summary, now, random_prompts,
+    tokenizer_vocab,
+)
+
+
+def run_batch_generator(model_path: str, prompts: list[list[int]], gen_len: int) -> float:
+    """Output tok/s of mlx_lm's BatchGenerator (called in a child with the worker's BLAS)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = load(model_path)
+    warm = BatchGenerator(model, max_tokens=4)
+    warm.insert(prompts[:2])
+    while warm.next_generated():
+        pass
+    warm.close()
+    gen = BatchGenerator(model, max_tokens=gen_len, completion_batch_size=len(prompts))
+    start = now()
+    gen.insert(prompts)
+    produced = 0
+    while responses := gen.next_generated():
+        produced += len(responses)
+    elapsed = now() - start
+    gen.close()
+    mx.synchronize()
+    assert produced == len(prompts) * gen_len, produced
+    return produced / elapsed
+
+
+async def _drive_mlxd(address: str, prompts, gen_len: int) -> float:
+    from client import AsyncClient
+
+    async with AsyncClient(address, timeout=600) as c:
+        await c.generate(input_ids=prompts[0][:8], max_tokens=4, ignore_eos=True)
+        start = now()
+        results = await asyncio.gather(*(
+            c.generate(input_ids=p, max_tokens=gen_len, ignore_eos=True) for p in prompts))
+        elapsed = now() - start
+    produced = sum(len(r.token_ids) for r in results)
+    assert produced == len(prompts) * gen_len, produced
+    return produced / elapsed
+
+
+def run_mlxd(address: str, prompts, gen_len: int) -> float:
+    return asyncio.run(_drive_mlxd(address, prompts, gen_len))
+
+
+def baseline_in_child(args) -> float:
+    cmd = [sys.executable, __file__, "--model", args.model, "--n", str(args.n),
+           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+           "--baseline-only"]
+    out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--server-args", default="", help="extra launch.py flags")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.model = bench_model(args.model)
+    prompts = random_prompts(args.n, args.prompt_len, tokenizer_vocab(args.model))
+    if args.baseline_only:
+        print(run_batch_generator(args.model, prompts, args.gen_len))
+        return
+    capacity = args.n * (args.prompt_len + args.gen_len) + 1024
+    server = MlxdServer(args.model, "--max-running-requests", str(args.n),
+                        "--kv-capacity", str(capacity), *args.server_args.split())
+    ours, theirs = [], []
+    try:
+        for _ in range(args.repeats):
+            theirs.append(baseline_in_child(args))
+            ours.append(run_mlxd(server.address, prompts, args.gen_len))
+    finally:
+        server.stop()
+    report = {
+        "machine": machine_summary(), "model": args.model, "n": args.n,
+        "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+        "mlxd_tok_s": statistics.median(ours), "batch_generator_tok_s": statistics.median(theirs),
+        "runs_mlxd": ours, "runs_batch_generator": theirs,
+    }
+    report["ratio"] = report["mlxd_tok_s"] / report["batch_generator_tok_s"]
+    print(f"N={args.n} P={args.prompt_len} G={args.gen_len} on {report['machine']}")
+    print(f"mlx_lm BatchGenerator (in-process): {report['batch_generator_tok_s']:8.1f} output tok/s")
+    print(f"mlxd (server, SDK):                 {report['mlxd_tok_s']:8.1f} output tok/s")
+    print(f"ratio mlxd / BatchGenerator:        {report['ratio']:8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
