@@ -1,5 +1,6 @@
 """Messages the MLX worker receives (from the scheduler)."""
 
+import math
 from dataclasses import dataclass, field
 
 from .codec import (
@@ -35,7 +36,8 @@ class SamplingParams:
             expect_float(f[0], "temperature"), expect_float(f[1], "top_p"),
             expect_int(f[2], "top_k", 0), expect_float(f[3], "min_p"),
             optional(expect_int, f[4], "seed"), expect_int(f[5], "top_logprobs", 0))
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or not 0 <= params.min_p <= 1:
+        if not (math.isfinite(params.temperature) and params.temperature >= 0
+                and 0 < params.top_p <= 1 and 0 <= params.min_p <= 1):
             raise ProtocolError(f"sampling parameters out of range: {params}")
         return params
 

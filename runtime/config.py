@@ -29,8 +29,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> No
         help_text = helps.get(f.name, "")
         if tp is bool:
             parser.add_argument(
-                _flag(f.name), action=argparse.BooleanOptionalAction,
-                default=default, help=help_text)
+                _flag(f.name), action=argparse.BooleanOptionalAction, default=default,
+                required=f.default is dataclasses.MISSING, help=help_text)
         else:
             parser.add_argument(
                 _flag(f.name), type=tp, default=default,
@@ -51,7 +51,7 @@ def to_argv(config) -> list[str]:
         if isinstance(value, bool):
             argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
         else:
-            argv += [_flag(f.name), str(value)]
+            argv.append(f"{_flag(f.name)}={value}")   # "=" keeps values like "-x" intact
     return argv
 
 

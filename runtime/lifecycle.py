@@ -12,8 +12,9 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-class Shutdown(Exception):
-    """Raised in the main thread when the process is asked to stop."""
+class Shutdown(BaseException):
+    """Raised in the main thread when the process is asked to stop. A BaseException,
+    so that `except Exception` around a step cannot swallow it."""
 
 
 def _raise_shutdown(signum, _frame):

@@ -32,9 +32,13 @@ class SlotAllocator:
         return slots
 
     def free(self, slots: list[int]) -> None:
+        """Return slots; a list with any slot that is not allocated changes nothing."""
+        if len(set(slots)) != len(slots):
+            raise ValueError("freeing the same slot twice")
         for s in slots:
             if not 1 <= s <= self.capacity or self._is_free[s]:
                 raise ValueError(f"freeing slot {s} that is not allocated")
+        for s in slots:
             self._is_free[s] = 1
         self._free += slots
 

@@ -51,7 +51,9 @@ def _flag(params, name):
 
 
 def _stop_strings(params) -> list[str]:
-    stop = params.get("stop") or []
+    stop = params.get("stop")
+    if stop is None:
+        return []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -62,7 +64,9 @@ def _stop_strings(params) -> list[str]:
 
 
 def _token_ids(params, name, vocab_size) -> list[int]:
-    ids = params.get(name) or []
+    ids = params.get(name)
+    if ids is None:
+        return []
     if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size
                                             for t in ids):
         raise InvalidRequest(f"{name} must be a list of token ids in [0, {vocab_size})")

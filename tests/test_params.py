@@ -1,0 +1,194 @@
+"""tokenizer_proc/params.py: client parameters (OpenAI names) -> RequestParams."""
+
+import math
+
+import pytest
+
+from protocol import SamplingParams
+from tokenizer_proc.params import (
+    KNOWN, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, InvalidRequest, parse_params,
+)
+
+VOCAB = 512
+DEFAULT_MAX = 256
+
+
+def parse(**params):
+    return parse_params(params, VOCAB, DEFAULT_MAX)
+
+
+def test_defaults():
+    p = parse_params({}, VOCAB, DEFAULT_MAX)
+    assert p.sampling == SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                                        seed=None, top_logprobs=0)
+    assert p.sampling.greedy
+    assert p.max_tokens == DEFAULT_MAX
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == ([], [], False, False)
+
+
+def test_default_max_tokens_is_the_callers():
+    assert parse_params({}, VOCAB, 7).max_tokens == 7
+
+
+def test_everything_set():
+    p = parse(max_tokens=10, temperature=0.8, top_p=0.95, top_k=50, min_p=0.1, seed=3,
+              stop=["\n\n", "END"], stop_token_ids=[0, 511], ignore_eos=True, logprobs=True,
+              top_logprobs=5)
+    assert p.sampling == SamplingParams(0.8, 0.95, 50, 0.1, 3, 5)
+    assert p.max_tokens == 10 and p.stop == ["\n\n", "END"] and p.stop_token_ids == [0, 511]
+    assert p.ignore_eos and p.logprobs
+    assert set(KNOWN) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                          "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs"}
+
+
+# ---- valid values --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,value,field,expected", [
+    ("temperature", 0, "temperature", 0.0),
+    ("temperature", 1, "temperature", 1.0),
+    ("temperature", 0.7, "temperature", 0.7),
+    ("temperature", 100.0, "temperature", 100.0),
+    ("top_p", 1, "top_p", 1.0),
+    ("top_p", 1e-9, "top_p", 1e-9),
+    ("top_p", 0.5, "top_p", 0.5),
+    ("min_p", 0, "min_p", 0.0),
+    ("min_p", 1, "min_p", 1.0),
+    ("min_p", 0.05, "min_p", 0.05),
+    ("top_k", 0, "top_k", 0),
+    ("top_k", 1, "top_k", 1),
+    ("top_k", 100000, "top_k", 100000),
+    ("top_k", -1, "top_k", 0),                  # -1 means disabled (vLLM)
+    ("top_k", 2**31 - 1, "top_k", 2**31 - 1),
+    ("seed", 0, "seed", 0),
+    ("seed", MAX_SEED, "seed", MAX_SEED),
+    ("seed", None, "seed", None),
+])
+def test_valid_sampling_values(name, value, field, expected):
+    sampling = parse(**{name: value}).sampling
+    got = getattr(sampling, field)
+    assert got == expected and type(got) is type(expected)
+
+
+def test_temperature_makes_sampling_non_greedy():
+    assert not parse(temperature=0.5).sampling.greedy
+    assert parse(temperature=0).sampling.greedy
+
+
+@pytest.mark.parametrize("value", [1, 2, 4096, 2**31 - 1])
+def test_valid_max_tokens(value):
+    assert parse(max_tokens=value).max_tokens == value
+
+
+@pytest.mark.parametrize("value,expected", [
+    (None, []), ([], []), ("\n", ["\n"]), ("END", ["END"]), (["a", "bc"], ["a", "bc"]),
+    (["x"] * MAX_STOP_STRINGS, ["x"] * MAX_STOP_STRINGS), ("日本", ["日本"]),
+])
+def test_valid_stop(value, expected):
+    assert parse(stop=value).stop == expected
+
+
+@pytest.mark.parametrize("value,expected", [
+    (None, []), ([], []), ([0], [0]), ([5, VOCAB - 1], [5, VOCAB - 1]), ([3, 3], [3, 3]),
+])
+def test_valid_stop_token_ids(value, expected):
+    assert parse(stop_token_ids=value).stop_token_ids == expected
+
+
+@pytest.mark.parametrize("name", ["ignore_eos", "logprobs"])
+@pytest.mark.parametrize("value", [True, False])
+def test_valid_flags(name, value):
+    assert getattr(parse(**{name: value}), name) is value
+
+
+@pytest.mark.parametrize("n", [0, 1, MAX_TOP_LOGPROBS])
+def test_top_logprobs_with_logprobs(n):
+    p = parse(logprobs=True, top_logprobs=n)
+    assert p.logprobs and p.sampling.top_logprobs == n
+
+
+def test_logprobs_without_top_logprobs():
+    assert parse(logprobs=True).sampling.top_logprobs == 0
+
+
+# ---- invalid values ------------------------------------------------------------------
+
+INVALID = [
+    ("temperature", -0.01), ("temperature", -1), ("temperature", math.nan),
+    ("temperature", math.inf), ("temperature", -math.inf), ("temperature", "0.5"),
+    ("temperature", True), ("temperature", False), ("temperature", None), ("temperature", [1]),
+    ("top_p", 0), ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.0001), ("top_p", 2),
+    ("top_p", math.nan), ("top_p", math.inf), ("top_p", "1"), ("top_p", True), ("top_p", None),
+    ("min_p", -0.01), ("min_p", 1.01), ("min_p", math.nan), ("min_p", -math.inf),
+    ("min_p", "0"), ("min_p", True), ("min_p", None),
+    ("top_k", -2), ("top_k", -100), ("top_k", 2**31), ("top_k", 1.0), ("top_k", 5.5),
+    ("top_k", "5"), ("top_k", True), ("top_k", False), ("top_k", None), ("top_k", math.nan),
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2**31), ("max_tokens", 10.0),
+    ("max_tokens", "10"), ("max_tokens", True), ("max_tokens", None), ("max_tokens", math.inf),
+    ("seed", -1), ("seed", MAX_SEED + 1), ("seed", 1.0), ("seed", "1"), ("seed", True),
+    ("seed", False), ("seed", math.nan),
+    ("ignore_eos", 1), ("ignore_eos", 0), ("ignore_eos", "true"), ("ignore_eos", None),
+    ("logprobs", 1), ("logprobs", "yes"), ("logprobs", None), ("logprobs", [True]),
+    ("stop", ""), ("stop", [""]), ("stop", ["ok", ""]), ("stop", 5), ("stop", ["a", 5]),
+    ("stop", [None]), ("stop", {"a": 1}), ("stop", ("a",)), ("stop", True), ("stop", b"x"),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1)), ("stop", [["a"]]),
+    ("stop", 0), ("stop", False), ("stop", {}),
+    ("stop_token_ids", [VOCAB]), ("stop_token_ids", [-1]), ("stop_token_ids", [1, 10**6]),
+    ("stop_token_ids", [1.0]), ("stop_token_ids", ["1"]), ("stop_token_ids", [True]),
+    ("stop_token_ids", 5), ("stop_token_ids", "1,2"), ("stop_token_ids", {"1": 1}),
+    ("stop_token_ids", (1, 2)), ("stop_token_ids", [None]),
+    ("stop_token_ids", 0), ("stop_token_ids", False), ("stop_token_ids", ""),
+]
+
+
+@pytest.mark.parametrize("name,value", INVALID, ids=[f"{n}={v!r}"[:60] for n, v in INVALID])
+def test_invalid_values(name, value):
+    params = {name: value}
+    if name == "top_logprobs":
+        params["logprobs"] = True
+    with pytest.raises(InvalidRequest) as info:
+        parse_params(params, VOCAB, DEFAULT_MAX)
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize("value", [-1, MAX_TOP_LOGPROBS + 1, 1.0, "2", True, None])
+def test_invalid_top_logprobs(value):
+    with pytest.raises(InvalidRequest, match="top_logprobs"):
+        parse(logprobs=True, top_logprobs=value)
+
+
+@pytest.mark.parametrize("n", [1, MAX_TOP_LOGPROBS])
+def test_top_logprobs_requires_logprobs(n):
+    for params in ({"top_logprobs": n}, {"top_logprobs": n, "logprobs": False}):
+        with pytest.raises(InvalidRequest, match="top_logprobs") as info:
+            parse_params(params, VOCAB, DEFAULT_MAX)
+        assert "logprobs" in str(info.value)
+
+
+def test_stop_token_ids_bound_is_the_vocab_size():
+    assert parse_params({"stop_token_ids": [9]}, 10, 1).stop_token_ids == [9]
+    with pytest.raises(InvalidRequest, match="stop_token_ids"):
+        parse_params({"stop_token_ids": [10]}, 10, 1)
+
+
+@pytest.mark.parametrize("params,named", [
+    ({"max_new_tokens": 5}, "max_new_tokens"),
+    ({"temprature": 0.5}, "temprature"),
+    ({"n": 2, "temperature": 1.0}, "n"),
+    ({"stream": True}, "stream"),
+    ({"": 1}, "''"),
+])
+def test_unknown_parameters(params, named):
+    with pytest.raises(InvalidRequest, match="unknown") as info:
+        parse_params(params, VOCAB, DEFAULT_MAX)
+    assert named in str(info.value)
+
+
+def test_errors_are_value_errors():
+    assert issubclass(InvalidRequest, ValueError)
+
+
+def test_input_dict_is_not_modified():
+    params = {"temperature": 0.5, "stop": "x", "top_k": -1}
+    copy = dict(params)
+    parse_params(params, VOCAB, DEFAULT_MAX)
+    assert params == copy

@@ -1,0 +1,416 @@
+"""protocol/: every message round-trips, and every malformed frame is a ProtocolError."""
+
+import math
+import random
+
+import msgpack
+import pytest
+
+from protocol import (
+    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, PrefillInput, ProtocolError,
+    Ready, SamplingParams, Step, StepResult, StreamChunk, TokenBatch, TokenEntry,
+    TokenizedRequest, WorkerError, encode,
+)
+from protocol.codec import MAX_FRAME_BYTES
+
+TAGGED = [Ready, GenerateRequest, AbortRequest, StreamChunk, ErrorReply, TokenizedRequest,
+          Abort, TokenBatch, Step, StepResult, WorkerError]
+
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63 - 1,
+                          top_logprobs=5)
+PREFILL = PrefillInput(rid=3, input_ids=[5, 6, 7], prefix_slot_ids=[1, 2],
+                       new_slot_ids=[10, 11, 12], sampling=SAMPLING, needs_logits=False)
+ENTRY = TokenEntry(rid=9, token_ids=[1, 2], logprobs=[-0.5, -1.25],
+                   top_logprobs=[[[1, 4], [-0.5, -2.0]], None], finish_reason="length",
+                   usage={"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0},
+                   error=None)
+
+# Several instances per class: defaults, every optional field set, unicode, edge values.
+SAMPLES = [
+    Ready("worker"),
+    Ready("scheduler", {"kv_capacity": 4096, "max_context": 2048, "name": "x", "f": 0.5}),
+    GenerateRequest("r1"),
+    GenerateRequest("r2", prompt="Hello, 日本語 😀", params={"temperature": 0.5, "stop": ["\n"]},
+                    stream=True),
+    GenerateRequest("r3", messages=[{"role": "user", "content": "hi"}]),
+    GenerateRequest("", input_ids=[0, 1, 2**31]),
+    AbortRequest("r1"),
+    StreamChunk("r1", "", []),
+    StreamChunk("r1", "text é", [1, 2], logprobs=[-0.1, -2], top_logprobs=[[[1], [-0.1]], None],
+                finish_reason="stop", usage={"prompt_tokens": 1}, error="boom"),
+    ErrorReply(None, "bad_request", "not a msgpack frame"),
+    ErrorReply("r1", "invalid_request", "top_p must be in (0.0, 1.0]"),
+    TokenizedRequest(1, [1, 2, 3], SamplingParams(), 16),
+    TokenizedRequest(2**40, [7], SAMPLING, 1, [2, 3]),
+    Abort(0),
+    Abort(12345),
+    TokenBatch([]),
+    TokenBatch([TokenEntry(1, [], []), ENTRY,
+                TokenEntry(2, [], [], finish_reason="error", error="the prompt is empty")]),
+    Step(1),
+    Step(7, decode_rids=[1, 2], decode_slot_ids=[30, 31], prefills=[PREFILL],
+         releases=[4, 5]),
+    StepResult(1, [], [], []),
+    StepResult(2, [1, 2], [5, 6], [-0.25, -3.5], top_logprobs=[None, [[6, 5], [-3.5, -4.0]]],
+               timing={"compute_ms": 1.5}),
+    WorkerError(3, "RuntimeError: out of memory"),
+]
+
+
+def ids(values):
+    return [type(v).__name__ for v in values]
+
+
+def decode_as(cls, obj):
+    """Decode a raw msgpack-able object with a Decoder that only knows `cls`."""
+    return Decoder(cls).decode(msgpack.packb(obj, use_bin_type=True))
+
+
+# ---- round trips ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=ids(SAMPLES))
+def test_round_trip(msg):
+    assert Decoder(type(msg)).decode(encode(msg)) == msg
+
+
+def test_every_tagged_class_has_a_sample_and_a_unique_tag():
+    assert {type(m) for m in SAMPLES} == set(TAGGED)
+    assert len({cls.TAG for cls in TAGGED}) == len(TAGGED)
+
+
+def test_decoder_with_all_classes_round_trips_everything():
+    decoder = Decoder(*TAGGED)
+    for msg in SAMPLES:
+        decoded = decoder.decode(encode(msg))
+        assert type(decoded) is type(msg) and decoded == msg
+
+
+@pytest.mark.parametrize("nested", [SAMPLING, SamplingParams(), PREFILL, ENTRY],
+                         ids=ids([SAMPLING, SamplingParams(), PREFILL, ENTRY]))
+def test_nested_classes_round_trip_through_their_wire_form(nested):
+    wire = msgpack.unpackb(msgpack.packb(nested.to_wire(), use_bin_type=True), raw=False)
+    assert type(nested).from_wire(wire) == nested
+
+
+def test_int_fields_accept_ints_for_float_fields():
+    msg = decode_as(TokenizedRequest,
+                    [30, 1, [1], [1, 1, 0, 0, None, 0], 4, []])
+    assert msg.sampling.temperature == 1.0 and type(msg.sampling.temperature) is float
+    assert msg.sampling.greedy is False
+
+
+# ---- the decoder's own checks --------------------------------------------------------
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=ids(SAMPLES))
+def test_decoder_rejects_tags_it_was_not_given(msg):
+    others = [cls for cls in TAGGED if cls is not type(msg)]
+    with pytest.raises(ProtocolError, match="tag"):
+        Decoder(*others).decode(encode(msg))
+
+
+def test_empty_decoder_rejects_everything():
+    for msg in SAMPLES:
+        with pytest.raises(ProtocolError):
+            Decoder().decode(encode(msg))
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", b"\x92", b"\xdc\xff\xff", b"\xd9\x05ab", b"\xa2\xff\xfe",
+    encode(Abort(1)) + b"\x00",            # trailing bytes after a valid frame
+    encode(Step(1, [1], [2]))[:-1],        # truncated frame
+], ids=["empty", "never-used-byte", "short-array", "truncated-array16", "truncated-str",
+        "invalid-utf8", "extra-data", "truncated-frame"])
+def test_garbage_bytes(frame):
+    with pytest.raises(ProtocolError):
+        Decoder(*TAGGED).decode(frame)
+
+
+@pytest.mark.parametrize("obj", [
+    5, "abc", None, True, 1.5, b"\x1f", {"tag": 31}, {31: [1]}, [], ["31", 1], [31.0, 1],
+    [True, 1], [None], [[31], 1], [-1], [2**64 - 1], [1000],
+], ids=repr)
+def test_non_message_frames(obj):
+    with pytest.raises(ProtocolError):
+        Decoder(*TAGGED).decode(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_unhashable_map_key_is_a_protocol_error():
+    # msgpack raises TypeError for a map keyed by an array; the decoder must wrap it.
+    frame = b"\x92\x01\x81\x91\x01\x01"    # [1, {[1]: 1}]
+    with pytest.raises(ProtocolError):
+        Decoder(Ready).decode(frame)
+
+
+def test_oversized_frame():
+    frame = msgpack.packb([31, 1]) + b"\x00" * (MAX_FRAME_BYTES)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        Decoder(Abort).decode(frame)
+
+
+def test_random_bytes_never_raise_anything_but_protocol_error():
+    decoder = Decoder(*TAGGED)
+    rng = random.Random(1234)
+    for _ in range(3000):
+        frame = bytes(rng.randrange(256) for _ in range(rng.randint(0, 40)))
+        try:
+            decoder.decode(frame)
+        except ProtocolError:
+            pass
+
+
+def test_mutated_valid_frames_never_raise_anything_but_protocol_error():
+    decoder = Decoder(*TAGGED)
+    rng = random.Random(99)
+    frames = [encode(m) for m in SAMPLES]
+    for _ in range(6000):
+        frame = bytearray(rng.choice(frames))
+        for _ in range(rng.randint(1, 3)):
+            op = rng.randrange(3)
+            pos = rng.randrange(len(frame))
+            if op == 0:
+                frame[pos] = rng.randrange(256)
+            elif op == 1:
+                del frame[pos]
+            else:
+                frame.insert(pos, rng.randrange(256))
+        try:
+            decoder.decode(bytes(frame))
+        except ProtocolError:
+            pass
+
+
+# ---- field counts and field types ----------------------------------------------------
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=ids(SAMPLES))
+def test_wrong_field_counts(msg):
+    wire = [msg.TAG, *msg.to_wire()]
+    for bad in (wire[:-1], wire + [None], wire + [0, 0], wire[:1]):
+        with pytest.raises(ProtocolError):
+            decode_as(type(msg), bad)
+
+
+def good_sampling():
+    return [0.5, 0.9, 10, 0.1, 42, 2]
+
+
+def good_prefill():
+    return [3, [5, 6], [], [10, 11], good_sampling(), True]
+
+
+def good_entry():
+    return [9, [1], [-0.5], None, None, None, None]
+
+
+def replace(values, index, value):
+    values = list(values)
+    values[index] = value
+    return values
+
+
+# (class, good wire fields, index, bad value)
+WRONG_TYPES = [
+    (Ready, ["worker", {}], 0, 5),
+    (Ready, ["worker", {}], 0, None),
+    (Ready, ["worker", {}], 1, [1, 2]),
+    (Ready, ["worker", {}], 1, None),
+    (GenerateRequest, ["r", "p", None, None, {}, False], 1, 5),
+    (GenerateRequest, ["r", None, [{"role": "user"}], None, {}, False], 2, {"role": "user"}),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, "1 2"),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, [1, "2"]),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, [1, 2.0]),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, [True, 2]),
+    (GenerateRequest, ["r", "p", None, None, {}, False], 4, None),
+    (GenerateRequest, ["r", "p", None, None, {}, False], 4, [["temperature", 1]]),
+    (GenerateRequest, ["r", "p", None, None, {}, False], 5, 0),
+    (GenerateRequest, ["r", "p", None, None, {}, False], 5, None),
+    (AbortRequest, ["r"], 0, 1),
+    (AbortRequest, ["r"], 0, b"r"),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 0, None),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 1, None),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 1, b"t"),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 2, [1.0]),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 3, ["x"]),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 3, [True]),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 4, {"a": 1}),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 5, 1),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 6, []),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 7, False),
+    (ErrorReply, ["r", "code", "msg"], 0, 3),
+    (ErrorReply, ["r", "code", "msg"], 1, None),
+    (ErrorReply, ["r", "code", "msg"], 2, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 0, "1"),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 0, True),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 0, 1.0),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 1, "abc"),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 1, [1, None]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 1, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 2, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 2, {"temperature": 0}),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 2, good_sampling()[:5]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 3, 0),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 3, -1),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 3, True),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 3, 4.0),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 4, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, []], 4, [False]),
+    (Abort, [1], 0, "1"),
+    (Abort, [1], 0, False),
+    (Abort, [1], 0, None),
+    (TokenBatch, [[good_entry()]], 0, None),
+    (TokenBatch, [[good_entry()]], 0, {"entries": []}),
+    (TokenBatch, [[good_entry()]], 0, [5]),
+    (TokenBatch, [[good_entry()]], 0, [good_entry()[:6]]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 0, "9")]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 1, [1.5])]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 2, ["x"])]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 3, 3)]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 4, "done")]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 4, 1)]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, [1])]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 6, 0)]),
+    (Step, [1, [1], [2], [], []], 0, "1"),
+    (Step, [1, [1], [2], [], []], 0, None),
+    (Step, [1, [1], [2], [], []], 1, [True]),
+    (Step, [1, [1], [2], [], []], 1, "1"),
+    (Step, [1, [1], [2], [], []], 2, [2.0]),
+    (Step, [1, [1], [2], [], []], 3, None),
+    (Step, [1, [1], [2], [], []], 3, [None]),
+    (Step, [1, [1], [2], [], []], 3, [good_prefill()[:5]]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 0, "3")]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 1, "ab")]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 2, None)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 4, None)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 5, 1)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 5, None)]),
+    (Step, [1, [1], [2], [], []], 4, None),
+    (Step, [1, [1], [2], [], []], 4, [1.0]),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 0, 1.0),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 1, "1"),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 1, [None]),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 2, [2.0]),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 2, [False]),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 3, ["-0.5"]),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 3, [None]),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 3, -0.5),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 4, {"a": 1}),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 5, None),
+    (StepResult, [1, [1], [2], [-0.5], None, {}], 5, []),
+    (WorkerError, [1, "m"], 0, "1"),
+    (WorkerError, [1, "m"], 1, None),
+    (WorkerError, [1, "m"], 1, 7),
+]
+
+SAMPLING_FIELD_BAD = [(0, "0.5"), (0, None), (0, True), (1, None), (1, [1.0]), (2, 1.5),
+                      (2, "10"), (2, True), (2, None), (3, None), (4, 1.5), (4, "42"),
+                      (4, True), (5, 1.0), (5, None), (5, True)]
+WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, []], 2,
+                 replace(good_sampling(), i, v)) for i, v in SAMPLING_FIELD_BAD]
+WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], []], 3,
+                 [replace(good_prefill(), 4, replace(good_sampling(), i, v))])
+                for i, v in SAMPLING_FIELD_BAD]
+
+
+@pytest.mark.parametrize("cls,good,index,bad", WRONG_TYPES,
+                         ids=[f"{c.__name__}[{i}]={b!r}"[:70] for c, _, i, b in WRONG_TYPES])
+def test_wrong_field_types(cls, good, index, bad):
+    decode_as(cls, [cls.TAG, *good])          # the unmodified frame is valid
+    with pytest.raises(ProtocolError):
+        decode_as(cls, [cls.TAG, *replace(good, index, bad)])
+
+
+# ---- cross-field checks --------------------------------------------------------------
+
+@pytest.mark.parametrize("fields", [
+    [1, [1, 2], [5], [-0.5, -0.5], None, {}],
+    [1, [1, 2], [5, 6], [-0.5], None, {}],
+    [1, [1], [5, 6], [-0.5, -0.5], None, {}],
+    [1, [1, 2], [5, 6], [-0.5, -0.5], [None], {}],
+    [1, [1], [5], [-0.5], [None, None], {}],
+    [1, [], [], [], [None], {}],
+    [1, [], [5], [], None, {}],
+])
+def test_misaligned_step_result(fields):
+    with pytest.raises(ProtocolError, match="aligned"):
+        decode_as(StepResult, [StepResult.TAG, *fields])
+
+
+def test_aligned_step_result_with_top_logprobs_is_accepted():
+    msg = decode_as(StepResult, [60, 4, [1, 2], [5, 6], [-1, -2.5], [None, [[6], [-2.5]]], {}])
+    assert msg.logprobs == [-1, -2.5] and msg.top_logprobs[0] is None
+
+
+@pytest.mark.parametrize("input_ids,new_slot_ids", [
+    ([5, 6], [10]), ([5], [10, 11]), ([], []), ([5, 6], []), ([], [10]),
+])
+def test_prefill_lengths_must_match(input_ids, new_slot_ids):
+    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True]
+    with pytest.raises(ProtocolError):
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+
+
+def test_step_decode_rids_and_slots_must_match():
+    with pytest.raises(ProtocolError):
+        decode_as(Step, [Step.TAG, 1, [1, 2], [10], [], []])
+    with pytest.raises(ProtocolError):
+        decode_as(Step, [Step.TAG, 1, [], [10], [], []])
+
+
+def test_unknown_finish_reason():
+    for reason in ("stop", "length", "abort", "error"):
+        decode_as(TokenBatch, [40, [replace(good_entry(), 4, reason)]])
+    with pytest.raises(ProtocolError, match="finish_reason"):
+        decode_as(TokenBatch, [40, [replace(good_entry(), 4, "eos")]])
+
+
+@pytest.mark.parametrize("index,value", [
+    (0, -0.01), (0, -1), (0, math.nan), (0, math.inf), (0, -math.inf),
+    (1, 0), (1, 0.0), (1, -0.5), (1, 1.0001), (1, 2), (1, math.nan), (1, math.inf),
+    (2, -1), (3, -0.1), (3, 1.5), (3, math.nan), (5, -1),
+], ids=lambda v: repr(v))
+def test_out_of_range_sampling_params(index, value):
+    with pytest.raises(ProtocolError):
+        decode_as(TokenizedRequest, [30, 1, [1], replace(good_sampling(), index, value), 4, []])
+    prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
+    with pytest.raises(ProtocolError):
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+
+
+@pytest.mark.parametrize("index,value", [
+    (0, 0), (0, 0.0), (0, 100.0), (1, 1), (1, 1e-9), (2, 0), (2, 10**6), (3, 0), (3, 1),
+    (4, None), (4, 0), (4, -5), (5, 0), (5, 20),
+], ids=lambda v: repr(v))
+def test_in_range_sampling_params_are_accepted(index, value):
+    msg = decode_as(TokenizedRequest, [30, 1, [1], replace(good_sampling(), index, value), 4, []])
+    assert msg.sampling.to_wire()[index] == value
+
+
+# ---- GenerateRequest errors carry the rid ---------------------------------------------
+
+@pytest.mark.parametrize("fields", [
+    ["abc"],
+    ["abc", "p", None, None, {}],
+    ["abc", "p", None, None, {}, False, None],
+    ["abc", 5, None, None, {}, False],
+    ["abc", None, "not a list", None, {}, False],
+    ["abc", None, None, ["x"], {}, False],
+    ["abc", None, None, None, [], False],
+    ["abc", "p", None, None, {}, "yes"],
+])
+def test_generate_request_error_carries_rid(fields):
+    with pytest.raises(ProtocolError) as info:
+        decode_as(GenerateRequest, [GenerateRequest.TAG, *fields])
+    assert info.value.rid == "abc"
+
+
+@pytest.mark.parametrize("fields", [[], [5, "p", None, None, {}, False], [None], [b"abc"]])
+def test_generate_request_error_without_readable_rid(fields):
+    with pytest.raises(ProtocolError) as info:
+        decode_as(GenerateRequest, [GenerateRequest.TAG, *fields])
+    assert info.value.rid is None
+
+
+def test_protocol_error_is_a_value_error_and_rid_defaults_to_none():
+    with pytest.raises(ValueError) as info:
+        Decoder(Abort).decode(b"\xc1")
+    assert isinstance(info.value, ProtocolError) and info.value.rid is None
