@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,9 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list) -> None:
     results_out.send(encode(Ready("worker", info)))
     decoder = Decoder(Step)
     while True:
+        idle_start = time.perf_counter()
         frame = steps_in.recv()
+        idle_ms = (time.perf_counter() - idle_start) * 1e3
         try:
             step = decoder.decode(frame)
         except ProtocolError as exc:
@@ -102,6 +105,10 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list) -> None:
             continue
         try:
             reply = runner.run(step)
+            reply.timing["idle_ms"] = idle_ms
+            log.debug("step %d: %d decode, %d prefill, %.1f ms compute, %.1f ms idle before",
+                      step.step_id, len(step.decode_rids), len(step.prefills),
+                      reply.timing["compute_ms"], idle_ms)
         except Exception as exc:  # a failed step must not kill the worker
             log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
             runner.reset()
