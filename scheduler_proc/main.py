@@ -61,8 +61,9 @@ class SchedulerLoop:
         """Wait for the worker's Ready, then announce ourselves."""
         while True:
             msg = self._decode(self.worker_decoder, self.from_worker.recv(), "worker")
-            if isinstance(msg, Ready):
+            if isinstance(msg, Ready) and _usable_worker_info(msg.info):
                 break
+            log.error("waiting for the worker's Ready; ignored %r", msg)
         info = msg.info
         self.scheduler = Scheduler(SchedulerLimits(
             kv_capacity=info["kv_capacity"], max_context=info["max_context"],
@@ -118,18 +119,20 @@ class SchedulerLoop:
             except zmq.Again:
                 return
             msg = self._decode(self.worker_decoder, frame, "worker")
-            if isinstance(msg, StepResult):
-                self._expect_step(msg.step_id)
-                self.scheduler.process_result(msg)
-            elif isinstance(msg, WorkerError):
-                log.error("worker failed step %d: %s", msg.step_id, msg.message)
-                self._expect_step(msg.step_id)
-                self.scheduler.fail_step(msg)
+            if isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
+                self.in_flight = None
+                if isinstance(msg, StepResult):
+                    self.scheduler.process_result(msg)
+                else:
+                    log.error("worker failed step %d: %s", msg.step_id, msg.message)
+                    self.scheduler.fail_step(msg)
 
-    def _expect_step(self, step_id: int) -> None:
-        if step_id != self.in_flight:
-            log.error("worker answered step %d, expected %s", step_id, self.in_flight)
-        self.in_flight = None
+    def _answers_in_flight(self, msg) -> bool:
+        if msg.step_id == self.in_flight:
+            return True
+        log.error("dropped the worker's answer to step %d; step %s is in flight",
+                  msg.step_id, self.in_flight)
+        return False
 
     @staticmethod
     def _decode(decoder: Decoder, frame: bytes, sender: str):
@@ -138,6 +141,11 @@ class SchedulerLoop:
         except ProtocolError as exc:
             log.error("dropped a malformed frame from the %s: %s", sender, exc)
             return None
+
+
+def _usable_worker_info(info: dict) -> bool:
+    return all(type(info.get(key)) is int and info[key] > 0
+               for key in ("kv_capacity", "max_context"))
 
 
 def main(argv=None) -> None:

@@ -101,7 +101,9 @@ class TokenizerServer:
                 msg = self.client_decoder.decode(frame)
             except ProtocolError as exc:
                 log.error("dropped a malformed frame from client %s: %s", client.hex(), exc)
-                await self._reply(client, ErrorReply(exc.rid, "bad_request", str(exc)))
+                # A readable rid means a request with badly typed fields: bad input.
+                code = "bad_request" if exc.rid is None else "invalid_request"
+                await self._reply(client, ErrorReply(exc.rid, code, str(exc)))
                 continue
             try:
                 if isinstance(msg, GenerateRequest):

@@ -92,6 +92,8 @@ KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 
 
 def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> RequestParams:
+    if not all(isinstance(k, str) for k in params):
+        raise InvalidRequest("parameter names must be strings")
     unknown = sorted(set(params) - KNOWN)
     if unknown:
         raise InvalidRequest(f"unknown parameter(s) {unknown}; known: {sorted(KNOWN)}")

@@ -1,25 +1,26 @@
 """The running requests' decode state: one batched KV cache, one row per request.
 
-Rows are left-padded `BatchKVCache`s from mlx_lm (one per layer). Requests join
-after their prefill and leave when released; `forward` decodes every row at once.
+Rows live in left-padded `BatchKVCache`s from mlx_lm (one per layer). Prefilled
+groups join after their prefill and rows leave when released; `forward` decodes
+every row at once.
 """
 
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
 from .sampling import RowState
 
 
 @dataclass
-class Joiner:
-    """A freshly prefilled request waiting to join the batch."""
+class JoinGroup:
+    """Freshly prefilled requests waiting to join the batch, rows in cache order."""
 
-    rid: int
-    caches: list[KVCache]
-    first_token: mx.array   # [1], lazy
-    row: RowState
+    rids: list[int]
+    rows: list[RowState]
+    caches: list[BatchKVCache]
+    first_tokens: mx.array   # [B], lazy
 
 
 class DecodeBatch:
@@ -32,19 +33,15 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rids)
 
-    def add(self, joiners: list[Joiner]) -> None:
-        num_layers = len(joiners[0].caches)
-        merged = [BatchKVCache.merge([j.caches[layer] for j in joiners])
-                  for layer in range(num_layers)]
-        tokens = mx.concatenate([j.first_token for j in joiners])
+    def add(self, group: JoinGroup) -> None:
         if self.caches is None:
-            self.caches, self.tokens = merged, tokens
+            self.caches, self.tokens = group.caches, group.first_tokens
         else:
-            for cache, new in zip(self.caches, merged):
+            for cache, new in zip(self.caches, group.caches):
                 cache.extend(new)
-            self.tokens = mx.concatenate([self.tokens, tokens])
-        self.rids += [j.rid for j in joiners]
-        self.rows += [j.row for j in joiners]
+            self.tokens = mx.concatenate([self.tokens, group.first_tokens])
+        self.rids += group.rids
+        self.rows += group.rows
 
     def remove(self, rids: set[int]) -> None:
         keep = [i for i, rid in enumerate(self.rids) if rid not in rids]

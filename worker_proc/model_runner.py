@@ -14,8 +14,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from protocol import PrefillInput, Step, StepResult
 
-from .decode_batch import DecodeBatch, Joiner
+from .decode_batch import DecodeBatch, JoinGroup
 from .kv_pool import KVGeometry, KVPool
+from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
 
 
@@ -36,6 +37,11 @@ def probe_geometry(model) -> KVGeometry:
     return KVGeometry(len(cache), k.shape[1], k.shape[3], v.shape[3], k.dtype)
 
 
+def probe_vocab_size(model) -> int:
+    logits = model(mx.array([[0]]))
+    return logits.shape[-1]
+
+
 @dataclass
 class _Output:
     rids: list[int]
@@ -50,6 +56,7 @@ class ModelRunner:
         self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.batch = DecodeBatch()
+        self.vocab_size = probe_vocab_size(model)
         self._rng = rng or random.Random()
 
     # ---- the step ---------------------------------------------------------
@@ -63,10 +70,7 @@ class ModelRunner:
         elif len(self.batch):
             raise ValueError(f"step {step.step_id} decodes nothing but "
                              f"{len(self.batch)} requests are running")
-        joiners = [j for j in map(self._prefill, step.prefills) if j is not None]
-        outputs += [_Output([j.rid], [j.row], sampled) for j, sampled in joiners]
-        if joiners:
-            self.batch.add([j for j, _ in joiners])
+        outputs += self._prefill(step.prefills)
         result = self._finalize(step.step_id, outputs)
         result.timing["compute_ms"] = (time.perf_counter() - start) * 1e3
         return result
@@ -93,40 +97,46 @@ class ModelRunner:
 
     # ---- prefill ----------------------------------------------------------
 
-    def _prefill(self, p: PrefillInput) -> tuple[Joiner, Sampled] | None:
-        self.pool.check_slots(p.prefix_slot_ids)
-        self.pool.check_slots(p.new_slot_ids)
-        cache = make_prompt_cache(self.model)
-        if p.prefix_slot_ids:
-            self._load_prefix(cache, p.prefix_slot_ids)
-        start = len(p.prefix_slot_ids)
-        logits = self._forward_chunks(p.input_ids, cache)
-        slots = mx.array(p.new_slot_ids)
-        end = start + len(p.input_ids)
-        for layer, c in enumerate(cache):
-            self.pool.write(layer, slots, c.keys[0, :, start:end, :].swapaxes(0, 1),
-                            c.values[0, :, start:end, :].swapaxes(0, 1))
-        if not p.needs_logits:
+    def _prefill(self, prefills: list[PrefillInput]) -> list[_Output]:
+        self._check_prefills(prefills)
+        outputs = []
+        for group in plan_groups(prefills, self.prefill_step_size):
+            joined = self._prefill_group(group)
+            if joined is not None:
+                self.batch.add(joined[0])
+                outputs.append(joined[1])
+        return outputs
+
+    def _check_prefills(self, prefills: list[PrefillInput]) -> None:
+        """Reject what MLX would not: unknown token ids (no bounds check on
+        embedding lookups), slots outside the pool, a rid that already runs."""
+        rids = [p.rid for p in prefills]
+        if len(set(rids)) != len(rids) or set(rids) & set(self.batch.rids):
+            raise ValueError(f"prefill of a request that is already running: {rids}")
+        for p in prefills:
+            if min(p.input_ids) < 0 or max(p.input_ids) >= self.vocab_size:
+                raise ValueError(f"prefill {p.rid}: token id outside [0, {self.vocab_size})")
+            self.pool.check_slots(p.prefix_slot_ids)
+            self.pool.check_slots(p.new_slot_ids)
+
+    def _prefill_group(self, group: list[PrefillInput]) -> tuple[JoinGroup, _Output] | None:
+        run = GroupPrefill(self.model, self.pool, group, self.prefill_step_size)
+        keep = [i for i, p in enumerate(group) if p.needs_logits]
+        if not keep:
             return None
-        seed = p.sampling.seed if p.sampling.seed is not None else self._rng.getrandbits(63)
-        row = RowState(p.sampling, seed)
-        sampled = sample(logits, [row])
-        return Joiner(p.rid, cache, sampled.tokens, row), sampled
+        caches, logits = run.caches, run.logits
+        if len(keep) < len(group):
+            idx = mx.array(keep)
+            for cache in caches:
+                cache.filter(idx)
+            logits = logits[idx]
+        rows = [RowState(group[i].sampling, self._seed(group[i].sampling)) for i in keep]
+        sampled = sample(logits, rows)
+        rids = [group[i].rid for i in keep]
+        return JoinGroup(rids, rows, caches, sampled.tokens), _Output(rids, rows, sampled)
 
-    def _load_prefix(self, cache: list[KVCache], slot_ids: list[int]) -> None:
-        slots = mx.array(slot_ids)
-        for layer, c in enumerate(cache):
-            keys, values = self.pool.read(layer, slots)
-            c.update_and_fetch(keys.swapaxes(0, 1)[None], values.swapaxes(0, 1)[None])
-
-    def _forward_chunks(self, input_ids: list[int], cache: list[KVCache]) -> mx.array:
-        """Run the prompt through the model in bounded chunks; last-position logits."""
-        n = self.prefill_step_size
-        for i in range(0, len(input_ids), n):
-            logits = self.model(mx.array(input_ids[i:i + n])[None], cache=cache)
-            if i + n < len(input_ids):
-                mx.eval([c.state for c in cache])
-        return logits[:, -1, :]
+    def _seed(self, sampling) -> int:
+        return sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
 
     # ---- results ----------------------------------------------------------
 

@@ -1,0 +1,683 @@
+"""scheduler_proc as a real process; the test plays the worker, the tokenizer and the launcher.
+
+Sockets seen from the test (the scheduler binds what it receives on):
+  steps     PULL bound at worker_input_addr    Step from the scheduler
+  results   PUSH -> worker_output_addr         Ready("worker"), StepResult, WorkerError
+  batches   PULL bound at output_addr          Ready("scheduler"), then TokenBatch
+  requests  PUSH -> input_addr                 TokenizedRequest, Abort
+  launcher  PULL bound at ready_addr           Ready("scheduler")
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from protocol import (
+    Abort, Decoder, Ready, SamplingParams, Step, StepResult, TokenBatch, TokenEntry,
+    TokenizedRequest, WorkerError, encode,
+)
+from support import pid_alive, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+RECV_TIMEOUT = 20.0      # a missing message fails the test after this long
+QUIET = 0.3              # how long "nothing else arrives" is watched
+KV_CAPACITY = 256
+MAX_CONTEXT = 128
+GREEDY = SamplingParams()
+
+
+# ---- helpers ----------------------------------------------------------------
+
+def ipc_dir(tmp_path: Path) -> Path:
+    """tmp_path, unless it is too long for a unix socket path (~107 bytes)."""
+    if len(str(tmp_path)) < 70:
+        return tmp_path
+    return Path(tempfile.mkdtemp(prefix="mlxd-s-", dir="/tmp"))
+
+
+class Child:
+    """A process under test; stdout+stderr go to a log file shown on failures."""
+
+    def __init__(self, argv: list[str], log_path: Path):
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Harness:
+    """Starts `python -m scheduler_proc` and plays every peer over real sockets."""
+
+    def __init__(self, tmp_path: Path):
+        self.dir = ipc_dir(tmp_path)
+        self.tmp_path = tmp_path
+        self.addr = {name: f"ipc://{self.dir}/{name}" for name in
+                     ("input", "output", "worker_in", "worker_out", "ready")}
+        self.ctx = zmq.Context()
+        self.sockets: list[zmq.Socket] = []
+        self.steps = self._socket(zmq.PULL, bind=self.addr["worker_in"])
+        self.batches = self._socket(zmq.PULL, bind=self.addr["output"])
+        self.launcher = self._socket(zmq.PULL, bind=self.addr["ready"])
+        self.results = self._socket(zmq.PUSH, connect=self.addr["worker_out"])
+        self.requests = self._socket(zmq.PUSH, connect=self.addr["input"])
+        self.step_decoder = Decoder(Step)
+        self.batch_decoder = Decoder(TokenBatch, Ready)
+        self.child: Child | None = None
+
+    def _socket(self, kind, bind=None, connect=None) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.sockets.append(sock)
+        if bind:
+            sock.bind(bind)
+        else:
+            sock.connect(connect)
+        return sock
+
+    def argv(self, *extra: str) -> list[str]:
+        return ["-m", "scheduler_proc", "--input-addr", self.addr["input"],
+                "--output-addr", self.addr["output"],
+                "--worker-input-addr", self.addr["worker_in"],
+                "--worker-output-addr", self.addr["worker_out"],
+                "--ready-addr", self.addr["ready"], "--log-level", "debug", *extra]
+
+    def spawn(self, *extra: str) -> None:
+        self.child = Child([sys.executable, *self.argv(*extra)],
+                           self.tmp_path / "scheduler.log")
+
+    def worker_ready(self, kv_capacity=KV_CAPACITY, max_context=MAX_CONTEXT) -> Ready:
+        """Send the worker's Ready; return the scheduler's Ready to the tokenizer."""
+        self.kv_capacity = kv_capacity
+        self.results.send(encode(Ready("worker", {"kv_capacity": kv_capacity,
+                                                  "max_context": max_context,
+                                                  "blas": "test"})))
+        ready = self._recv(self.batches, self.batch_decoder, "Ready on the tokenizer socket")
+        assert isinstance(ready, Ready)
+        return ready
+
+    def close(self) -> None:
+        if self.child:
+            self.child.stop()
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.term()
+
+    # ---- receiving with deadlines ------------------------------------------
+
+    def fail(self, what: str):
+        code = self.child.proc.poll() if self.child else None
+        log = self.child.log() if self.child else ""
+        raise AssertionError(f"{what}; scheduler exit code {code}; its log:\n{log}")
+
+    def _recv(self, sock, decoder, what: str, timeout: float = RECV_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while not sock.poll(100):
+            if self.child and self.child.proc.poll() is not None:
+                time.sleep(0.2)              # the process may have sent it just before
+                if sock.poll(0):
+                    break
+                self.fail(f"the scheduler died waiting for {what}")
+            if time.monotonic() > deadline:
+                self.fail(f"no {what} within {timeout} s")
+        return decoder.decode(sock.recv())
+
+    def step(self) -> Step:
+        return self._recv(self.steps, self.step_decoder, "Step")
+
+    def batch(self) -> TokenBatch:
+        msg = self._recv(self.batches, self.batch_decoder, "TokenBatch")
+        assert isinstance(msg, TokenBatch), msg
+        return msg
+
+    def assert_no_step(self, seconds: float = QUIET) -> None:
+        if self.steps.poll(seconds * 1000):
+            self.fail(f"unexpected Step {self.step_decoder.decode(self.steps.recv())}")
+
+    def assert_no_batch(self, seconds: float = QUIET) -> None:
+        if self.batches.poll(seconds * 1000):
+            self.fail(f"unexpected {self.batch_decoder.decode(self.batches.recv())}")
+
+    # ---- playing the peers -------------------------------------------------
+
+    def request(self, rid: int, input_ids: list[int], max_new_tokens: int,
+                stop_token_ids=(), sampling: SamplingParams = GREEDY) -> None:
+        self.requests.send(encode(TokenizedRequest(rid, list(input_ids), sampling,
+                                                   max_new_tokens, list(stop_token_ids))))
+
+    def answer(self, step: Step, tokens: dict[int, int], top_logprobs=None) -> None:
+        rids = list(tokens)
+        self.results.send(encode(StepResult(
+            step.step_id, rids, [tokens[r] for r in rids], [logprob(r, tokens[r]) for r in rids],
+            top_logprobs, {"compute_ms": 1.0})))
+
+    def serve(self, scripts: dict[int, list[int]], max_steps: int = 50) -> dict:
+        """Answer Steps with each rid's scripted tokens until every rid finished.
+        Checks that exactly one TokenBatch follows each step, carrying every rid the
+        step produced a token for. Returns {"steps", "entries"(per rid), "batches"}."""
+        pos = {rid: 0 for rid in scripts}
+        entries: dict[int, list[TokenEntry]] = {rid: [] for rid in scripts}
+        steps, batches = [], []
+        finished: set[int] = set()
+        for _ in range(max_steps):
+            if finished >= set(scripts):
+                break
+            step = self.step()
+            steps.append(step)
+            rids = [r for r in step.decode_rids + [p.rid for p in step.prefills]
+                    if r in scripts]
+            tokens = {}
+            for rid in rids:
+                tokens[rid] = scripts[rid][pos[rid]]
+                pos[rid] += 1
+            self.answer(step, tokens)
+            if not tokens:
+                continue
+            batch = self.batch()
+            batches.append(batch)
+            got = [e.rid for e in batch.entries]
+            assert sorted(got) == sorted(rids), (
+                f"step {step.step_id} produced tokens for {rids}, its TokenBatch has {got}")
+            for e in batch.entries:
+                assert e.token_ids == [tokens[e.rid]]
+                assert e.logprobs == [logprob(e.rid, tokens[e.rid])]
+                entries[e.rid].append(e)
+                if e.finish_reason:
+                    finished.add(e.rid)
+        else:
+            self.fail(f"requests {set(scripts) - finished} did not finish in {max_steps} steps")
+        return {"steps": steps, "entries": entries, "batches": batches}
+
+    def finish_releases(self, rids: set[int]) -> list[Step]:
+        """After requests finished: the next Step(s) release them; nothing follows."""
+        released, steps = set(), []
+        while released < rids:
+            step = self.step()
+            steps.append(step)
+            assert not step.prefills and not step.decode_rids, step
+            released |= set(step.releases)
+            self.answer(step, {})
+        assert released == rids
+        self.assert_no_step()
+        return steps
+
+
+def logprob(rid: int, token: int) -> float:
+    return -0.001 * (rid * 1000 + token % 1000) - 0.5
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(tmp_path)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.fixture
+def sched(harness):
+    """A running scheduler that has seen the worker's Ready."""
+    harness.spawn()
+    harness.worker_ready()
+    return harness
+
+
+def check_step_slots(h: Harness, steps: list[Step]) -> None:
+    """Prefill and decode slots are never handed out twice while a request holds them
+    (a request's slots are free again once a Step releases it)."""
+    held: set[int] = set()
+    by_rid: dict[int, list[int]] = {}
+    for s in steps:
+        for rid in s.releases:
+            held -= set(by_rid.pop(rid, []))
+        for p in s.prefills:
+            check_slots(h, p.new_slot_ids, held)
+            by_rid.setdefault(p.rid, []).extend(p.new_slot_ids)
+        check_slots(h, s.decode_slot_ids, held)
+        for rid, slot in zip(s.decode_rids, s.decode_slot_ids):
+            by_rid.setdefault(rid, []).append(slot)
+
+
+def check_slots(h: Harness, slots: list[int], used: set[int]) -> None:
+    """Fresh, distinct, in range; adds them to `used`."""
+    assert len(set(slots)) == len(slots), slots
+    assert all(1 <= s <= h.kv_capacity for s in slots), slots
+    assert not used & set(slots), f"slots {sorted(used & set(slots))} handed out twice"
+    used |= set(slots)
+
+
+# ---- the Ready chain ----------------------------------------------------------
+
+def test_ready_chain(harness):
+    harness.spawn("--max-running-requests", "7")
+    # Nothing is announced before the worker is ready.
+    assert not harness.batches.poll(300) and not harness.launcher.poll(0)
+    ready = harness.worker_ready(kv_capacity=100, max_context=50)
+    assert ready.process == "scheduler"
+    assert ready.info["kv_capacity"] == 100 and ready.info["max_context"] == 50
+    assert ready.info["max_running_requests"] == 7
+    launcher_ready = harness._recv(harness.launcher, Decoder(Ready), "Ready to the launcher")
+    assert launcher_ready == ready
+    harness.assert_no_step()
+
+
+def test_malformed_worker_ready_is_skipped(harness):
+    harness.spawn()
+    harness.results.send(b"\x00not msgpack")
+    harness.results.send(msgpack.packb([1, "worker", "info is not a map"]))
+    harness.results.send(encode(StepResult(1, [], [], [])))
+    ready = harness.worker_ready()
+    assert ready.info["kv_capacity"] == KV_CAPACITY
+    assert harness.child.proc.poll() is None
+
+
+@pytest.mark.parametrize("info", [{"max_context": 64}, {"kv_capacity": "many",
+                                                         "max_context": 64}],
+                         ids=["kv_capacity missing", "kv_capacity not an int"])
+def test_worker_ready_with_bad_info_is_skipped(harness, info):
+    """A Ready whose info is unusable is a malformed message: logged and dropped,
+    and the scheduler still takes the worker's next, valid Ready."""
+    harness.spawn()
+    harness.results.send(encode(Ready("worker", info)))
+    ready = harness.worker_ready()
+    assert ready.info["kv_capacity"] == KV_CAPACITY
+    assert harness.child.proc.poll() is None
+
+
+# ---- one request, start to finish ----------------------------------------------
+
+def test_request_prefill_decode_and_length_stop(sched):
+    sampling = SamplingParams(temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=11,
+                              top_logprobs=2)
+    sched.request(1, [5, 6, 7], max_new_tokens=3, sampling=sampling)
+    used: set[int] = set()
+
+    s1 = sched.step()
+    assert s1.decode_rids == [] and s1.decode_slot_ids == [] and s1.releases == []
+    [p] = s1.prefills
+    assert p.rid == 1 and p.input_ids == [5, 6, 7] and p.prefix_slot_ids == []
+    assert p.sampling == sampling and p.needs_logits
+    assert len(p.new_slot_ids) == 3
+    check_slots(sched, p.new_slot_ids, used)
+    top = [[[100, 3], [-0.1, -2.5]]]
+    sched.answer(s1, {1: 100}, top_logprobs=top)
+    assert sched.batch().entries == [TokenEntry(1, [100], [logprob(1, 100)], top)]
+
+    last_step = s1.step_id
+    for n, token in enumerate([101, 102], start=2):
+        step = sched.step()
+        assert step.step_id > last_step
+        last_step = step.step_id
+        assert step.decode_rids == [1] and not step.prefills and not step.releases
+        check_slots(sched, step.decode_slot_ids, used)
+        sched.answer(step, {1: token})
+        [entry] = sched.batch().entries
+        assert entry.rid == 1 and entry.token_ids == [token]
+        assert entry.logprobs == [logprob(1, token)] and entry.top_logprobs is None
+        if n < 3:
+            assert entry.finish_reason is None and entry.usage is None
+    assert entry.finish_reason == "length"
+    assert entry.usage == {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
+    assert entry.error is None
+
+    [release] = sched.finish_releases({1})
+    assert release.releases == [1] and release.step_id > last_step
+    sched.assert_no_batch()
+
+
+def test_stop_token_ids_finish_with_stop(sched):
+    sched.request(1, [3, 4], max_new_tokens=10, stop_token_ids=[9, 2])
+    out = sched.serve({1: [7, 8, 2, 5, 5]})
+    entries = out["entries"][1]
+    assert [e.token_ids[0] for e in entries] == [7, 8, 2]
+    assert [e.finish_reason for e in entries] == [None, None, "stop"]
+    assert entries[-1].usage == {"prompt_tokens": 2, "completion_tokens": 3,
+                                 "cached_tokens": 0}
+    sched.finish_releases({1})
+
+
+def test_max_new_tokens_one_finishes_after_prefill(sched):
+    sched.request(4, [1, 2, 3, 4], max_new_tokens=1)
+    out = sched.serve({4: [50]})
+    [entry] = out["entries"][4]
+    assert entry.finish_reason == "length" and entry.token_ids == [50]
+    assert len(out["steps"]) == 1 and out["steps"][0].prefills[0].rid == 4
+    sched.finish_releases({4})
+
+
+# ---- batching -------------------------------------------------------------------
+
+def test_two_requests_share_decode_steps(sched):
+    sched.request(1, [10, 11, 12], max_new_tokens=4)
+    sched.request(2, [20, 21], max_new_tokens=6)
+    out = sched.serve({1: [101, 102, 103, 104], 2: [201, 202, 203, 204, 205, 206]})
+
+    shared = [s for s in out["steps"] if sorted(s.decode_rids) == [1, 2]]
+    assert len(shared) >= 2, [s.decode_rids for s in out["steps"]]
+    for s in shared:
+        assert len(s.decode_slot_ids) == 2
+    # one TokenBatch per answered step, and it carried every request of that step
+    assert len(out["batches"]) == len(out["steps"])
+    assert any(len(b.entries) == 2 for b in out["batches"])
+    e1, e2 = out["entries"][1], out["entries"][2]
+    assert [e.token_ids[0] for e in e1] == [101, 102, 103, 104]
+    assert [e.token_ids[0] for e in e2] == [201, 202, 203, 204, 205, 206]
+    assert e1[-1].finish_reason == "length" and e2[-1].finish_reason == "length"
+    assert all(e.finish_reason is None for e in e1[:-1] + e2[:-1])
+    # once request 1 finished it is released and no longer decoded
+    after = out["steps"][[i for i, s in enumerate(out["steps"]) if 1 in s.releases][0]:]
+    assert all(1 not in s.decode_rids for s in after)
+    sched.finish_releases({2})
+    check_step_slots(sched, out["steps"])
+
+
+def test_many_requests_one_batch_per_step(sched):
+    rids = list(range(1, 9))
+    for rid in rids:
+        sched.request(rid, [rid, rid + 1, rid + 2], max_new_tokens=8)
+    out = sched.serve({rid: [rid * 10 + i for i in range(8)] for rid in rids})
+    assert len(out["batches"]) == len(out["steps"])
+    assert max(len(s.decode_rids) for s in out["steps"]) == len(rids)
+    for rid in rids:
+        assert [e.token_ids[0] for e in out["entries"][rid]] == [rid * 10 + i
+                                                                   for i in range(8)]
+    sched.finish_releases(set(rids) - {r for s in out["steps"] for r in s.releases})
+    check_step_slots(sched, out["steps"])
+
+
+# ---- abort ---------------------------------------------------------------------
+
+def test_abort_running_request(sched):
+    sched.request(1, [1, 2, 3], max_new_tokens=50)
+    s1 = sched.step()
+    sched.answer(s1, {1: 11})
+    sched.batch()
+    s2 = sched.step()
+    assert s2.decode_rids == [1]
+    sched.requests.send(encode(Abort(1)))    # while step 2 is in flight
+    [entry] = sched.batch().entries
+    assert entry.rid == 1 and entry.token_ids == [] and entry.finish_reason == "abort"
+    assert entry.usage["completion_tokens"] == 1
+    sched.answer(s2, {1: 12})     # the token of an aborted request is dropped
+    s3 = sched.step()
+    assert s3.releases == [1] and s3.decode_rids == [] and not s3.prefills
+    sched.answer(s3, {})
+    sched.assert_no_batch()
+    sched.assert_no_step()
+
+
+def test_abort_waiting_and_unknown_requests(harness):
+    harness.spawn("--max-running-requests", "1")
+    harness.worker_ready()
+    harness.request(1, [1, 2], max_new_tokens=3)
+    harness.request(2, [3, 4], max_new_tokens=3)
+    s1 = harness.step()
+    assert [p.rid for p in s1.prefills] == [1]
+    harness.requests.send(encode(Abort(2)))     # waiting: never reaches the worker
+    harness.requests.send(encode(Abort(777)))   # unknown: ignored
+    [entry] = harness.batch().entries
+    assert entry.rid == 2 and entry.finish_reason == "abort" and entry.token_ids == []
+    assert entry.usage["completion_tokens"] == 0
+    harness.answer(s1, {1: 5})
+    harness.batch()
+    out = harness.serve({1: [6, 7]})
+    assert out["entries"][1][-1].finish_reason == "length"
+    steps = out["steps"] + harness.finish_releases({1})
+    assert all(p.rid != 2 for s in steps for p in s.prefills)
+    assert all(2 not in s.releases for s in steps)
+    harness.assert_no_batch()
+
+
+def test_step_result_for_a_step_not_in_flight_is_dropped(sched):
+    """Only the answer to the step in flight may advance requests; a result naming
+    another step (stale, duplicated, or from a confused worker) is logged and dropped."""
+    sched.request(1, [1, 2, 3], max_new_tokens=10)
+    s1 = sched.step()
+    sched.answer(s1, {1: 11})
+    assert [e.token_ids for e in sched.batch().entries] == [[11]]
+    s2 = sched.step()
+    assert s2.decode_rids == [1]
+    sched.answer(s1, {1: 66})                                 # s1 answered again
+    sched.answer(Step(s2.step_id + 50), {1: 67})               # a step never sent
+    sched.assert_no_batch()
+    sched.assert_no_step()
+    sched.answer(s2, {1: 12})
+    assert [e.token_ids for e in sched.batch().entries] == [[12]]
+    s3 = sched.step()
+    assert s3.decode_rids == [1]
+    sched.requests.send(encode(Abort(1)))
+    assert sched.batch().entries[0].finish_reason == "abort"
+    sched.answer(s3, {1: 13})
+    sched.finish_releases({1})
+
+
+# ---- worker failure --------------------------------------------------------------
+
+def test_worker_error_fails_running_requests_and_scheduler_keeps_serving(sched):
+    sched.request(1, [1, 2, 3], max_new_tokens=20)
+    sched.request(2, [4, 5], max_new_tokens=20)
+    seen = set()
+    while True:      # until both requests are decoding
+        step = sched.step()
+        if sorted(step.decode_rids) == [1, 2]:
+            break
+        rids = step.decode_rids + [p.rid for p in step.prefills]
+        seen |= set(rids)
+        sched.answer(step, {r: 9 for r in rids})
+        sched.batch()
+    sched.results.send(encode(WorkerError(step.step_id, "boom: out of memory")))
+    entries = sorted(sched.batch().entries, key=lambda e: e.rid)
+    assert [e.rid for e in entries] == [1, 2]
+    for e in entries:
+        assert e.finish_reason == "error" and e.token_ids == []
+        assert "boom" in (e.error or "")
+    # the worker dropped all state: no releases or decodes are sent for them
+    sched.assert_no_step()
+
+    sched.request(3, [7, 8, 9, 10], max_new_tokens=2)
+    out = sched.serve({3: [30, 31]})
+    first = out["steps"][0]
+    assert first.decode_rids == [] and first.releases == []
+    assert [p.rid for p in first.prefills] == [3]
+    assert [e.token_ids[0] for e in out["entries"][3]] == [30, 31]
+    assert out["entries"][3][-1].finish_reason == "length"
+    sched.finish_releases({3})
+
+
+# ---- malformed input ---------------------------------------------------------------
+
+SP = [0.0, 1.0, 0, 0.0, None, 0]
+
+BAD_REQUEST_FRAMES = [
+    b"",
+    b"\xc1",
+    b"garbage\x00\xff\xfe",
+    msgpack.packb({"tag": 30}),
+    msgpack.packb([]),
+    msgpack.packb(7),
+    msgpack.packb([999, 1]),
+    msgpack.packb(["30", 1, [1], SP, 4, []]),
+    msgpack.packb([30]),
+    msgpack.packb([30, 1, [1, 2], SP, 4]),                     # a field missing
+    msgpack.packb([30, 1, [1, 2], SP, 4, [], "extra"]),
+    msgpack.packb([30, "1", [1, 2], SP, 4, []]),                # rid not an int
+    msgpack.packb([30, True, [1, 2], SP, 4, []]),
+    msgpack.packb([30, 1.0, [1, 2], SP, 4, []]),
+    msgpack.packb([30, 1, [1, "x"], SP, 4, []]),
+    msgpack.packb([30, 1, [1, 2.5], SP, 4, []]),
+    msgpack.packb([30, 1, {"ids": [1]}, SP, 4, []]),
+    msgpack.packb([30, 1, b"\x01\x02", SP, 4, []]),
+    msgpack.packb([30, 1, [1, 2], SP[:5], 4, []]),
+    msgpack.packb([30, 1, [1, 2], ["hot", 1.0, 0, 0.0, None, 0], 4, []]),
+    msgpack.packb([30, 1, [1, 2], [-1.0, 1.0, 0, 0.0, None, 0], 4, []]),
+    msgpack.packb([30, 1, [1, 2], [0.0, 0.0, 0, 0.0, None, 0], 4, []]),
+    msgpack.packb([30, 1, [1, 2], [0.0, 1.0, -1, 0.0, None, 0], 4, []]),
+    msgpack.packb([30, 1, [1, 2], [0.0, 1.0, 0, 0.0, "seed", 0], 4, []]),
+    msgpack.packb([30, 1, [1, 2], {"temperature": 0}, 4, []]),
+    msgpack.packb([30, 1, [1, 2], SP, 0, []]),                 # max_new_tokens < 1
+    msgpack.packb([30, 1, [1, 2], SP, "4", []]),
+    msgpack.packb([30, 1, [1, 2], SP, 4, None]),
+    msgpack.packb([30, 1, [1, 2], SP, 4, ["eos"]]),
+    msgpack.packb([31]),
+    msgpack.packb([31, "1"]),
+    msgpack.packb([31, 1, 2]),
+    encode(Step(1, [1], [1])),                                  # right codec, wrong socket
+    encode(StepResult(1, [1], [2], [0.0])),
+    encode(Ready("tokenizer", {})),
+]
+
+BAD_WORKER_FRAMES = [
+    b"",
+    b"\xc1\xc1",
+    msgpack.packb({"step_id": 1}),
+    msgpack.packb([999]),
+    msgpack.packb([60]),
+    msgpack.packb([60, "1", [1], [2], [0.0], None, {}]),
+    msgpack.packb([60, 1, [1], [2, 3], [0.0], None, {}]),     # not aligned with rids
+    msgpack.packb([60, 1, [1], [2], [0.0, 1.0], None, {}]),
+    msgpack.packb([60, 1, [1], [2], [0.0], [None, None], {}]),
+    msgpack.packb([60, 1, [1], ["2"], [0.0], None, {}]),
+    msgpack.packb([60, 1, [1], [2], ["x"], None, {}]),
+    msgpack.packb([60, 1, [1], [2], [0.0], "top", {}]),
+    msgpack.packb([60, 1, [1], [2], [0.0], None, []]),
+    msgpack.packb([61, "1", "boom"]),
+    msgpack.packb([61, 1, 5]),
+    msgpack.packb([61, 1]),
+    msgpack.packb([1, "worker", 5]),
+    encode(TokenBatch([])),
+    encode(Step(1)),
+]
+
+
+def test_malformed_frames_are_dropped_and_scheduler_keeps_serving(sched):
+    for frame in BAD_REQUEST_FRAMES:
+        sched.requests.send(frame)
+    for frame in BAD_WORKER_FRAMES:       # while no step is in flight
+        sched.results.send(frame)
+    sched.assert_no_step()
+    sched.assert_no_batch()
+    assert sched.child.proc.poll() is None, sched.child.log()
+
+    sched.request(1, [1, 2, 3], max_new_tokens=3)
+    s1 = sched.step()
+    for frame in BAD_WORKER_FRAMES:       # while step 1 is in flight: still in flight
+        sched.results.send(frame)
+    for frame in BAD_REQUEST_FRAMES:
+        sched.requests.send(frame)
+    sched.assert_no_step()
+    sched.assert_no_batch()
+    sched.answer(s1, {1: 40})
+    assert [e.token_ids for e in sched.batch().entries] == [[40]]
+    out = sched.serve({1: [41, 42]})
+    assert out["entries"][1][-1].finish_reason == "length"
+    sched.finish_releases({1})
+    assert sched.child.proc.poll() is None
+
+
+def test_requests_too_long_or_empty_get_error_entries(harness):
+    harness.spawn()
+    harness.worker_ready(kv_capacity=32, max_context=64)
+    harness.request(1, list(range(1, 65)), max_new_tokens=4)   # == max_context
+    harness.request(2, list(range(1, 41)), max_new_tokens=4)   # > kv_capacity
+    harness.request(3, [], max_new_tokens=4)
+    errors = []
+    while len(errors) < 3:
+        errors += harness.batch().entries
+    by_rid = {e.rid: e for e in errors}
+    assert sorted(by_rid) == [1, 2, 3]
+    for e in errors:
+        assert e.finish_reason == "error" and e.token_ids == [] and e.error
+    assert "context" in by_rid[1].error
+    assert "KV" in by_rid[2].error or "kv" in by_rid[2].error.lower()
+    harness.assert_no_step()
+
+    # 30 prompt tokens + 10 asked > 32 slots: it is cut to what the KV can hold
+    harness.request(4, list(range(1, 31)), max_new_tokens=10)
+    out = harness.serve({4: list(range(100, 110))})
+    assert [e.token_ids[0] for e in out["entries"][4]] == [100, 101, 102]
+    assert out["entries"][4][-1].finish_reason == "length"
+    check_step_slots(harness, out["steps"])
+    harness.finish_releases({4})
+
+
+# ---- lifecycle ----------------------------------------------------------------------
+
+def test_sigterm_exits_while_serving(sched):
+    sched.request(1, [1, 2], max_new_tokens=100)
+    sched.step()                             # a step in flight, never answered
+    sched.child.proc.send_signal(signal.SIGTERM)
+    try:
+        code = sched.child.proc.wait(5)
+    except subprocess.TimeoutExpired:
+        sched.fail("the scheduler did not exit within 5 s of SIGTERM")
+    assert code == 0, sched.child.log()
+
+
+def test_sigterm_exits_before_worker_ready(harness):
+    harness.spawn()
+    # its input socket is bound after the signal handlers are installed
+    assert wait_until(lambda: (harness.dir / "input").exists(), 10), harness.child.log()
+    harness.child.proc.send_signal(signal.SIGTERM)
+    try:
+        code = harness.child.proc.wait(5)
+    except subprocess.TimeoutExpired:
+        harness.fail("the scheduler did not exit within 5 s of SIGTERM")
+    assert code == 0, harness.child.log()
+
+
+INTERMEDIATE = (
+    "import os, subprocess, sys, time\n"
+    "p = subprocess.Popen([sys.executable, *sys.argv[1:], '--parent-pid', str(os.getpid())])\n"
+    "print(p.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_exits_when_parent_dies(harness):
+    harness.child = Child([sys.executable, "-c", INTERMEDIATE, *harness.argv()],
+                          harness.tmp_path / "scheduler.log")
+    pid = None
+
+    def grandchild_pid():
+        nonlocal pid
+        found = re.search(r"^(\d+)$", harness.child.log(), re.M)
+        pid = int(found.group(1)) if found else None
+        return pid
+
+    try:
+        assert wait_until(grandchild_pid, 10), harness.child.log()
+        ready = harness.worker_ready()       # the grandchild is up and serving
+        assert ready.process == "scheduler" and pid_alive(pid)
+        harness.child.proc.kill()            # SIGKILL the intermediate parent
+        harness.child.proc.wait(5)
+        if not wait_until(lambda: not pid_alive(pid), 10):
+            raise AssertionError("the scheduler outlived its parent by 10 s:\n"
+                                 + harness.child.log())
+    finally:
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
