@@ -35,6 +35,7 @@ from worker_proc.main import WorkerConfig
 log = logging.getLogger("mlxd.launch")
 ROOT = Path(__file__).resolve().parent
 STOP_GRACE_SECONDS = 4.0
+READY_PREFIX = "mlxd ready: "
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,23 @@ class Launcher:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+def read_ready_address(stdout, timeout: float) -> str | None:
+    """For programs that start the launcher: the address from its ready line on
+    `stdout` (a text stream), or None if it did not come within `timeout` seconds."""
+    found: list[str] = []
+
+    def read():
+        for line in stdout:
+            if line.startswith(READY_PREFIX):
+                found.append(line[len(READY_PREFIX):].strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return found[0] if found else None
+
+
 class ChildFailure(RuntimeError):
     pass
 
@@ -249,7 +267,7 @@ def main(argv=None) -> int:
     try:
         launcher.start(resolve_model(cfg.model))
         address = launcher.wait_ready()
-        print(f"mlxd ready: {address}", flush=True)
+        print(f"{READY_PREFIX}{address}", flush=True)
         launcher.watch()
     except ChildFailure as exc:
         log.error("%s", exc)

@@ -4,13 +4,13 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from launch import read_ready_address  # noqa: E402
 from model_store.tiny import TinySpec, build_tiny_model, default_cache_dir  # noqa: E402
 
 # ~40M parameters: hidden 512, 8 layers, vocab 32000, tied embeddings.
@@ -53,24 +53,10 @@ class MlxdServer:
             [sys.executable, str(ROOT / "launch.py"), "--model", model, "--port", "0",
              "--log-level", "warning", *args],
             cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        self.address = self._ready()
-
-    def _ready(self) -> str:
-        found = []
-
-        def read():
-            for line in self.proc.stdout:
-                if line.startswith("mlxd ready: "):
-                    found.append(line.split(": ", 1)[1].strip())
-                    return
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(600)
-        if not found:
+        self.address = read_ready_address(self.proc.stdout, 600)
+        if self.address is None:
             self.stop()
             raise RuntimeError("mlxd did not start")
-        return found[0]
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -9,6 +9,8 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from launch import read_ready_address
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PROMPTS = [
@@ -99,22 +101,12 @@ class Server:
             self.stderr_lines.append(line.rstrip("\n"))
 
     def _wait_ready(self, timeout: float) -> str:
-        result: list[str] = []
-
-        def read():
-            for line in self.proc.stdout:
-                if line.startswith("mlxd ready: "):
-                    result.append(line.split(": ", 1)[1].strip())
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not result:
+        address = read_ready_address(self.proc.stdout, timeout)
+        if address is None:
             self.stop()
             raise RuntimeError("server did not become ready:\n" +
                                "\n".join(self.stderr_lines[-40:]))
-        return result[0]
+        return address
 
     def child(self, name: str) -> int:
         for pid in self.child_pids:
