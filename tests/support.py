@@ -85,13 +85,14 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 class Server:
     """`python launch.py ...` as a real subprocess. Always call stop()."""
 
-    def __init__(self, model_path: str, *args: str, ready_timeout: float = 120.0):
+    def __init__(self, model_path: str, *args: str, ready_timeout: float = 120.0,
+                 env: dict | None = None):
         self.stderr_lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--model", str(model_path),
              "--port", "0", "--host", "127.0.0.1", *args],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+            start_new_session=True, env=env)
         threading.Thread(target=self._pump_stderr, daemon=True).start()
         self.address = self._wait_ready(ready_timeout)
         self.child_pids = children_of(self.proc.pid)

@@ -3,10 +3,10 @@
 import random
 
 import pytest
-from transformers import PreTrainedTokenizerFast
 
-from model_store.tiny import train_tokenizer, training_corpus
+from model_store.tiny import training_corpus
 from tokenizer_proc.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from tokenizer_support import decode, tokenizer  # noqa: F401  (fixtures)
 
 TEXTS = [
     "Hello world.",
@@ -21,16 +21,6 @@ TEXTS = [
     "a",
     "é",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(512, training_corpus()))
-
-
-@pytest.fixture(scope="module")
-def decode(tokenizer):
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def stream(decode, ids, sizes=None):

@@ -3,24 +3,14 @@
 import random
 
 import pytest
-from transformers import PreTrainedTokenizerFast
 
-from model_store.tiny import train_tokenizer, training_corpus
+from model_store.tiny import training_corpus
 from protocol import TokenEntry
 from tokenizer_proc.detokenizer import IncrementalDetokenizer
 from tokenizer_proc.request_stream import RequestStream
+from tokenizer_support import decode, tokenizer  # noqa: F401  (fixtures)
 
 RID = 7
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(512, training_corpus()))
-
-
-@pytest.fixture(scope="module")
-def decode(tokenizer):
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,6 @@ Sockets seen from the test (the scheduler binds what it receives on):
 import os
 import re
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import msgpack
@@ -25,9 +21,9 @@ from protocol import (
     Abort, Decoder, Ready, SamplingParams, Step, StepResult, TokenBatch, TokenEntry,
     TokenizedRequest, WorkerError, encode,
 )
+from proc_support import ProcHarness
 from support import pid_alive, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
 RECV_TIMEOUT = 20.0      # a missing message fails the test after this long
 QUIET = 0.3              # how long "nothing else arrives" is watched
 KV_CAPACITY = 256
@@ -37,49 +33,13 @@ GREEDY = SamplingParams()
 
 # ---- helpers ----------------------------------------------------------------
 
-def ipc_dir(tmp_path: Path) -> Path:
-    """tmp_path, unless it is too long for a unix socket path (~107 bytes)."""
-    if len(str(tmp_path)) < 70:
-        return tmp_path
-    return Path(tempfile.mkdtemp(prefix="mlxd-s-", dir="/tmp"))
-
-
-class Child:
-    """A process under test; stdout+stderr go to a log file shown on failures."""
-
-    def __init__(self, argv: list[str], log_path: Path):
-        self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class Harness:
+class Harness(ProcHarness):
     """Starts `python -m scheduler_proc` and plays every peer over real sockets."""
 
     def __init__(self, tmp_path: Path):
-        self.dir = ipc_dir(tmp_path)
-        self.tmp_path = tmp_path
-        self.addr = {name: f"ipc://{self.dir}/{name}" for name in
+        super().__init__("scheduler", tmp_path, RECV_TIMEOUT)
+        self.addr = {name: self.ipc(name) for name in
                      ("input", "output", "worker_in", "worker_out", "ready")}
-        self.ctx = zmq.Context()
-        self.sockets: list[zmq.Socket] = []
         self.steps = self._socket(zmq.PULL, bind=self.addr["worker_in"])
         self.batches = self._socket(zmq.PULL, bind=self.addr["output"])
         self.launcher = self._socket(zmq.PULL, bind=self.addr["ready"])
@@ -87,17 +47,6 @@ class Harness:
         self.requests = self._socket(zmq.PUSH, connect=self.addr["input"])
         self.step_decoder = Decoder(Step)
         self.batch_decoder = Decoder(TokenBatch, Ready)
-        self.child: Child | None = None
-
-    def _socket(self, kind, bind=None, connect=None) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.sockets.append(sock)
-        if bind:
-            sock.bind(bind)
-        else:
-            sock.connect(connect)
-        return sock
 
     def argv(self, *extra: str) -> list[str]:
         return ["-m", "scheduler_proc", "--input-addr", self.addr["input"],
@@ -107,8 +56,7 @@ class Harness:
                 "--ready-addr", self.addr["ready"], "--log-level", "debug", *extra]
 
     def spawn(self, *extra: str) -> None:
-        self.child = Child([sys.executable, *self.argv(*extra)],
-                           self.tmp_path / "scheduler.log")
+        self.start_child(*self.argv(*extra))
 
     def worker_ready(self, kv_capacity=KV_CAPACITY, max_context=MAX_CONTEXT) -> Ready:
         """Send the worker's Ready; return the scheduler's Ready to the tokenizer."""
@@ -120,31 +68,7 @@ class Harness:
         assert isinstance(ready, Ready)
         return ready
 
-    def close(self) -> None:
-        if self.child:
-            self.child.stop()
-        for sock in self.sockets:
-            sock.close(linger=0)
-        self.ctx.term()
-
     # ---- receiving with deadlines ------------------------------------------
-
-    def fail(self, what: str):
-        code = self.child.proc.poll() if self.child else None
-        log = self.child.log() if self.child else ""
-        raise AssertionError(f"{what}; scheduler exit code {code}; its log:\n{log}")
-
-    def _recv(self, sock, decoder, what: str, timeout: float = RECV_TIMEOUT):
-        deadline = time.monotonic() + timeout
-        while not sock.poll(100):
-            if self.child and self.child.proc.poll() is not None:
-                time.sleep(0.2)              # the process may have sent it just before
-                if sock.poll(0):
-                    break
-                self.fail(f"the scheduler died waiting for {what}")
-            if time.monotonic() > deadline:
-                self.fail(f"no {what} within {timeout} s")
-        return decoder.decode(sock.recv())
 
     def step(self) -> Step:
         return self._recv(self.steps, self.step_decoder, "Step")
@@ -232,11 +156,8 @@ def logprob(rid: int, token: int) -> float:
 
 @pytest.fixture
 def harness(tmp_path):
-    h = Harness(tmp_path)
-    try:
+    with Harness(tmp_path) as h:
         yield h
-    finally:
-        h.close()
 
 
 @pytest.fixture
@@ -630,11 +551,7 @@ def test_requests_too_long_or_empty_get_error_entries(harness):
 def test_sigterm_exits_while_serving(sched):
     sched.request(1, [1, 2], max_new_tokens=100)
     sched.step()                             # a step in flight, never answered
-    sched.child.proc.send_signal(signal.SIGTERM)
-    try:
-        code = sched.child.proc.wait(5)
-    except subprocess.TimeoutExpired:
-        sched.fail("the scheduler did not exit within 5 s of SIGTERM")
+    code = sched.child.sigterm(5)
     assert code == 0, sched.child.log()
 
 
@@ -642,11 +559,7 @@ def test_sigterm_exits_before_worker_ready(harness):
     harness.spawn()
     # its input socket is bound after the signal handlers are installed
     assert wait_until(lambda: (harness.dir / "input").exists(), 10), harness.child.log()
-    harness.child.proc.send_signal(signal.SIGTERM)
-    try:
-        code = harness.child.proc.wait(5)
-    except subprocess.TimeoutExpired:
-        harness.fail("the scheduler did not exit within 5 s of SIGTERM")
+    code = harness.child.sigterm(5)
     assert code == 0, harness.child.log()
 
 
@@ -659,8 +572,7 @@ INTERMEDIATE = (
 
 
 def test_exits_when_parent_dies(harness):
-    harness.child = Child([sys.executable, "-c", INTERMEDIATE, *harness.argv()],
-                          harness.tmp_path / "scheduler.log")
+    harness.start_child("-c", INTERMEDIATE, *harness.argv())
     pid = None
 
     def grandchild_pid():

@@ -9,14 +9,8 @@ Sockets seen from the test (the tokenizer binds what it receives on):
 
 import asyncio
 import concurrent.futures
-import os
 import random
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import msgpack
@@ -28,9 +22,9 @@ from protocol import (
     Abort, Decoder, ErrorReply, GenerateRequest, Ready, SamplingParams,
     StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, encode,
 )
+from proc_support import ProcHarness
 from support import PROMPTS, encode as encode_prompt, load_reference
 
-ROOT = Path(__file__).resolve().parent.parent
 KV_CAPACITY = 1000
 MAX_CONTEXT = 2048
 DEFAULT_MAX_TOKENS = 16
@@ -44,85 +38,37 @@ QUIET = 0.3
 
 # ---- the tokenizer process and the fake scheduler ---------------------------------
 
-def ipc_dir(tmp_path: Path) -> Path:
-    """tmp_path, unless it is too long for a unix socket path (~107 bytes)."""
-    if len(str(tmp_path)) < 70:
-        return tmp_path
-    return Path(tempfile.mkdtemp(prefix="mlxd-t-", dir="/tmp"))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class TokenizerProc:
+class TokenizerProc(ProcHarness):
     """`python -m tokenizer_proc` plus the scheduler's and launcher's sockets."""
 
     def __init__(self, model_path: str, tmp_path: Path):
+        super().__init__("tokenizer", tmp_path, RECV_TIMEOUT)
         self.model_path = model_path
-        self.dir = ipc_dir(tmp_path)
-        self.log_path = tmp_path / "tokenizer.log"
-        self.ctx = zmq.Context()
-        self.sockets: list[zmq.Socket] = []
-        self.proc = None
         self.start()
-
-    def _socket(self, kind) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.sockets.append(sock)
-        return sock
 
     def start(self) -> None:
         self.close_sockets()
         for name in ("input", "sched", "ready"):
             Path(self.dir, name).unlink(missing_ok=True)
-        self.requests = self._socket(zmq.PULL)
-        self.requests.bind(f"ipc://{self.dir}/sched")
-        self.launcher = self._socket(zmq.PULL)
-        self.launcher.bind(f"ipc://{self.dir}/ready")
-        self.batches = self._socket(zmq.PUSH)
-        self.batches.connect(f"ipc://{self.dir}/input")
+        self.requests = self._socket(zmq.PULL, bind=self.ipc("sched"))
+        self.launcher = self._socket(zmq.PULL, bind=self.ipc("ready"))
+        self.batches = self._socket(zmq.PUSH, connect=self.ipc("input"))
         self.client_addr = f"tcp://127.0.0.1:{free_port()}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tokenizer_proc", "--model", self.model_path,
-                 "--client-addr", self.client_addr, "--input-addr", f"ipc://{self.dir}/input",
-                 "--scheduler-input-addr", f"ipc://{self.dir}/sched",
-                 "--ready-addr", f"ipc://{self.dir}/ready",
-                 "--default-max-tokens", str(DEFAULT_MAX_TOKENS)],
-                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT)
+        self.start_child("-m", "tokenizer_proc", "--model", self.model_path,
+                         "--client-addr", self.client_addr, "--input-addr", self.ipc("input"),
+                         "--scheduler-input-addr", self.ipc("sched"),
+                         "--ready-addr", self.ipc("ready"),
+                         "--default-max-tokens", str(DEFAULT_MAX_TOKENS))
         self.batches.send(encode(Ready("scheduler", {"kv_capacity": KV_CAPACITY,
                                                      "max_context": MAX_CONTEXT})))
         self.ready = self._recv(self.launcher, Decoder(Ready), "the launcher's Ready",
                                 READY_TIMEOUT)
-
-    def ensure_alive(self) -> None:
-        if self.proc.poll() is not None:
-            self.start()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def fail(self, what: str):
-        raise AssertionError(f"{what}; tokenizer exit code {self.proc.poll()}; its log:\n"
-                             f"{self.log()}")
-
-    def _recv(self, sock, decoder, what: str, timeout: float = RECV_TIMEOUT):
-        deadline = time.monotonic() + timeout
-        while not sock.poll(100):
-            if self.proc.poll() is not None:
-                self.fail(f"the tokenizer died waiting for {what}")
-            if time.monotonic() > deadline:
-                self.fail(f"no {what} within {timeout} s")
-        return decoder.decode(sock.recv())
 
     # ---- playing the scheduler ---------------------------------------------
 
@@ -156,25 +102,6 @@ class TokenizerProc:
                              usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0,
                                     "cached_tokens": 0}))
 
-    def close_sockets(self) -> None:
-        for sock in self.sockets:
-            sock.close(linger=0)
-        self.sockets = []
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def close(self) -> None:
-        self.stop()
-        self.close_sockets()
-        self.ctx.term()
-
 
 class RawDealer:
     """A bare DEALER for frames the SDK would never send."""
@@ -207,11 +134,8 @@ class RawDealer:
 
 @pytest.fixture(scope="module")
 def tok_proc(llama_model, tmp_path_factory):
-    t = TokenizerProc(llama_model, tmp_path_factory.mktemp("tokenizer"))
-    try:
+    with TokenizerProc(llama_model, tmp_path_factory.mktemp("tokenizer")) as t:
         yield t
-    finally:
-        t.close()
 
 
 @pytest.fixture
@@ -711,13 +635,6 @@ def test_async_client_routes_20_concurrent_requests(tok, llama_model):
 # ---- lifecycle -------------------------------------------------------------------------------
 
 def test_sigterm_exits_within_5s(llama_model, tmp_path):
-    t = TokenizerProc(llama_model, tmp_path)
-    try:
-        t.proc.send_signal(signal.SIGTERM)
-        try:
-            code = t.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            t.fail("the tokenizer did not exit within 5 s of SIGTERM")
+    with TokenizerProc(llama_model, tmp_path) as t:
+        code = t.child.sigterm(5)
         assert code == 0, t.log()
-    finally:
-        t.close()

