@@ -20,6 +20,12 @@ BENCH_SPEC = TinySpec(arch="llama", hidden_size=512, num_layers=8, num_heads=8,
 
 
 def bench_model(path: str | None) -> str:
+    """A model folder: the given one, "smollm2" (the server's default model), or
+    the ~40M random-weight bench model."""
+    if path == "smollm2":
+        from model_store.default_model import ensure_default_model
+
+        return str(ensure_default_model(default_cache_dir()))
     if path:
         return path
     return str(build_tiny_model(default_cache_dir() / "bench-llama-h512-l8-v32000", BENCH_SPEC))

@@ -4,7 +4,11 @@ mlxd through the async SDK vs the same workload in-process with mlx_lm's
 BatchGenerator, on the same model with the same BLAS, alternating runs.
 
     python bench/throughput.py                 # ~40M random-weight model
+    python bench/throughput.py --model smollm2   # the default model, SmolLM2-135M
     python bench/throughput.py --model PATH --n 64 --prompt-len 128 --gen-len 64
+
+Both systems load the weights the same way (the worker's load_model: quantized
+models are dequantized on the CPU backend, as `--dequantize auto` does).
 """
 
 import argparse
@@ -23,10 +27,11 @@ from common import (
 def run_batch_generator(model_path: str, prompts: list[list[int]], gen_len: int) -> float:
     """Output tok/s of mlx_lm's BatchGenerator (called in a child with the worker's BLAS)."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    model, _ = load(model_path)
+    from worker_proc.loading import load_model, resolve_dequantize
+
+    model, _ = load_model(model_path, resolve_dequantize("auto"))
     warm = BatchGenerator(model, max_tokens=4)
     warm.insert(prompts[:2])
     while warm.next_generated():

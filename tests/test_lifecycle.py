@@ -95,3 +95,14 @@ def test_a_child_that_fails_at_start_is_reported(tmp_path, llama_model):
     assert proc.returncode != 0
     assert "worker process exited" in err
     assert not children_of(proc.pid)
+
+
+def test_demo_model_is_built_and_served(tmp_path):
+    env = {**os.environ, "MLXD_CACHE_DIR": str(tmp_path)}
+    server = Server("demo", "--kv-capacity", "2048", "--log-level", "warning", env=env)
+    try:
+        with Client(server.address, timeout=60) as c:
+            assert len(c.generate("Hello", max_tokens=5, ignore_eos=True).token_ids) == 5
+        assert (tmp_path / "demo-llama-h256-l4-v1" / "config.json").exists()
+    finally:
+        server.stop()
