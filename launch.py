@@ -45,6 +45,8 @@ class LaunchConfig:
     port: int = 8100
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 512
+    disable_radix_cache: bool = False
     kv_capacity: int = 0
     dequantize: str = "auto"
     mem_fraction: float = 0.3
@@ -61,7 +63,10 @@ HELP = {
     "host": "address the client socket binds to",
     "port": "client TCP port; 0 picks a free one",
     "max_running_requests": "most requests decoded together",
-    "max_prefill_tokens": "prompt tokens admitted per step",
+    "max_prefill_tokens": "prompt tokens prefilled per step (all requests together)",
+    "chunked_prefill_size": "longest piece of one prompt prefilled in a step; longer "
+                            "prompts are prefilled in chunks between decode steps",
+    "disable_radix_cache": "do not reuse the KV of shared prompt prefixes",
     "kv_capacity": "KV pool size in tokens; 0 derives it from the memory limit",
     "dequantize": "auto, on or off: dequantize quantized weights at load (auto: on for CPU)",
     "mem_fraction": "fraction of machine memory for weights + KV when --kv-capacity is 0",
@@ -167,7 +172,9 @@ class Launcher:
             input_addr=self._ipc("scheduler_in"), output_addr=self._ipc("tokenizer_in"),
             worker_input_addr=worker.input_addr, worker_output_addr=worker.output_addr,
             ready_addr=self._ipc("launcher"), max_running_requests=cfg.max_running_requests,
-            max_prefill_tokens=cfg.max_prefill_tokens, **common)
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            disable_radix_cache=cfg.disable_radix_cache, **common)
         tokenizer = TokenizerConfig(
             model=model, client_addr=f"tcp://{cfg.host}:{cfg.port}",
             input_addr=scheduler.output_addr, scheduler_input_addr=scheduler.input_addr,

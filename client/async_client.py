@@ -13,7 +13,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol import AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StreamChunk, encode
+from protocol import (
+    AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StatsReply,
+    StatsRequest, StreamChunk, encode,
+)
 
 from .types import Chunk, MlxdError, Result
 
@@ -75,7 +78,7 @@ class AsyncClient:
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
         self._queues: dict[str, asyncio.Queue] = {}
-        self._decoder = Decoder(StreamChunk, ErrorReply)
+        self._decoder = Decoder(StreamChunk, ErrorReply, StatsReply)
         self._tasks: list[asyncio.Task] = []
 
     # ---- public surface ----------------------------------------------------
@@ -100,6 +103,24 @@ class AsyncClient:
 
     async def abort(self, rid: str) -> None:
         await self._sock.send(encode(AbortRequest(rid)))
+
+    async def stats(self) -> dict:
+        """The server's counters: waiting / running requests, free / cached / used KV
+        slots, retractions, and the worker's memory and last step timing."""
+        self._start_tasks()
+        rid = uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        try:
+            await self._sock.send(encode(StatsRequest(rid)))
+            msg = await asyncio.wait_for(queue.get(), self.timeout)
+        except asyncio.TimeoutError:
+            raise MlxdError("timeout", f"no reply for {self.timeout} s") from None
+        finally:
+            self._queues.pop(rid, None)
+        if isinstance(msg, MlxdError):
+            raise msg
+        return msg.stats
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -54,6 +54,9 @@ class Client:
     def abort(self, rid: str) -> None:
         self._call(self._inner.abort(rid))
 
+    def stats(self) -> dict:
+        return self._call(self._inner.stats())
+
     def close(self) -> None:
         if self._loop.is_closed():
             return

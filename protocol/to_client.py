@@ -54,3 +54,20 @@ class ErrorReply:
         expect_len(f, 3, "ErrorReply")
         return cls(optional(expect_str, f[0], "rid"), expect_str(f[1], "code"),
                    expect_str(f[2], "message"))
+
+
+@dataclass(slots=True)
+class StatsReply:
+    """Counters of the running server: queue, slots, cache, worker memory and timing."""
+
+    TAG = 22
+    rid: str
+    stats: dict
+
+    def to_wire(self):
+        return [self.rid, self.stats]
+
+    @classmethod
+    def from_wire(cls, f):
+        expect_len(f, 2, "StatsReply")
+        return cls(expect_str(f[0], "rid"), expect_dict(f[1], "stats"))

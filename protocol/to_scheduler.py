@@ -47,6 +47,22 @@ class Abort:
 
 
 @dataclass(slots=True)
+class GetStats:
+    """The tokenizer relays a client's StatsRequest; answered with Stats(query_id)."""
+
+    TAG = 32
+    query_id: int
+
+    def to_wire(self):
+        return [self.query_id]
+
+    @classmethod
+    def from_wire(cls, f):
+        expect_len(f, 1, "GetStats")
+        return cls(expect_int(f[0], "query_id"))
+
+
+@dataclass(slots=True)
 class StepResult:
     """The tokens of one Step, aligned with `rids`. `top_logprobs[i]` is
     `[ids, logprobs]` or None; `timing` holds per-step measurements (ms)."""

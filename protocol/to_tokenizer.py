@@ -55,6 +55,39 @@ class AbortRequest:
 
 
 @dataclass(slots=True)
+class StatsRequest:
+    """A client asks for the server's counters; answered with StatsReply(rid)."""
+
+    TAG = 12
+    rid: str
+
+    def to_wire(self):
+        return [self.rid]
+
+    @classmethod
+    def from_wire(cls, f):
+        expect_len(f, 1, "StatsRequest")
+        return cls(expect_str(f[0], "rid"))
+
+
+@dataclass(slots=True)
+class Stats:
+    """The scheduler's answer to GetStats(query_id)."""
+
+    TAG = 41
+    query_id: int
+    stats: dict
+
+    def to_wire(self):
+        return [self.query_id, self.stats]
+
+    @classmethod
+    def from_wire(cls, f):
+        expect_len(f, 2, "Stats")
+        return cls(expect_int(f[0], "query_id"), expect_dict(f[1], "stats"))
+
+
+@dataclass(slots=True)
 class TokenEntry:
     """New tokens of one request in one step; `usage` and `finish_reason` on the last."""
 

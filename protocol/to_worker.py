@@ -44,9 +44,11 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class PrefillInput:
-    """A new request for the worker. KV of `input_ids` goes to `new_slot_ids`;
-    `prefix_slot_ids` name pool slots already holding the KV of the tokens
-    before them. The worker samples a first token only if `needs_logits`."""
+    """Prefill work for one request: a new request, a resumed one, or the next
+    chunk of a chunked prompt. KV of `input_ids` goes to `new_slot_ids`;
+    `prefix_slot_ids` name pool slots already holding the KV of the tokens before
+    them. Only the last chunk `needs_logits`: then a token is sampled and the
+    request joins the decode batch."""
 
     rid: int
     input_ids: list[int]
@@ -54,19 +56,21 @@ class PrefillInput:
     new_slot_ids: list[int]
     sampling: SamplingParams
     needs_logits: bool = True
+    num_generated: int = 0   # tokens sampled before (a resumed request): keys the sampler
 
     def to_wire(self):
         return [self.rid, self.input_ids, self.prefix_slot_ids, self.new_slot_ids,
-                self.sampling.to_wire(), self.needs_logits]
+                self.sampling.to_wire(), self.needs_logits, self.num_generated]
 
     @classmethod
     def from_wire(cls, f):
         expect_list(f, "prefill")
-        expect_len(f, 6, "PrefillInput")
+        expect_len(f, 7, "PrefillInput")
         p = cls(expect_int(f[0], "rid"), expect_int_list(f[1], "input_ids"),
                 expect_int_list(f[2], "prefix_slot_ids"),
                 expect_int_list(f[3], "new_slot_ids"),
-                SamplingParams.from_wire(f[4]), expect_bool(f[5], "needs_logits"))
+                SamplingParams.from_wire(f[4]), expect_bool(f[5], "needs_logits"),
+                expect_int(f[6], "num_generated", 0))
         if not p.input_ids or len(p.input_ids) != len(p.new_slot_ids):
             raise ProtocolError(f"prefill {p.rid}: input_ids and new_slot_ids must be "
                                 "non-empty and of equal length")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import zmq
 
 from protocol import (
-    Abort, Decoder, ProtocolError, Ready, StepResult, TokenBatch, TokenizedRequest,
-    WorkerError, encode,
+    Abort, Decoder, GetStats, ProtocolError, Ready, Stats, StepResult, TokenBatch,
+    TokenizedRequest, WorkerError, encode,
 )
 from runtime.config import parse_config
 from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
@@ -35,6 +35,8 @@ class SchedulerConfig:
     ready_addr: str = ""
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 512
+    disable_radix_cache: bool = False
     parent_pid: int = 0
     log_level: str = "info"
 
@@ -47,10 +49,11 @@ class SchedulerLoop:
         self.to_tokenizer = connect_push(ctx, cfg.output_addr)
         self.to_worker = connect_push(ctx, cfg.worker_input_addr)
         self.to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
-        self.request_decoder = Decoder(TokenizedRequest, Abort)
+        self.request_decoder = Decoder(TokenizedRequest, Abort, GetStats)
         self.worker_decoder = Decoder(StepResult, WorkerError, Ready)
         self.scheduler: Scheduler | None = None
         self.in_flight: int | None = None   # step_id sent and not yet answered
+        self.worker_info: dict = {}         # READY info, then the latest step timing
 
     @property
     def sockets(self):
@@ -65,10 +68,14 @@ class SchedulerLoop:
                 break
             log.error("waiting for the worker's Ready; ignored %r", msg)
         info = msg.info
+        self.worker_info = dict(info)
         self.scheduler = Scheduler(SchedulerLimits(
             kv_capacity=info["kv_capacity"], max_context=info["max_context"],
             max_running_requests=self.cfg.max_running_requests,
-            max_prefill_tokens=self.cfg.max_prefill_tokens))
+            max_prefill_tokens=self.cfg.max_prefill_tokens,
+            chunked_prefill_size=self.cfg.chunked_prefill_size,
+            enable_radix_cache=not self.cfg.disable_radix_cache,
+            decode_cache_tokens=info.get("decode_cache_tokens", 0)))
         ready = encode(Ready("scheduler", {**info, "max_running_requests":
                                            self.cfg.max_running_requests}))
         self.to_tokenizer.send(ready)
@@ -81,9 +88,10 @@ class SchedulerLoop:
         poller = zmq.Poller()
         poller.register(self.from_tokenizer, zmq.POLLIN)
         poller.register(self.from_worker, zmq.POLLIN)
+        stalled = False   # the last schedule() had nothing to send: wait for input
         while True:
             # 1. receive: block only when there is no step to build
-            busy = self.in_flight is None and self.scheduler.has_work
+            busy = self.in_flight is None and self.scheduler.has_work and not stalled
             events = dict(poller.poll(0 if busy else None))
             if self.from_tokenizer in events:
                 self._drain_requests()
@@ -92,6 +100,7 @@ class SchedulerLoop:
             # 2. schedule and send the next step as soon as the worker is free
             if self.in_flight is None:
                 step = self.scheduler.schedule()
+                stalled = step is None
                 if step is not None:
                     self.to_worker.send(encode(step))
                     self.in_flight = step.step_id
@@ -111,6 +120,9 @@ class SchedulerLoop:
                 self.scheduler.add_request(msg)
             elif isinstance(msg, Abort):
                 self.scheduler.abort(msg.rid)
+            elif isinstance(msg, GetStats):
+                stats = {**self.scheduler.stats(), "worker": self.worker_info}
+                self.to_tokenizer.send(encode(Stats(msg.query_id, stats)))
 
     def _drain_worker(self) -> None:
         while True:
@@ -122,6 +134,7 @@ class SchedulerLoop:
             if isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
                 self.in_flight = None
                 if isinstance(msg, StepResult):
+                    self.worker_info.update(msg.timing)
                     self.scheduler.process_result(msg)
                 else:
                     log.error("worker failed step %d: %s", msg.step_id, msg.message)

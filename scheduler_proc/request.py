@@ -12,7 +12,7 @@ class Status(enum.Enum):
     FINISHED = 2
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     rid: int
     prompt_ids: list[int]
@@ -20,22 +20,29 @@ class Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    slot_ids: list[int] = field(default_factory=list)   # KV slots sent to the worker
+    slot_ids: list[int] = field(default_factory=list)   # KV of all_ids[:len(slot_ids)]
+    prefix_len: int = 0          # leading slots owned by the radix tree (locked)
+    last_node: object = None     # the tree node this request's lock ends at
+    fill_len: int = 0            # tokens this admission prefills (prompt + output so far)
+    cached_tokens: int | None = None   # prefix reused at the first admission
     status: Status = Status.WAITING
+    retractions: int = 0
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, max_new_tokens: int) -> "Request":
-        return cls(msg.rid, msg.input_ids, msg.sampling, max_new_tokens,
-                   frozenset(msg.stop_token_ids))
+        req = cls(msg.rid, msg.input_ids, msg.sampling, max_new_tokens,
+                  frozenset(msg.stop_token_ids))
+        req.fill_len = len(msg.input_ids)
+        return req
 
     @property
-    def kv_need(self) -> int:
-        """Slots this request may hold at most: every token but the last has KV."""
-        return len(self.prompt_ids) + self.max_new_tokens - 1
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
-    def kv_outstanding(self) -> int:
-        return self.kv_need - len(self.slot_ids)
+    def prefilling(self) -> bool:
+        """Still computing the KV of its input (possibly chunk by chunk)."""
+        return len(self.slot_ids) < self.fill_len
 
     def finish_reason_after(self, token: int) -> str | None:
         if token in self.stop_token_ids:
@@ -46,4 +53,5 @@ class Request:
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_ids),
-                "completion_tokens": len(self.output_ids), "cached_tokens": 0}
+                "completion_tokens": len(self.output_ids),
+                "cached_tokens": self.cached_tokens or 0}

@@ -1,8 +1,10 @@
 """The pure scheduler: no sockets, no MLX. Requests in, Steps out, results in, tokens out.
 
-Admission is FCFS, bounded by --max-running-requests, a per-step prefill token
-budget and the KV slots a request may need (its prompt plus max_new_tokens):
-a running request can never run out of slots.
+Each step, running decodes come first: they get a slot each, made by evicting
+cached prefixes and, if that is not enough, by retracting the request with the
+least progress. Then prefill work fills the step's token budget: the next chunk
+of the one request being prefilled in chunks, then new requests, longest cached
+prefix first. Finished requests and every finished chunk go into the radix tree.
 """
 
 from collections import deque
@@ -10,8 +12,21 @@ from dataclasses import dataclass
 
 from protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
 
-from .allocator import SlotAllocator
+from .kv_book import KVBook
 from .request import Request, Status
+
+LPM_QUEUE_LIMIT = 128      # longer waiting queues fall back to FCFS
+SHARED_PREFIX_WAIT = 32    # defer a request that would soon reuse this many more tokens
+
+
+def round_up(n: int, step: int = 256) -> int:
+    return -(-n // step) * step
+
+
+def decode_cache_budget(kv_capacity: int, max_running: int) -> int:
+    """Tokens the padded decode caches may span: a row as long as the pool allows
+    (rounded to the caches' 256-token steps), or a full batch of short rows."""
+    return max(round_up(kv_capacity + 1), 256 * max_running)
 
 
 @dataclass(frozen=True)
@@ -20,18 +35,26 @@ class SchedulerLimits:
     max_context: int
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 512
+    enable_radix_cache: bool = True
+    decode_cache_tokens: int = 0    # room for the worker's padded decode caches (0: see below)
+    decode_headroom: int = 16       # slots kept free per running request at admission
 
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
-        self.allocator = SlotAllocator(limits.kv_capacity)
+        self.kv = KVBook(limits.kv_capacity, limits.enable_radix_cache)
+        self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
+            limits.kv_capacity, limits.max_running_requests)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        self.chunking: Request | None = None   # at most one request prefills in chunks
+        self._prefilled: list[Request] = []     # requests with a chunk in the last Step
         self._releases: list[int] = []
         self._outbox: list[TokenEntry] = []
-        self._promised = 0   # slots running requests may still claim
         self._step_id = 0
+        self.num_retractions = 0
 
     # ---- inputs -------------------------------------------------------------
 
@@ -40,8 +63,7 @@ class Scheduler:
         if error:
             self._outbox.append(TokenEntry(msg.rid, [], [], finish_reason="error", error=error))
             return
-        limit = min(self.limits.max_context, self.limits.kv_capacity + 1)
-        max_new = min(msg.max_new_tokens, limit - len(msg.input_ids))
+        max_new = min(msg.max_new_tokens, self.limits.max_context - len(msg.input_ids))
         self.waiting.append(Request.from_message(msg, max_new))
 
     def abort(self, rid: int) -> None:
@@ -57,6 +79,10 @@ class Scheduler:
                 return
 
     def process_result(self, result: StepResult) -> None:
+        for req in self._prefilled:   # their new KV is in the pool now: share it
+            if req.status is Status.RUNNING:
+                self.kv.cache_progress(req)
+        self._prefilled = []
         tops = result.top_logprobs or [None] * len(result.rids)
         for rid, token, logprob, top in zip(result.rids, result.tokens, result.logprobs, tops):
             req = self.running.get(rid)
@@ -64,6 +90,8 @@ class Scheduler:
                 continue
             req.output_ids.append(token)
             entry = TokenEntry(rid, [token], [logprob], None if top is None else [top])
+            if len(req.output_ids) == 1:
+                entry.usage = req.usage()   # tells the tokenizer cached_tokens early
             reason = req.finish_reason_after(token)
             if reason:
                 self._finish(req, reason, entry)
@@ -71,26 +99,29 @@ class Scheduler:
                 self._outbox.append(entry)
 
     def fail_step(self, error: WorkerError) -> None:
-        """The worker dropped every request's state: all running requests fail."""
+        """The worker dropped every request's state: running requests fail, and the
+        cache is forgotten (the failed step may have half-written the pool)."""
         for req in list(self.running.values()):
-            self._finish(req, "error", TokenEntry(req.rid, [], [], error=error.message))
+            self._finish(req, "error", TokenEntry(req.rid, [], [], error=error.message),
+                         keep_kv=False)
         self._releases.clear()
+        self._prefilled = []
+        self.kv.reset_tree()
 
     # ---- outputs ------------------------------------------------------------
 
     def schedule(self) -> Step | None:
         """The next Step, or None when there is nothing to send."""
-        decode_rids = list(self.running)
-        decode_slots = self.allocator.allocate(len(decode_rids))
-        for rid, slot in zip(decode_rids, decode_slots):
-            self.running[rid].slot_ids.append(slot)
-        self._promised -= len(decode_slots)
-        prefills = self._admit()
-        if not (decode_rids or prefills or self._releases):
+        decoding = self._make_room_for_decode()
+        decode_slots = self.kv.allocate(len(decoding))
+        for req, slot in zip(decoding, decode_slots):
+            req.slot_ids.append(slot)
+        prefills = self._schedule_prefills(decoding)
+        if not (decoding or prefills or self._releases):
             return None
         releases, self._releases = self._releases, []
         self._step_id += 1
-        return Step(self._step_id, decode_rids, decode_slots, prefills, releases)
+        return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases)
 
     def take_outputs(self) -> list[TokenEntry]:
         out, self._outbox = self._outbox, []
@@ -102,16 +133,152 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"waiting": len(self.waiting), "running": len(self.running),
-                "free_slots": self.allocator.num_free, "used_slots": self.allocator.num_used}
+                "retractions": self.num_retractions,
+                **self.kv.stats(list(self.running.values()))}
 
     def check_integrity(self) -> None:
-        self.allocator.check_integrity()
-        held = sum(len(r.slot_ids) for r in self.running.values())
-        assert held == self.allocator.num_used, f"{held} slots held, {self.allocator.num_used} used"
-        assert self._promised == sum(r.kv_outstanding for r in self.running.values())
-        assert self._promised <= self.allocator.num_free
+        self.kv.check_integrity(list(self.running.values()))
 
-    # ---- internals ----------------------------------------------------------
+    # ---- decode room: evict, then retract ----------------------------------------
+
+    def _make_room_for_decode(self) -> list[Request]:
+        decoding = [r for r in self.running.values() if not r.prefilling]
+        while decoding and not (self._width_fits(decoding) and
+                                self.kv.make_room(len(decoding))):
+            if len(self.running) == 1:   # alone and still too big: it cannot run at all
+                req = decoding[0]
+                self._finish(req, "error", TokenEntry(req.rid, [], [], error=self._too_big(req)))
+                return []
+            victim = self._retraction_victim()
+            self._retract(victim)
+            decoding = [r for r in decoding if r is not victim]
+        return decoding
+
+    def _width_fits(self, rows: list[Request], extra_len: int = 0) -> bool:
+        """The worker's decode caches are padded to the longest row, in 256-token
+        steps; `extra_len` is the length of one more row about to join."""
+        lengths = [len(r.slot_ids) for r in rows] + ([extra_len] if extra_len else [])
+        if not lengths:
+            return True
+        return len(lengths) * round_up(max(lengths) + 1) <= self.decode_cache_tokens
+
+    def _retraction_victim(self) -> Request:
+        """The running request with the least progress (then: holding the most KV)."""
+        return min(self.running.values(), key=lambda r: (len(r.output_ids), -len(r.slot_ids)))
+
+    def _retract(self, req: Request) -> None:
+        """Back to the front of the queue; its KV stays cached for the resume."""
+        del self.running[req.rid]
+        if self.chunking is req:
+            self.chunking = None
+        self.kv.release(req, keep=True)
+        req.status = Status.WAITING
+        req.fill_len = len(req.all_ids)
+        req.retractions += 1
+        self.num_retractions += 1
+        self._releases.append(req.rid)
+        self.waiting.appendleft(req)
+
+    def _too_big(self, req: Request) -> str:
+        need = len(req.slot_ids) + 1
+        if need > self.limits.kv_capacity:
+            return (f"the request needs {need} KV slots; the pool holds "
+                    f"{self.limits.kv_capacity}")
+        return (f"the request needs a decode cache {round_up(need + 1)} tokens wide; the "
+                f"decode caches may span {self.decode_cache_tokens} tokens")
+
+    # ---- prefill: chunks, then admissions -----------------------------------------
+
+    def _schedule_prefills(self, decoding: list[Request]) -> list[PrefillInput]:
+        budget = self.limits.max_prefill_tokens
+        prefills: list[PrefillInput] = []
+        rows = list(decoding)   # the decode batch of the next step
+        if self.chunking is not None:
+            chunk = self._next_chunk(self.chunking, budget)
+            if chunk is not None:
+                prefills.append(chunk)
+                budget -= len(chunk.input_ids)
+                if chunk.needs_logits:
+                    rows.append(self.running[chunk.rid])
+        for req in self._waiting_order():
+            if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
+                break
+            if req.rid in self._releases or self._should_wait(req, prefills):
+                continue
+            p = self._admit(req, budget, rows)
+            if p is None:
+                break
+            prefills.append(p)
+            budget -= len(p.input_ids)
+            if p.needs_logits:
+                rows.append(req)
+        self._prefilled = [self.running[p.rid] for p in prefills]
+        return prefills
+
+    def _next_chunk(self, req: Request, budget: int) -> PrefillInput | None:
+        start = len(req.slot_ids)
+        n = min(req.fill_len - start, self.limits.chunked_prefill_size, budget)
+        if not self.kv.make_room(n):
+            return None
+        return self._prefill_input(req, start, self.kv.allocate(n))
+
+    def _admit(self, req: Request, budget: int, rows: list[Request]) -> PrefillInput | None:
+        """Start `req` (or its first chunk) if memory allows; None stops admission."""
+        prefix, node = self.kv.match(req.all_ids[:req.fill_len - 1])
+        extend = req.fill_len - len(prefix)
+        n = min(extend, self.limits.chunked_prefill_size, budget)
+        if n < extend and self.chunking is not None:
+            return None
+        if n == extend and self.running and not self._width_fits(rows, extra_len=req.fill_len):
+            return None
+        # Headroom for the running rows' next tokens; never asked of a request alone.
+        alone = not self.running
+        need = n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
+        self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
+        if self.kv.available < need:
+            self.kv.release(req, keep=False)
+            return None
+        self.kv.make_room(need)
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        if req.cached_tokens is None:
+            req.cached_tokens = len(prefix)
+        self.running[req.rid] = req
+        if n < extend:
+            self.chunking = req
+        return self._prefill_input(req, len(prefix), self.kv.allocate(n))
+
+    def _prefill_input(self, req: Request, start: int, new_slots: list[int]) -> PrefillInput:
+        prefix_slots = list(req.slot_ids[:start])
+        req.slot_ids += new_slots
+        done = len(req.slot_ids) == req.fill_len
+        if done and self.chunking is req:
+            self.chunking = None
+        return PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
+                            new_slots, req.sampling, needs_logits=done,
+                            num_generated=len(req.output_ids))
+
+    def _waiting_order(self) -> list[Request]:
+        """Longest cached prefix first (ties: arrival order); FCFS for long queues."""
+        queue = list(self.waiting)
+        if not self.kv.tree or len(queue) > LPM_QUEUE_LIMIT:
+            return queue
+        return sorted(queue, key=lambda r: -len(self.kv.match(r.all_ids[:r.fill_len - 1])[0]))
+
+    def _should_wait(self, req: Request, prefills: list[PrefillInput]) -> bool:
+        """Defer a request that shares a long prefix with one being prefilled right
+        now: a step later that prefix is cached and need not be computed twice."""
+        if not self.kv.tree or not prefills:
+            return False
+        cached = len(self.kv.match(req.all_ids[:req.fill_len - 1])[0])
+        ids = req.all_ids
+        for p in prefills:
+            other = self.running[p.rid]
+            if _common_prefix(ids, other.all_ids[:other.fill_len]) - cached >= SHARED_PREFIX_WAIT:
+                return True
+        return False
+
+    # ---- finishing ---------------------------------------------------------------
 
     def _reject_reason(self, msg: TokenizedRequest) -> str | None:
         n = len(msg.input_ids)
@@ -120,40 +287,28 @@ class Scheduler:
         if n >= self.limits.max_context:
             return (f"the prompt has {n} tokens; the model's context is "
                     f"{self.limits.max_context} tokens")
-        if n > self.limits.kv_capacity:
+        if n >= self.limits.kv_capacity:
             return (f"the prompt has {n} tokens; the KV cache holds "
                     f"{self.limits.kv_capacity} tokens")
         if msg.rid in self.running or any(r.rid == msg.rid for r in self.waiting):
             return f"request id {msg.rid} is already in use"
         return None
 
-    def _admit(self) -> list[PrefillInput]:
-        prefills = []
-        budget = self.limits.max_prefill_tokens
-        while self.waiting and len(self.running) < self.limits.max_running_requests:
-            req = self.waiting[0]
-            n = len(req.prompt_ids)
-            if prefills and n > budget:
-                break
-            if self.allocator.num_free - self._promised < req.kv_need:
-                break
-            self.waiting.popleft()
-            req.slot_ids = self.allocator.allocate(n)
-            req.status = Status.RUNNING
-            self.running[req.rid] = req
-            self._promised += req.kv_outstanding
-            budget -= n
-            prefills.append(PrefillInput(req.rid, req.prompt_ids, [], req.slot_ids,
-                                         req.sampling))
-        return prefills
-
-    def _finish(self, req: Request, reason: str, entry: TokenEntry) -> None:
+    def _finish(self, req: Request, reason: str, entry: TokenEntry, keep_kv: bool = True) -> None:
         del self.running[req.rid]
+        if self.chunking is req:
+            self.chunking = None
         req.status = Status.FINISHED
-        self._promised -= req.kv_outstanding
-        self.allocator.free(req.slot_ids)
-        req.slot_ids = []
+        self.kv.release(req, keep=keep_kv)
         self._releases.append(req.rid)
         entry.finish_reason = reason
         entry.usage = req.usage()
         self._outbox.append(entry)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

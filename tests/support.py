@@ -32,11 +32,18 @@ def load_reference(model_path: str):
     return load(model_path)
 
 
-def reference_tokens(model_path: str, input_ids: list[int], max_tokens: int):
-    """mlx_lm's own greedy generation: [(token, chosen-token logprob)], stopping at EOS."""
+def reference_tokens(model_path: str, input_ids: list[int], max_tokens: int,
+                     ignore_eos: bool = False):
+    """mlx_lm's own greedy generation: [(token, chosen-token logprob)], stopping at
+    EOS unless `ignore_eos` (then mlx_lm's generate_step, which never stops early)."""
+    import mlx.core as mx
     from mlx_lm import stream_generate
+    from mlx_lm.generate import generate_step
 
     model, tokenizer = load_reference(model_path)
+    if ignore_eos:
+        steps = generate_step(mx.array(input_ids), model, max_tokens=max_tokens)
+        return [(token, logprobs[token].item()) for token, logprobs in steps]
     return [(r.token, r.logprobs[r.token].item())
             for r in stream_generate(model, tokenizer, input_ids, max_tokens=max_tokens)]
 

@@ -140,3 +140,24 @@ def test_memory_stays_flat_over_many_decode_steps(llama_model):
     for _ in range(80):
         d.step()
     assert mx.get_active_memory() - before < 1_000_000
+
+
+def test_prefix_prefills_of_different_lengths_share_one_group(llama_model):
+    """Rows with cached prefixes of 5, 12 and 20 tokens and 6 new tokens each run
+    in one left-padded forward; each matches mlx_lm on its full prompt."""
+    from worker_proc.prefill import plan_groups
+
+    d = Driver(llama_model)
+    base = encode(llama_model, PROMPTS[6])
+    d.step([d.prefill(1, base, needs_logits=False)])
+    tails = {2: encode(llama_model, " mountain river")[1:] * 3,
+             3: encode(llama_model, " water people")[1:] * 3,
+             4: encode(llama_model, " France Paris")[1:] * 3}
+    prefills = [d.prefill(rid, tails[rid][:6], prefix_slots=d.slot_ids[1][:n])
+                for rid, n in ((2, 5), (3, 12), (4, 20))]
+    assert len(plan_groups(prefills, 2048)) == 1
+    d.step(prefills)
+    for _ in range(MAX_TOKENS - 1):
+        d.step()
+    for rid, n in ((2, 5), (3, 12), (4, 20)):
+        assert_matches_reference(llama_model, base[:n] + tails[rid][:6], d.out[rid])

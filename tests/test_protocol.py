@@ -20,6 +20,9 @@ SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed
                           top_logprobs=5)
 PREFILL = PrefillInput(rid=3, input_ids=[5, 6, 7], prefix_slot_ids=[1, 2],
                        new_slot_ids=[10, 11, 12], sampling=SAMPLING, needs_logits=False)
+RESUMED = PrefillInput(rid=4, input_ids=[5, 6, 7, 8, 9], prefix_slot_ids=[],
+                       new_slot_ids=[20, 21, 22, 23, 24], sampling=SamplingParams(),
+                       needs_logits=True, num_generated=2**40)
 ENTRY = TokenEntry(rid=9, token_ids=[1, 2], logprobs=[-0.5, -1.25],
                    top_logprobs=[[[1, 4], [-0.5, -2.0]], None], finish_reason="length",
                    usage={"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0},
@@ -50,6 +53,7 @@ SAMPLES = [
     Step(1),
     Step(7, decode_rids=[1, 2], decode_slot_ids=[30, 31], prefills=[PREFILL],
          releases=[4, 5]),
+    Step(8, prefills=[PREFILL, RESUMED, PrefillInput(5, [1], [7], [8], SamplingParams())]),
     StepResult(1, [], [], []),
     StepResult(2, [1, 2], [5, 6], [-0.25, -3.5], top_logprobs=[None, [[6, 5], [-3.5, -4.0]]],
                timing={"compute_ms": 1.5}),
@@ -85,8 +89,10 @@ def test_decoder_with_all_classes_round_trips_everything():
         assert type(decoded) is type(msg) and decoded == msg
 
 
-@pytest.mark.parametrize("nested", [SAMPLING, SamplingParams(), PREFILL, ENTRY],
-                         ids=ids([SAMPLING, SamplingParams(), PREFILL, ENTRY]))
+NESTED = [SAMPLING, SamplingParams(), PREFILL, RESUMED, ENTRY]
+
+
+@pytest.mark.parametrize("nested", NESTED, ids=ids(NESTED))
 def test_nested_classes_round_trip_through_their_wire_form(nested):
     wire = msgpack.unpackb(msgpack.packb(nested.to_wire(), use_bin_type=True), raw=False)
     assert type(nested).from_wire(wire) == nested
@@ -194,7 +200,7 @@ def good_sampling():
 
 
 def good_prefill():
-    return [3, [5, 6], [], [10, 11], good_sampling(), True]
+    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0]
 
 
 def good_entry():
@@ -275,7 +281,8 @@ WRONG_TYPES = [
     (Step, [1, [1], [2], [], []], 2, [2.0]),
     (Step, [1, [1], [2], [], []], 3, None),
     (Step, [1, [1], [2], [], []], 3, [None]),
-    (Step, [1, [1], [2], [], []], 3, [good_prefill()[:5]]),
+    (Step, [1, [1], [2], [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
+    (Step, [1, [1], [2], [], []], 3, [good_prefill() + [0]]),
     (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 0, "3")]),
     (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 1, "ab")]),
     (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 2, None)]),
@@ -283,6 +290,12 @@ WRONG_TYPES = [
     (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 4, None)]),
     (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 5, 1)]),
     (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 5, None)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, -1)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, 1.0)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, True)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, None)]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, "2")]),
+    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, [2])]),
     (Step, [1, [1], [2], [], []], 4, None),
     (Step, [1, [1], [2], [], []], 4, [1.0]),
     (StepResult, [1, [1], [2], [-0.5], None, {}], 0, 1.0),
@@ -344,8 +357,30 @@ def test_aligned_step_result_with_top_logprobs_is_accepted():
     ([5, 6], [10]), ([5], [10, 11]), ([], []), ([5, 6], []), ([], [10]),
 ])
 def test_prefill_lengths_must_match(input_ids, new_slot_ids):
-    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True]
-    with pytest.raises(ProtocolError):
+    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0]
+    with pytest.raises(ProtocolError, match="equal length"):
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+
+
+@pytest.mark.parametrize("num_generated", [0, 1, 7, 2**31, 2**63 - 1])
+def test_prefill_num_generated_in_range_is_accepted(num_generated):
+    prefill = replace(good_prefill(), 6, num_generated)
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+    assert step.prefills[0].num_generated == num_generated
+    assert step.prefills[0].to_wire() == prefill
+
+
+def test_prefill_num_generated_defaults_to_zero_and_is_the_last_wire_field():
+    p = PrefillInput(3, [5], [], [10], SamplingParams())
+    assert p.num_generated == 0 and p.needs_logits is True
+    assert p.to_wire()[-1] == 0 and len(p.to_wire()) == 7
+    assert RESUMED.to_wire()[6] == 2**40
+
+
+@pytest.mark.parametrize("num_generated", [-1, -2**40])
+def test_prefill_negative_num_generated_is_rejected(num_generated):
+    prefill = replace(good_prefill(), 6, num_generated)
+    with pytest.raises(ProtocolError, match="num_generated"):
         decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
 
 
@@ -383,6 +418,9 @@ def test_out_of_range_sampling_params(index, value):
 def test_in_range_sampling_params_are_accepted(index, value):
     msg = decode_as(TokenizedRequest, [30, 1, [1], replace(good_sampling(), index, value), 4, []])
     assert msg.sampling.to_wire()[index] == value
+    prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+    assert step.prefills[0].sampling.to_wire()[index] == value
 
 
 # ---- GenerateRequest errors carry the rid ---------------------------------------------

@@ -1,70 +1,127 @@
-"""scheduler_proc/scheduler.py + request.py: the pure Scheduler, driven by a stub worker."""
+"""scheduler_proc/scheduler.py + kv_book.py + request.py: the pure Scheduler, driven by a
+stub worker that models the KV pool.
+
+The Harness checks every Step twice:
+  * against the scheduler's books, right after `schedule()`: slots handed out as
+    new_slot_ids / decode_slot_ids were free (held by no running request and not in the
+    radix tree), prefix_slot_ids are cached in the tree (or, without the tree, a chunked
+    request's own earlier chunks), budgets and bounds hold;
+  * as the worker would run it, in `answer()`: releases name rids the worker holds, the
+    decode batch is exactly the worker's batch, and every prefix_slot_ids list reads back
+    (from the modelled pool) exactly the tokens the request had.
+The modelled pool stores, per slot, a hash of the whole token prefix ending there, so KV
+that was overwritten while someone still used it is caught when it is read back. Between
+steps every tree node and every running request must read back its own tokens.
+"""
 
 import random
+import re
 from collections import defaultdict
 
 import pytest
 
 from protocol import SamplingParams, Step, StepResult, TokenizedRequest, WorkerError
 from scheduler_proc.request import Request, Status
-from scheduler_proc.scheduler import Scheduler, SchedulerLimits
+from scheduler_proc.scheduler import (
+    LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT, Scheduler, SchedulerLimits, round_up,
+)
 
 EOS = 2
 PLAIN = 7    # a token that stops nothing
+HEADROOM = SchedulerLimits(1, 1).decode_headroom   # 16
 
 
-def make_request(rid, n=4, max_new=8, stop=(EOS,), sampling=None):
-    return TokenizedRequest(rid, [100 + i for i in range(n)], sampling or SamplingParams(),
-                            max_new, list(stop))
+def prompt_of(rid, n):
+    """A prompt that shares nothing with any other rid's."""
+    return [rid * 1000 + i for i in range(n)]
 
 
-def stub_worker(step: Step, token_for) -> StepResult:
-    """Answer a Step as the worker would: one token per decoded or prefilled request."""
-    rids = list(step.decode_rids) + [p.rid for p in step.prefills if p.needs_logits]
-    tokens = [token_for(rid) for rid in rids]
-    return StepResult(step.step_id, rids, tokens, [-0.25 * (i + 1) for i in range(len(rids))])
+def make_request(rid, n=4, max_new=8, stop=(EOS,), sampling=None, prompt=None):
+    ids = prompt_of(rid, n) if prompt is None else list(prompt)
+    return TokenizedRequest(rid, ids, sampling or SamplingParams(), max_new, list(stop))
+
+
+def chain(prev: int, token: int) -> int:
+    """What a pool slot holds: depends on the token and every token before it."""
+    return hash((prev, token))
+
+
+def by_position(rid, pos):
+    """A token that depends on the request and position only: outputs must continue
+    seamlessly across a retraction. Never EOS."""
+    return 10 + (rid * 31 + pos * 7) % 90
 
 
 class Harness:
-    """A Scheduler plus a model of the worker and of slot ownership, checked at every step."""
+    """A Scheduler, a stub worker with a modelled KV pool, and the checks above."""
 
     def __init__(self, **limits):
         limits.setdefault("kv_capacity", 64)
         limits.setdefault("max_context", 1000)
         self.s = Scheduler(SchedulerLimits(**limits))
-        self.worker_rids: set[int] = set()      # rids the worker holds state for
-        self.owner: dict[int, int] = {}          # slot -> rid holding it
+        self.cap = self.s.limits.kv_capacity
+        self.prompts: dict[int, list[int]] = {}
         self.entries: dict[int, list] = defaultdict(list)
-        self.final: dict = {}                    # rid -> the entry with a finish_reason
+        self.final: dict = {}                     # rid -> the entry with a finish_reason
+        self.first_usage: dict[int, dict] = {}
         self.steps: list[Step] = []
         self.tokens = defaultdict(lambda: PLAIN)  # rid -> token the stub worker answers
+        self.token_fn = lambda rid, pos: self.tokens[rid]
+        self.in_flight: Step | None = None
+        self.retracted: list[tuple[int, int]] = []   # (step_id, rid)
+        self.resumes: list[tuple[int, int, list[int]]] = []   # (rid, num_generated, tokens)
+        # the worker
+        self.pool: dict[int, tuple] = {}           # slot -> (chain hash, token)
+        self.batch: dict[int, int] = {}            # decoding rid -> its last sampled token
+        self.ctx: dict[int, list[int]] = {}        # rid -> tokens with KV (batch or chunks)
+        self.hashes: dict[int, list[int]] = {}
 
     # -- driving --
     def add(self, *msgs):
         for msg in msgs:
+            if msg.rid in self.final:              # a finished rid used again
+                del self.final[msg.rid]
+                self.entries.pop(msg.rid, None)
+                self.first_usage.pop(msg.rid, None)
+            self.prompts[msg.rid] = list(msg.input_ids)
             self.s.add_request(msg)
-        self._after()
+            self._after(rejections_possible=True)
 
     def abort(self, rid):
         self.s.abort(rid)
         self._after()
 
     def schedule(self) -> Step | None:
+        assert self.in_flight is None, "the harness runs one step at a time"
+        before = {rid: set(r.slot_ids) for rid, r in self.s.running.items()}
         step = self.s.schedule()
-        self.s.check_integrity()
         if step is not None:
-            self._check_step(step)
+            self._check_books(step, before)
             self.steps.append(step)
+            self.in_flight = step
         self._after()
         return step
 
     def answer(self, step: Step, result: StepResult | None = None):
-        self.s.process_result(result or stub_worker(step, lambda rid: self.tokens[rid]))
+        assert step is self.in_flight
+        computed = self._run_worker(step)
+        if result is not None:                     # the test's own tokens
+            for rid, token in zip(result.rids, result.tokens):
+                if rid in self.batch:
+                    self.batch[rid] = token
+        self.in_flight = None
+        self.s.process_result(result or computed)
         self._after()
 
     def fail(self, step: Step, message="boom"):
+        assert step is self.in_flight
+        self.in_flight = None
         self.s.fail_step(WorkerError(step.step_id, message))
-        self.worker_rids.clear()                 # the worker drops all state
+        self.batch.clear()                         # the worker drops every request's state
+        self.ctx.clear()
+        self.hashes.clear()
+        for slot in step.decode_slot_ids + [s for p in step.prefills for s in p.new_slot_ids]:
+            self.pool[slot] = ("half-written",)
         self._after()
 
     def run_step(self) -> Step | None:
@@ -76,72 +133,219 @@ class Harness:
     def run_until_idle(self, limit=10_000) -> int:
         for n in range(limit):
             if self.run_step() is None:
-                assert not self.s.has_work
+                assert not self.s.has_work, "work is left but no step is scheduled"
                 return n
         raise AssertionError("the scheduler never went idle")
 
-    # -- checks --
-    def _check_step(self, step: Step):
-        assert step.step_id == len(self.steps) + 1
-        assert len(step.decode_rids) == len(step.decode_slot_ids)
-        for rid in step.releases:
-            assert rid in self.worker_rids, f"release of {rid} the worker does not hold"
-            assert rid not in self.s.running or rid in prefilled(step)   # a reused rid
-            self.worker_rids.discard(rid)
-        pending = {rid for rid in self.worker_rids if rid not in self.s.running}
-        assert not pending, f"finished rids {pending} were not released"
-        assert set(step.decode_rids) == self.worker_rids, "decode rids != worker's batch"
-        assert len(set(step.decode_rids)) == len(step.decode_rids)
-        for rid, slot in zip(step.decode_rids, step.decode_slot_ids):
-            self._take(slot, rid)
-        for p in step.prefills:
-            assert p.rid not in self.worker_rids
-            assert p.prefix_slot_ids == [] and p.needs_logits
-            assert len(p.input_ids) == len(p.new_slot_ids) > 0
-            for slot in p.new_slot_ids:
-                self._take(slot, p.rid)
-            self.worker_rids.add(p.rid)
-        for req in self.s.running.values():
-            assert sorted(req.slot_ids) == sorted(s for s, r in self.owner.items() if r == req.rid)
-            assert len(req.slot_ids) <= req.kv_need
-
-    def _take(self, slot, rid):
-        assert slot != 0, "the padding slot was handed out"
-        assert 1 <= slot <= self.s.limits.kv_capacity
-        assert slot not in self.owner, f"slot {slot} of rid {self.owner.get(slot)} given to {rid}"
-        self.owner[slot] = rid
-
-    def _after(self):
-        self.s.check_integrity()
-        for entry in self.s.take_outputs():
-            assert entry.rid not in self.final, f"entry for {entry.rid} after it finished"
-            assert len(entry.token_ids) == len(entry.logprobs)
-            self.entries[entry.rid].append(entry)
-            if entry.finish_reason:
-                self.final[entry.rid] = entry
-        self.owner = {s: r for s, r in self.owner.items() if r in self.s.running}
-
+    # -- what happened --
     def output(self, rid) -> list[int]:
         return [t for e in self.entries[rid] for t in e.token_ids]
+
+    def prefills_of(self, rid) -> list:
+        return [p for s in self.steps for p in s.prefills if p.rid == rid]
+
+    @property
+    def tree_slots(self) -> set[int]:
+        tree = self.s.kv.tree
+        return set(tree.all_slots()) if tree is not None else set()
+
+    def assert_idle(self):
+        """Nothing runs or waits; every slot is free or cached, nothing is locked."""
+        assert not self.s.running and not self.s.waiting and not self.s.has_work
+        tree = self.s.kv.tree
+        cached = tree.total_size if tree is not None else 0
+        assert self.s.kv.allocator.num_free + cached == self.cap
+        assert tree is None or tree.protected_size == 0
+
+    # -- checks against the scheduler's books, right after schedule() --
+    def _check_books(self, step: Step, before: dict[int, set[int]]):
+        s, running = self.s, self.s.running
+        assert step.step_id == len(self.steps) + 1
+        assert len(step.decode_rids) == len(step.decode_slot_ids)
+        assert len(set(step.decode_rids)) == len(step.decode_rids)
+        for rid in before:
+            if rid not in running and rid in (r.rid for r in s.waiting):
+                self.retracted.append((step.step_id, rid))
+        for rid in step.releases:
+            assert rid not in running, f"rid {rid} is released but running"
+        assert not set(step.releases) & {p.rid for p in step.prefills}
+        assert len(running) <= s.limits.max_running_requests
+        tree = self.tree_slots
+        private = {slot: r.rid for r in running.values() for slot in r.slot_ids[r.prefix_len:]}
+        handed = list(step.decode_slot_ids)
+        for rid, slot in zip(step.decode_rids, step.decode_slot_ids):
+            req = running[rid]
+            assert not req.prefilling and req.slot_ids[-1] == slot
+        total = 0
+        for p in step.prefills:
+            req = running[p.rid]
+            handed += p.new_slot_ids
+            total += len(p.input_ids)
+            assert 0 < len(p.input_ids) == len(p.new_slot_ids) <= s.limits.chunked_prefill_size
+            assert p.needs_logits == (len(req.slot_ids) == req.fill_len)
+            assert p.num_generated == len(req.output_ids)
+            assert req.slot_ids[:len(p.prefix_slot_ids)] == p.prefix_slot_ids
+            assert req.slot_ids[len(p.prefix_slot_ids):] == p.new_slot_ids
+            if s.kv.tree is not None:
+                assert set(p.prefix_slot_ids) <= tree, "a prefix slot is not cached"
+            elif p.prefix_slot_ids:                # only a chunk's own earlier chunks
+                assert p.rid in self.ctx and p.rid not in self.batch
+        assert total <= s.limits.max_prefill_tokens
+        assert sum(not p.needs_logits for p in step.prefills) <= 1   # one chunked request
+        assert len(set(handed)) == len(handed), f"a slot is handed out twice: {handed}"
+        for slot in handed:
+            assert 1 <= slot <= self.cap, f"slot {slot} is outside the pool"
+            assert slot not in tree, f"slot {slot} is handed out while cached"
+            owner = private.get(slot)
+            assert owner is not None
+            holders = {rid for rid, slots in before.items() if slot in slots}
+            assert not holders & set(running), f"slot {slot} is still held by {holders}"
+            for r in running.values():
+                assert r.rid == owner or slot not in r.slot_ids, f"slot {slot} is shared"
+        rows = [running[rid] for rid in step.decode_rids]
+        if rows:   # the worker's padded decode caches
+            width = round_up(max(len(r.slot_ids) for r in rows))
+            assert len(rows) * width <= s.decode_cache_tokens
+
+    # -- the stub worker --
+    def _run_worker(self, step: Step) -> StepResult:
+        for rid in step.releases:
+            assert rid in self.batch or rid in self.ctx, f"release of {rid} the worker lacks"
+            self.batch.pop(rid, None)
+            self.ctx.pop(rid, None)
+            self.hashes.pop(rid, None)
+        assert set(step.decode_rids) == set(self.batch), "decode rids != the worker's batch"
+        for rid in set(self.ctx) - set(self.batch) - {p.rid for p in step.prefills}:
+            # a request part-way through its chunks may wait for room: it is the one
+            # chunked request, or it was aborted while this step was in flight
+            assert self.s.chunking is self.s.running.get(rid) or rid not in self.s.running
+        rids, tokens = [], []
+        for rid, slot in zip(step.decode_rids, step.decode_slot_ids):
+            self._write(rid, [self.batch[rid]], [slot])
+            rids.append(rid)
+            tokens.append(self.token_fn(rid, len(self.ctx[rid])))
+        for p in step.prefills:
+            assert p.rid not in self.batch, f"prefill of {p.rid}, which is decoding"
+            if p.rid in self.ctx:                  # the next chunk
+                assert len(p.prefix_slot_ids) == len(self.ctx[p.rid])
+                assert self._read(p.prefix_slot_ids) == self.ctx[p.rid]
+            else:
+                self.ctx[p.rid], self.hashes[p.rid] = [], []
+                self._write(p.rid, self._read(p.prefix_slot_ids), p.prefix_slot_ids,
+                            check_only=True)
+            assert not set(p.new_slot_ids) & set(p.prefix_slot_ids)
+            self._write(p.rid, p.input_ids, p.new_slot_ids)
+            had = self.prompts[p.rid] + self.output(p.rid)
+            assert p.num_generated == len(self.output(p.rid))
+            assert self.ctx[p.rid] == had[:len(self.ctx[p.rid])], "prefilled wrong tokens"
+            if p.needs_logits:
+                assert self.ctx[p.rid] == had, "the last chunk does not end the input"
+                if p.num_generated:
+                    self.resumes.append((p.rid, p.num_generated, list(self.ctx[p.rid])))
+                rids.append(p.rid)
+                tokens.append(self.token_fn(p.rid, len(self.ctx[p.rid])))
+        for rid, token in zip(rids, tokens):
+            self.batch[rid] = token
+        return StepResult(step.step_id, rids, tokens, [-0.25 * (i + 1) for i in range(len(rids))])
+
+    def _read(self, slots) -> list[int]:
+        """The tokens a run of pool slots holds, checking it is one consistent prefix."""
+        h, out = 0, []
+        for slot in slots:
+            assert slot in self.pool, f"slot {slot} was never written"
+            assert self.pool[slot][0] == chain(h, self.pool[slot][1]), \
+                f"slot {slot} holds KV of another sequence"
+            h, token = self.pool[slot]
+            out.append(token)
+        return out
+
+    def _write(self, rid, tokens, slots, check_only=False):
+        ctx, hashes = self.ctx[rid], self.hashes[rid]
+        for token, slot in zip(tokens, slots, strict=True):
+            hashes.append(chain(hashes[-1] if hashes else 0, token))
+            ctx.append(token)
+            if check_only:
+                assert self.pool[slot] == (hashes[-1], token)
+            else:
+                self.pool[slot] = (hashes[-1], token)
+
+    # -- after every call --
+    def _after(self, rejections_possible=False):
+        self.s.check_integrity()
+        for entry in self.s.take_outputs():
+            rid = entry.rid
+            assert rid not in self.final, f"entry for {rid} after it finished"
+            assert len(entry.token_ids) == len(entry.logprobs) <= 1
+            had = len(self.output(rid))
+            self.entries[rid].append(entry)
+            n = len(self.prompts[rid])
+            if entry.finish_reason:
+                self.final[rid] = entry
+                if entry.usage is None:            # rejected before it was queued
+                    assert rejections_possible and entry.finish_reason == "error"
+                    assert entry.token_ids == [] and had == 0
+                    continue
+                assert entry.usage["prompt_tokens"] == n
+                assert entry.usage["completion_tokens"] == len(self.output(rid))
+                assert 0 <= entry.usage["cached_tokens"] < n
+                if rid in self.first_usage:
+                    assert entry.usage["cached_tokens"] == self.first_usage[rid]["cached_tokens"]
+            elif had == 0:                         # the first token carries usage
+                assert entry.token_ids and entry.usage is not None
+                assert entry.usage["prompt_tokens"] == n
+                assert entry.usage["completion_tokens"] == 1
+                assert 0 <= entry.usage["cached_tokens"] < n
+                self.first_usage[rid] = entry.usage
+            else:
+                assert entry.usage is None and entry.token_ids
+        if self.in_flight is None:
+            self._check_pool()
+
+    def _check_pool(self):
+        """Every cached prefix and every running request reads back its own tokens."""
+        tree = self.s.kv.tree
+        if tree is not None:
+            stack = [(tree.root, 0)]
+            while stack:
+                node, h = stack.pop()
+                for child in node.children.values():
+                    hh = h
+                    for token, slot in zip(child.key, child.value):
+                        hh = chain(hh, token)
+                        assert self.pool.get(slot) == (hh, token), f"cached slot {slot} is stale"
+                    stack.append((child, hh))
+        for req in self.s.running.values():
+            assert self._read(req.slot_ids) == req.all_ids[:len(req.slot_ids)]
 
 
 def prefilled(step) -> list[int]:
     return [p.rid for p in step.prefills]
 
 
+def run_to_finish(h, *msgs):
+    h.add(*msgs)
+    h.run_until_idle()
+
+
 # ---- Request -------------------------------------------------------------------------
 
-def test_request_kv_need_and_finish_reason():
+def test_request_fill_len_prefilling_and_finish_reason():
     req = Request.from_message(make_request(1, n=5, max_new=3, stop=(EOS, 9)), 3)
-    assert req.kv_need == 5 + 3 - 1 and req.kv_outstanding == req.kv_need
+    assert req.fill_len == 5 and req.prefilling and req.all_ids == prompt_of(1, 5)
     assert req.status is Status.WAITING and req.stop_token_ids == frozenset({EOS, 9})
+    assert req.cached_tokens is None and req.retractions == 0
+    req.slot_ids = [1, 2, 3, 4, 5]
+    assert not req.prefilling
     req.output_ids.append(PLAIN)
     assert req.finish_reason_after(PLAIN) is None
+    assert req.all_ids == prompt_of(1, 5) + [PLAIN]
     req.output_ids.append(9)
     assert req.finish_reason_after(9) == "stop"
     req.output_ids.append(PLAIN)
     assert req.finish_reason_after(PLAIN) == "length"
     assert req.usage() == {"prompt_tokens": 5, "completion_tokens": 3, "cached_tokens": 0}
+    req.cached_tokens = 4
+    assert req.usage()["cached_tokens"] == 4
 
 
 # ---- admission -----------------------------------------------------------------------
@@ -156,7 +360,9 @@ def test_single_request_runs_to_length():
     h.add(make_request(1, n=4, max_new=3))
     first = h.run_step()
     assert prefilled(first) == [1] and first.decode_rids == []
-    assert first.prefills[0].input_ids == [100, 101, 102, 103]
+    [p] = first.prefills
+    assert p.input_ids == prompt_of(1, 4) and p.prefix_slot_ids == []
+    assert p.needs_logits and p.num_generated == 0
     assert h.run_until_idle() == 3          # two decodes, then one step releasing rid 1
     assert h.output(1) == [PLAIN] * 3
     final = h.final[1]
@@ -165,7 +371,19 @@ def test_single_request_runs_to_length():
     assert [len(e.token_ids) for e in h.entries[1]] == [1, 1, 1]
     assert [e.logprobs for e in h.entries[1]] == [[-0.25]] * 3
     assert h.steps[-1].releases == [1] and h.steps[-1].decode_rids == []
-    assert h.s.allocator.num_free == 64
+    # the prompt and every output but the last stay cached, unlocked
+    h.assert_idle()
+    assert h.s.kv.tree.evictable_size == 4 + 2 and h.s.kv.allocator.num_free == 64 - 6
+
+
+def test_the_first_and_the_last_entry_carry_usage():
+    h = Harness()
+    h.add(make_request(1, n=5, max_new=4))
+    h.run_until_idle()
+    usages = [e.usage for e in h.entries[1]]
+    assert usages == [{"prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0},
+                      None, None,
+                      {"prompt_tokens": 5, "completion_tokens": 4, "cached_tokens": 0}]
 
 
 def test_fcfs_admission_order():
@@ -179,15 +397,18 @@ def test_fcfs_admission_order():
 
 
 def test_fcfs_does_not_let_a_small_request_overtake_a_blocked_one():
-    h = Harness(kv_capacity=20)
-    h.add(make_request(1, n=10, max_new=5))      # kv_need 14
-    h.add(make_request(2, n=10, max_new=5))      # does not fit beside rid 1
-    h.add(make_request(3, n=1, max_new=1))       # would fit, but must wait its turn
+    h = Harness(kv_capacity=64)
+    h.add(make_request(1, n=30, max_new=5))     # needs 30 + 16 headroom
+    h.add(make_request(2, n=30, max_new=5))     # needs 30 + 2 x 16: only 34 are left
+    h.add(make_request(3, n=1, max_new=1))      # needs 1 + 2 x 16: would fit, must wait
     step = h.run_step()
     assert prefilled(step) == [1]
     while 1 not in h.final:
         assert h.run_step().prefills == []
-    assert prefilled(h.run_step()) == [2, 3]
+    step = h.run_step()
+    assert prefilled(step) == [2, 3] and step.releases == [1]
+    h.run_until_idle()
+    h.assert_idle()
 
 
 def test_max_running_requests_bound():
@@ -195,7 +416,7 @@ def test_max_running_requests_bound():
     h.add(*[make_request(rid, max_new=4) for rid in range(1, 8)])
     while h.run_step() is not None:
         assert len(h.s.running) <= 3
-        assert len(h.worker_rids) <= 3
+        assert len(h.batch) <= 3
     assert len(h.final) == 7
     assert all(e.finish_reason == "length" for e in h.final.values())
 
@@ -209,54 +430,116 @@ def test_max_running_requests_admits_as_soon_as_one_leaves():
     assert step.releases == [1] and prefilled(step) == [3] and step.decode_rids == [2]
 
 
-@pytest.mark.parametrize("prompts,budget,first_step", [
-    ([6, 6], 10, [1]),
-    ([4, 6], 10, [1, 2]),            # exactly the budget
-    ([4, 7], 10, [1]),
-    ([20, 1], 10, [1]),              # one prefill even above the budget ...
-    ([3, 3, 3, 3], 10, [1, 2, 3]),
-    ([1, 30, 1], 10, [1]),           # ... but the budget stops later ones (FCFS)
+@pytest.mark.parametrize("prompts,budget,first_step,lengths", [
+    ([6, 6], 10, [1, 2], [6, 4]),            # the budget's rest starts a chunked prefill
+    ([4, 6], 10, [1, 2], [4, 6]),            # exactly the budget
+    ([4, 7], 10, [1, 2], [4, 6]),
+    ([20, 1], 10, [1], [10]),                # a long prompt is cut to the budget
+    ([3, 3, 3, 3], 10, [1, 2, 3, 4], [3, 3, 3, 1]),
+    ([1, 30, 1], 10, [1, 2], [1, 9]),        # the budget stops later ones (FCFS)
+    ([6, 6, 1], 10, [1, 2], [6, 4]),         # ... even a request that would fit
 ])
-def test_max_prefill_tokens_budget(prompts, budget, first_step):
-    h = Harness(max_prefill_tokens=budget)
+def test_max_prefill_tokens_budget(prompts, budget, first_step, lengths):
+    h = Harness(max_prefill_tokens=budget, kv_capacity=256)
     h.add(*[make_request(rid, n=n, max_new=2) for rid, n in enumerate(prompts, 1)])
-    assert prefilled(h.run_step()) == first_step
+    step = h.run_step()
+    assert prefilled(step) == first_step
+    assert [len(p.input_ids) for p in step.prefills] == lengths
     while h.run_step() is not None:
-        if h.steps[-1].prefills:
-            lengths = [len(p.input_ids) for p in h.steps[-1].prefills]
-            assert len(lengths) == 1 or sum(lengths) <= budget
-    assert set(h.final) == set(range(1, len(prompts) + 1))
+        assert sum(len(p.input_ids) for p in h.steps[-1].prefills) <= budget
+    assert all(h.final[rid].finish_reason == "length" for rid in range(1, len(prompts) + 1))
+    assert all(len(h.output(rid)) == 2 for rid in range(1, len(prompts) + 1))
 
 
-def test_kv_admission_reserves_prompt_plus_max_new_tokens():
-    h = Harness(kv_capacity=30)
-    h.add(make_request(1, n=10, max_new=11))     # kv_need 20
-    h.add(make_request(2, n=5, max_new=6))       # kv_need 10: fits exactly
-    h.add(make_request(3, n=1, max_new=1))       # kv_need 1: no room left
+def test_admission_needs_the_chunk_plus_decode_headroom_per_row():
+    h = Harness(kv_capacity=64)
+    h.add(make_request(1, n=16, max_new=3))      # 16 + 16 x 1 <= 64
+    h.add(make_request(2, n=16, max_new=5))      # 16 + 16 x 2 <= 64 - 16: fits exactly
+    h.add(make_request(3, n=1, max_new=1))       # 1 + 16 x 3 > 32
     assert prefilled(h.run_step()) == [1, 2]
-    # only 15 slots are used now, but 15 more are promised to rids 1 and 2
-    assert h.s.allocator.num_free == 15
-    while 2 not in h.final:
-        assert h.run_step().prefills == []
-    assert prefilled(h.run_step()) == [3]
-
-
-def test_kv_admission_lets_the_running_requests_finish_without_running_out():
-    h = Harness(kv_capacity=40, max_prefill_tokens=10_000)
-    h.add(*[make_request(rid, n=5, max_new=20) for rid in range(1, 10)])   # kv_need 24 each
+    assert h.s.kv.allocator.num_free == 32       # nothing is reserved beyond the prompts
+    assert prefilled(h.run_step()) == []         # 1 + 16 x 3 > 30, then 28 free
+    assert prefilled(h.run_step()) == []
+    assert h.final[1].finish_reason == "length"
+    # rid 1's 18 tokens are cached but evictable: 1 + 16 x 2 now fits
+    step = h.run_step()
+    assert prefilled(step) == [3] and step.releases == [1] and step.decode_rids == [2]
     h.run_until_idle()
-    assert all(h.final[rid].finish_reason == "length" for rid in range(1, 10))
-    assert all(len(h.output(rid)) == 20 for rid in range(1, 10))
-    assert h.s.allocator.num_free == 40
+    h.assert_idle()
 
 
 def test_a_request_using_the_whole_kv_cache():
-    h = Harness(kv_capacity=12)
-    h.add(make_request(1, n=4, max_new=9))       # kv_need 12 == capacity
+    h = Harness(kv_capacity=24)
+    h.add(make_request(1, n=4, max_new=21))      # 4 + 20 decodes == capacity
     h.run_until_idle()
-    assert len(h.output(1)) == 9 and h.final[1].finish_reason == "length"
+    assert len(h.output(1)) == 21 and h.final[1].finish_reason == "length"
     assert max(len(s.decode_slot_ids) for s in h.steps) == 1
-    assert h.s.allocator.num_free == 12
+    assert h.s.kv.allocator.num_free == 0 and h.s.kv.tree.evictable_size == 24
+    h.assert_idle()
+
+
+@pytest.mark.parametrize("n,max_new", [(15, 2), (10, 7), (1, 16)])
+def test_a_request_that_fits_the_pool_alone_is_served(n, max_new):
+    """The prompt is accepted (n < kv_capacity) and prompt + outputs fit in the pool, but
+    prompt + decode_headroom does not: with nothing else running it must still run."""
+    h = Harness(kv_capacity=16, max_context=n + max_new)
+    h.add(make_request(1, n=n, max_new=max_new))
+    assert h.run_step() is not None, "an accepted request is never scheduled"
+    h.run_until_idle(limit=100)
+    assert h.final[1].finish_reason == "length" and len(h.output(1)) == max_new
+    h.assert_idle()
+
+
+def test_decode_cache_width_is_budgeted():
+    h = Harness(kv_capacity=4096, decode_cache_tokens=512, max_running_requests=8)
+    h.add(*[make_request(rid, n=4, max_new=3) for rid in (1, 2, 3)])
+    assert prefilled(h.run_step()) == [1, 2]     # 3 rows x 256 > 512
+    h.run_until_idle()
+    assert all(len(h.output(rid)) == 3 for rid in (1, 2, 3))
+    # a long row widens every row: 2 x round_up(300) > 512
+    h.add(make_request(4, n=300, max_new=3), make_request(5, n=4, max_new=3))
+    assert prefilled(h.run_step()) == [4]
+    while 4 not in h.final:
+        assert h.run_step().decode_rids == [4]
+    h.run_until_idle()
+    assert len(h.output(5)) == 3
+
+
+def test_decode_cache_width_retracts_a_row_that_grows_past_a_step():
+    h = Harness(kv_capacity=4096, decode_cache_tokens=512, max_running_requests=8)
+    h.token_fn = by_position
+    h.add(make_request(1, n=250, max_new=20), make_request(2, n=4, max_new=20))
+    assert prefilled(h.run_step()) == [1, 2]     # widths 2 x 256
+    h.run_until_idle()
+    # step 8 would give rid 1 its 257th slot: 2 x 512 > 512; it holds more KV than rid 2
+    assert h.retracted == [(8, 1)] and h.s.num_retractions == 1
+    assert h.output(1) == [by_position(1, 250 + i) for i in range(20)]
+    assert h.output(2) == [by_position(2, 4 + i) for i in range(20)]
+    [(rid, generated, tokens)] = h.resumes
+    assert rid == 1 and generated == 7 and tokens == prompt_of(1, 250) + h.output(1)[:7]
+    h.assert_idle()
+
+
+def test_a_lone_request_wider_than_the_decode_caches_does_not_hang():
+    """With a decode budget set below round_up(261) = 512 the request cannot decode:
+    it must finish (with an error) rather than wait forever."""
+    h = Harness(kv_capacity=300, max_running_requests=1, decode_cache_tokens=300)
+    assert h.s.decode_cache_tokens == 300
+    h.add(make_request(1, n=260, max_new=3))
+    h.run_until_idle(limit=100)
+    assert 1 in h.final, "the request neither ran nor finished"
+
+
+def test_a_lone_request_growing_wider_than_the_decode_caches_gets_a_true_error():
+    """At 257 tokens its padded decode cache (512) outgrows a decode budget set to 300:
+    it must stop, but the error must not blame a pool that holds it."""
+    h = Harness(kv_capacity=300, max_running_requests=1, decode_cache_tokens=300)
+    h.add(make_request(1, n=200, max_new=100))
+    h.run_until_idle()
+    final = h.final[1]
+    assert final.finish_reason == "error" and len(h.output(1)) == 57
+    claim = re.search(r"needs (\d+) KV slots; the pool holds (\d+)", final.error)
+    assert not claim or int(claim[1]) > int(claim[2]), f"untrue error: {final.error!r}"
 
 
 # ---- continuous batching -------------------------------------------------------------
@@ -282,6 +565,22 @@ def test_requests_join_and_leave_between_steps():
     assert step.releases == [3] and not step.decode_rids and not step.prefills
     assert h.run_step() is None
     assert [len(h.output(r)) for r in (1, 2, 3)] == [5, 2, 2]
+    h.assert_idle()
+
+
+def test_several_short_prompts_in_one_step():
+    h = Harness(kv_capacity=512)
+    shared = prompt_of(99, SHARED_PREFIX_WAIT - 1)   # too short a shared part to wait for
+    h.add(*[make_request(rid, n=3, max_new=3) for rid in (1, 2, 3)])
+    h.add(*[make_request(rid, prompt=shared + [rid]) for rid in (4, 5)])
+    step = h.run_step()
+    assert prefilled(step) == [1, 2, 3, 4, 5]
+    assert all(p.needs_logits and p.prefix_slot_ids == [] for p in step.prefills)
+    assert h.run_step().decode_rids == [1, 2, 3, 4, 5]
+    # both computed the shared part; the tree keeps one copy, the other is freed
+    assert h.s.kv.tree.total_size == 3 * 3 + len(shared) + 2
+    h.run_until_idle()
+    h.assert_idle()
 
 
 # ---- finishing -----------------------------------------------------------------------
@@ -305,7 +604,10 @@ def test_stop_token_on_the_first_token():
     h.add(make_request(1, n=3, max_new=10))
     h.run_step()
     assert h.final[1].finish_reason == "stop" and h.output(1) == [EOS]
-    assert h.s.allocator.num_free == 64
+    assert h.final[1].usage == {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}
+    assert len(h.entries[1]) == 1
+    h.run_until_idle()
+    h.assert_idle()
 
 
 def test_stop_token_wins_over_length():
@@ -325,21 +627,44 @@ def test_stop_token_ids_are_per_request():
     assert h.final[2].finish_reason == "length" and len(h.output(2)) == 3
 
 
-@pytest.mark.parametrize("kv_capacity,max_context,n,asked,expected", [
-    (1000, 20, 5, 100, 15),      # capped by the context: prompt + output <= max_context
-    (1000, 20, 19, 100, 1),
-    (10, 1000, 4, 100, 7),       # capped by the KV cache: kv_need <= kv_capacity
-    (10, 1000, 10, 100, 1),      # prompt == kv_capacity still gets one token
-    (10, 12, 4, 100, 7),
-    (10, 9, 4, 100, 5),
-    (1000, 1000, 4, 6, 6),       # not capped
+@pytest.mark.parametrize("max_context,n,asked,expected", [
+    (20, 5, 100, 15),            # prompt + output <= max_context
+    (20, 19, 100, 1),
+    (12, 4, 100, 8),
+    (1000, 4, 6, 6),             # not capped
 ])
-def test_max_new_tokens_is_capped(kv_capacity, max_context, n, asked, expected):
-    h = Harness(kv_capacity=kv_capacity, max_context=max_context)
+def test_max_new_tokens_is_capped_by_the_context(max_context, n, asked, expected):
+    h = Harness(kv_capacity=1000, max_context=max_context)
     h.add(make_request(1, n=n, max_new=asked))
     h.run_until_idle()
     assert len(h.output(1)) == expected and h.final[1].finish_reason == "length"
-    assert h.s.allocator.num_free == kv_capacity
+    h.assert_idle()
+
+
+def test_a_request_that_outgrows_the_pool_alone_finishes_with_an_error():
+    h = Harness(kv_capacity=40)
+    h.add(make_request(1, n=4, max_new=100))
+    h.run_until_idle()
+    final = h.final[1]
+    assert final.finish_reason == "error" and final.token_ids == []
+    assert "KV" in final.error and "40" in final.error
+    assert len(h.output(1)) == 37                 # 4 + 36 decodes fill the pool
+    assert final.usage == {"prompt_tokens": 4, "completion_tokens": 37, "cached_tokens": 0}
+    assert h.s.kv.tree.evictable_size == 40       # what it computed stays cached
+    h.assert_idle()
+
+
+def test_a_request_too_big_to_run_alone_errors_and_the_others_go_on():
+    h = Harness(kv_capacity=64)
+    h.token_fn = by_position
+    h.add(make_request(1, n=4, max_new=200), make_request(2, n=4, max_new=30))
+    h.run_until_idle()
+    assert h.final[1].finish_reason == "error" and "KV" in h.final[1].error
+    assert h.final[2].finish_reason == "length"
+    assert h.output(2) == [by_position(2, 4 + i) for i in range(30)]
+    assert h.output(1) == [by_position(1, 4 + i) for i in range(len(h.output(1)))]
+    assert h.s.num_retractions >= 1
+    h.assert_idle()
 
 
 # ---- aborts --------------------------------------------------------------------------
@@ -363,12 +688,15 @@ def test_abort_running_request():
     h.add(make_request(1, n=5, max_new=10), make_request(2, max_new=10))
     h.run_step()
     h.run_step()
-    used = h.s.allocator.num_used
+    free = h.s.kv.allocator.num_free
     h.abort(1)
     entry = h.final[1]
     assert entry.finish_reason == "abort" and entry.token_ids == []
     assert entry.usage == {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 0}
-    assert h.s.allocator.num_used == used - 6     # prompt 5 + one decode slot
+    # prompt 5 + one decode slot move to the tree, unlocked; rid 2's prompt stays locked
+    tree = h.s.kv.tree
+    assert h.s.kv.allocator.num_free == free
+    assert (tree.evictable_size, tree.protected_size) == (6, 4)
     step = h.run_step()
     assert step.releases == [1] and step.decode_rids == [2]
     assert h.run_step().releases == []
@@ -380,10 +708,10 @@ def test_abort_while_the_step_is_in_flight_ignores_its_result():
     h.run_step()
     step = h.schedule()
     h.abort(1)
-    free_after_abort = h.s.allocator.num_free
+    free_after_abort = h.s.kv.allocator.num_free
     h.answer(step)                               # still carries a token for rid 1
     assert len(h.entries[1]) == 2 and h.entries[1][-1].finish_reason == "abort"
-    assert h.s.allocator.num_free == free_after_abort
+    assert h.s.kv.allocator.num_free == free_after_abort
     assert h.output(2) == [PLAIN, PLAIN]
     assert h.schedule().releases == [1]
 
@@ -393,11 +721,14 @@ def test_abort_of_a_request_whose_prefill_is_in_flight():
     h.add(make_request(1, n=8, max_new=10))
     step = h.schedule()
     h.abort(1)
-    assert h.s.allocator.num_free == 64
+    assert h.s.kv.tree.evictable_size == 8       # cached: the step in flight computes it
     h.answer(step)
     assert h.output(1) == [] and h.final[1].finish_reason == "abort"
     assert h.run_step().releases == [1]
     assert h.run_step() is None
+    h.assert_idle()
+    h.add(make_request(2, prompt=prompt_of(1, 8) + [5]))
+    assert h.run_step().prefills[0].prefix_slot_ids == step.prefills[0].new_slot_ids
 
 
 def test_abort_unknown_or_finished_rid_is_a_no_op():
@@ -444,9 +775,11 @@ def test_fail_step_finishes_all_running_requests_with_the_error():
     h.fail(step, "RuntimeError: the GPU fell off")
     assert h.final[1].finish_reason == "error"
     assert h.final[1].error == "RuntimeError: the GPU fell off"
+    assert h.final[1].usage == {"prompt_tokens": 4, "completion_tokens": 1, "cached_tokens": 0}
     assert h.final[3].finish_reason == "error"   # admitted in the failed step
     assert h.final[2].finish_reason == "abort"
-    assert not h.s.running and h.s.allocator.num_free == 64
+    assert not h.s.running and h.s.kv.allocator.num_free == 64   # the tree is emptied too
+    assert h.s.kv.tree.total_size == 0
     assert h.schedule() is None                  # the worker dropped everything already
     h.add(make_request(4, max_new=2))
     assert prefilled(h.run_step()) == [4]
@@ -466,28 +799,38 @@ def test_fail_step_keeps_waiting_requests():
     assert h.final[2].finish_reason == "length"
 
 
+def test_fail_step_forgets_cached_prefixes():
+    h = Harness()
+    run_to_finish(h, make_request(1, n=10, max_new=2))
+    assert h.s.kv.tree.total_size == 11
+    h.add(make_request(2, prompt=prompt_of(1, 10)))
+    step = h.schedule()
+    assert len(step.prefills[0].prefix_slot_ids) == 9
+    h.fail(step)
+    assert h.s.kv.tree.total_size == 0 and h.s.kv.allocator.num_free == 64
+    h.add(make_request(3, prompt=prompt_of(1, 10)))
+    [p] = h.run_step().prefills
+    assert p.prefix_slot_ids == [] and len(p.input_ids) == 10
+    h.run_until_idle()
+    assert h.final[3].usage["cached_tokens"] == 0
+
+
 # ---- rejections ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,why", [
     (0, "empty"),
     (20, "context"),        # n == max_context
     (25, "context"),
-    (17, "KV cache"),       # n > kv_capacity
+    (16, "KV cache"),       # n == kv_capacity
+    (17, "KV cache"),
 ])
 def test_rejections(n, why):
     h = Harness(kv_capacity=16, max_context=20)
     h.add(make_request(1, n=n))
     entry = h.final[1]
     assert entry.finish_reason == "error" and why in entry.error
-    assert entry.token_ids == [] and entry.logprobs == []
+    assert entry.token_ids == [] and entry.logprobs == [] and entry.usage is None
     assert not h.s.has_work and h.schedule() is None
-
-
-def test_largest_accepted_prompt():
-    h = Harness(kv_capacity=16, max_context=17)
-    h.add(make_request(1, n=16, max_new=5))
-    h.run_until_idle()
-    assert h.final[1].finish_reason == "length" and len(h.output(1)) == 1
 
 
 def test_duplicate_rid_is_rejected_without_touching_the_original():
@@ -508,14 +851,14 @@ def test_duplicate_rid_is_rejected_without_touching_the_original():
 def test_a_finished_rid_may_be_reused():
     h = Harness()
     h.add(make_request(1, max_new=1))
-    h.run_step()
-    h.final.clear()
-    h.entries.clear()
-    h.add(make_request(1, max_new=2))
+    first = h.run_step()
+    h.add(make_request(1, max_new=2))            # same prompt: a prefix hit
     step = h.run_step()
-    assert step.releases == [1] and prefilled(step) == [1]
+    assert step.releases == [1] and not step.prefills   # the old state goes first
+    [p] = h.run_step().prefills
+    assert p.rid == 1 and p.prefix_slot_ids == first.prefills[0].new_slot_ids[:3]
     h.run_until_idle()
-    assert len(h.output(1)) == 2
+    assert len(h.output(1)) == 2 and h.final[1].usage["cached_tokens"] == 3
 
 
 # ---- stats ---------------------------------------------------------------------------
@@ -523,62 +866,589 @@ def test_a_finished_rid_may_be_reused():
 def test_stats_and_has_work():
     h = Harness(kv_capacity=32, max_running_requests=1)
     h.add(make_request(1, n=4, max_new=3), make_request(2, n=4, max_new=3))
-    assert h.s.stats() == {"waiting": 2, "running": 0, "free_slots": 32, "used_slots": 0}
-    h.run_step()
-    assert h.s.stats() == {"waiting": 1, "running": 1, "free_slots": 28, "used_slots": 4}
-    h.run_step()
-    assert h.s.stats()["used_slots"] == 5
+
+    def stats(waiting, running, free, cached, evictable, used):
+        return {"waiting": waiting, "running": running, "retractions": 0, "capacity": 32,
+                "free_slots": free, "cached_slots": cached, "evictable_slots": evictable,
+                "used_slots": used}
+
+    assert h.s.stats() == stats(2, 0, 32, 0, 0, 0)
+    h.run_step()                                 # the prompt is cached, locked
+    assert h.s.stats() == stats(1, 1, 28, 4, 0, 4)
+    h.run_step()                                 # plus one private decode slot
+    assert h.s.stats() == stats(1, 1, 27, 4, 0, 5)
+    h.run_step()                                 # rid 1 finishes: all of it is evictable
+    assert h.s.stats() == stats(1, 0, 26, 6, 6, 0)
     h.run_until_idle()
-    assert h.s.stats() == {"waiting": 0, "running": 0, "free_slots": 32, "used_slots": 0}
+    assert h.s.stats() == stats(0, 0, 20, 12, 12, 0)
     assert not h.s.has_work
+
+
+# ---- radix prefix cache ----------------------------------------------------------------
+
+def test_full_prefix_hit():
+    h = Harness()
+    P = prompt_of(1, 8)
+    run_to_finish(h, make_request(1, prompt=P, max_new=1))
+    cached = h.steps[0].prefills[0].new_slot_ids
+    assert h.s.kv.tree.total_size == 8
+    h.add(make_request(2, prompt=P, max_new=3))
+    step = h.run_step()
+    [p] = step.prefills
+    # matched on all but the last input token: that one is computed for its logits
+    assert p.prefix_slot_ids == cached[:7] and p.input_ids == [P[7]]
+    assert len(p.new_slot_ids) == 1 and p.needs_logits
+    assert h.entries[2][0].usage == {"prompt_tokens": 8, "completion_tokens": 1,
+                                     "cached_tokens": 7}
+    # the recomputed last token duplicates a cached slot: it is freed again
+    assert h.s.running[2].slot_ids == cached and h.s.running[2].prefix_len == 8
+    assert h.s.kv.allocator.num_free == 64 - 8
+    h.run_until_idle()
+    assert h.final[2].usage == {"prompt_tokens": 8, "completion_tokens": 3, "cached_tokens": 7}
+    h.assert_idle()
+
+
+def test_partial_prefix_hit():
+    h = Harness()
+    P = prompt_of(1, 8)
+    run_to_finish(h, make_request(1, prompt=P, max_new=2))
+    cached = h.steps[0].prefills[0].new_slot_ids
+    Q = P[:5] + prompt_of(2, 6)
+    h.add(make_request(2, prompt=Q, max_new=2))
+    [p] = h.run_step().prefills
+    assert p.prefix_slot_ids == cached[:5] and p.input_ids == Q[5:]
+    h.run_until_idle()
+    assert h.final[2].usage["cached_tokens"] == 5
+    # both continuations are cached below the shared 5 tokens
+    assert h.s.kv.tree.total_size == 5 + (3 + 1) + (6 + 1)
+    h.assert_idle()
+
+
+def test_no_hit_for_a_different_first_token():
+    h = Harness()
+    run_to_finish(h, make_request(1, n=8, max_new=1))
+    h.add(make_request(2, prompt=[5] + prompt_of(1, 8)[1:]))
+    [p] = h.run_step().prefills
+    assert p.prefix_slot_ids == [] and len(p.input_ids) == 8
+    h.run_until_idle()
+    assert h.final[2].usage["cached_tokens"] == 0
+
+
+def test_prefix_hit_from_a_request_still_running():
+    h = Harness(kv_capacity=256)
+    P = prompt_of(1, 40)
+    h.add(make_request(1, prompt=P, max_new=10))
+    first = h.run_step()
+    h.add(make_request(2, prompt=P + [5, 6], max_new=3))
+    step = h.run_step()
+    assert step.decode_rids == [1]
+    [p] = step.prefills
+    assert p.prefix_slot_ids == first.prefills[0].new_slot_ids and p.input_ids == [5, 6]
+    # rid 1's prompt is shared now: cached and locked by both
+    tree = h.s.kv.tree
+    assert tree.protected_size == 40 + 2 and tree.evictable_size == 0
+    h.run_step()
+    assert h.final.get(2) is None and h.entries[2][0].usage["cached_tokens"] == 40
+    h.run_until_idle()
+    assert h.final[2].usage["cached_tokens"] == 40 and len(h.output(1)) == 10
+    h.assert_idle()
+
+
+def test_a_finished_request_caches_its_outputs_too():
+    """A follow-up turn (prompt + answer + more) reuses the answer's KV as well."""
+    h = Harness()
+    h.token_fn = by_position
+    P = prompt_of(1, 6)
+    run_to_finish(h, make_request(1, prompt=P, max_new=4))
+    answer = h.output(1)
+    h.add(make_request(2, prompt=P + answer + [5, 6]))
+    [p] = h.run_step().prefills
+    assert len(p.prefix_slot_ids) == 6 + 3       # the last answer token has no KV
+    assert p.input_ids == [answer[-1], 5, 6]
+    h.run_until_idle()
+    assert h.final[2].usage["cached_tokens"] == 9
+
+
+def test_a_prefix_is_shared_by_many_running_requests():
+    h = Harness(kv_capacity=256)
+    P = prompt_of(1, 20)
+    run_to_finish(h, make_request(1, prompt=P, max_new=1))
+    h.add(*[make_request(rid, prompt=P + [rid], max_new=5) for rid in range(2, 7)])
+    step = h.run_step()
+    assert prefilled(step) == [2, 3, 4, 5, 6]
+    assert all(p.prefix_slot_ids == h.steps[0].prefills[0].new_slot_ids for p in step.prefills)
+    assert all(p.input_ids == [p.rid] for p in step.prefills)
+    h.run_until_idle()
+    assert all(h.final[rid].usage["cached_tokens"] == 20 for rid in range(2, 7))
+    h.assert_idle()
+
+
+def test_radix_cache_disabled():
+    h = Harness(enable_radix_cache=False)
+    assert h.s.kv.tree is None
+    P = prompt_of(1, 8)
+    for rid in (1, 2):                            # the same prompt twice: no hit
+        h.add(make_request(rid, prompt=P, max_new=3))
+        h.run_until_idle()
+        assert h.s.kv.allocator.num_free == 64    # nothing is kept
+        assert h.final[rid].usage["cached_tokens"] == 0
+    h.add(make_request(3, prompt=P, max_new=2), make_request(4, prompt=P, max_new=2))
+    h.run_until_idle()
+    assert all(p.prefix_slot_ids == [] for s in h.steps for p in s.prefills)
+    assert h.s.stats()["cached_slots"] == 0
+    h.assert_idle()
+
+
+def test_longest_cached_prefix_first():
+    h = Harness(max_running_requests=1)
+    P = prompt_of(1, 10)
+    run_to_finish(h, make_request(1, prompt=P, max_new=1))
+    h.add(make_request(2, n=6, max_new=1),
+          make_request(3, prompt=P + [5], max_new=1),        # hit 10
+          make_request(4, n=6, max_new=1),
+          make_request(5, prompt=P[:6] + [5, 6], max_new=1),  # hit 6
+          make_request(6, prompt=P + [7, 8], max_new=1))      # hit 10, later
+    order = []
+    while (step := h.run_step()) is not None:
+        order += prefilled(step)
+    assert order == [3, 6, 5, 2, 4]
+
+
+def test_fcfs_when_more_than_lpm_queue_limit_requests_wait():
+    h = Harness(max_running_requests=1, kv_capacity=4096)
+    P = prompt_of(1, 10)
+    run_to_finish(h, make_request(1, prompt=P, max_new=1))
+    rids = list(range(2, LPM_QUEUE_LIMIT + 4))    # 130 waiting; the last one has a hit
+    h.add(*[make_request(rid, n=2, max_new=1) for rid in rids[:-1]])
+    h.add(make_request(rids[-1], prompt=P + [5], max_new=1))
+    order = []
+    for _ in range(4):
+        order += prefilled(h.run_step())
+    # 130 and 129 waiting: FCFS; then 128: the hit goes first
+    assert order == [rids[0], rids[1], rids[-1], rids[2]]
+
+
+@pytest.mark.parametrize("shared,deferred", [
+    (SHARED_PREFIX_WAIT - 1, False), (SHARED_PREFIX_WAIT, True), (100, True)])
+def test_a_request_sharing_a_long_prefix_with_a_prefill_waits_a_step(shared, deferred):
+    h = Harness(kv_capacity=512)
+    S = prompt_of(9, shared)
+    h.add(make_request(1, prompt=S + [1, 1], max_new=3),
+          make_request(2, prompt=S + [2, 2], max_new=3),
+          make_request(3, n=5, max_new=3))               # a stranger is not held back
+    step = h.run_step()
+    if not deferred:
+        assert prefilled(step) == [1, 2, 3]
+        assert h.final.get(2) is None and h.entries[2][0].usage["cached_tokens"] == 0
+        return
+    assert prefilled(step) == [1, 3]
+    step = h.run_step()
+    [p] = step.prefills
+    assert p.rid == 2 and p.input_ids == [2, 2]
+    assert p.prefix_slot_ids == h.steps[0].prefills[0].new_slot_ids[:shared]
+    assert h.entries[2][0].usage["cached_tokens"] == shared
+    h.run_until_idle()
+    h.assert_idle()
+
+
+def test_the_defer_rule_counts_only_what_the_tree_lacks():
+    h = Harness(kv_capacity=512)
+    S = prompt_of(9, 70)
+    run_to_finish(h, make_request(1, prompt=S[:40], max_new=1))   # 40 of 70 cached
+    h.add(make_request(2, prompt=S + [2], max_new=2),
+          make_request(3, prompt=S + [3], max_new=2))       # 70 - 40 < 32 more: no wait
+    step = h.run_step()
+    assert prefilled(step) == [2, 3]
+    assert [len(p.prefix_slot_ids) for p in step.prefills] == [40, 40]
+    # both computed S[40:]: the tree keeps one copy and the other is freed
+    tree = h.s.kv.tree
+    assert tree.total_size == 70 + 2 and h.s.kv.allocator.num_free == 512 - 72
+    h.run_until_idle()
+    h.assert_idle()
+
+
+def test_lru_eviction_of_cached_prefixes_for_a_new_request():
+    h = Harness(kv_capacity=64)
+    A, B = prompt_of(1, 20), prompt_of(2, 20)
+    run_to_finish(h, make_request(1, prompt=A, max_new=1))
+    run_to_finish(h, make_request(2, prompt=B, max_new=1))
+    assert h.s.kv.allocator.num_free == 24
+    h.add(make_request(3, n=30, max_new=1))      # 30 > 24 free: evict 6 or more
+    h.run_until_idle()
+    assert h.s.num_retractions == 0
+    h.add(make_request(4, prompt=A, max_new=1), make_request(5, prompt=B, max_new=1))
+    h.run_until_idle()
+    assert h.final[4].usage["cached_tokens"] == 0     # A, the least recently used, went
+    assert h.final[5].usage["cached_tokens"] == 19
+    assert len(h.prefills_of(5)[0].prefix_slot_ids) == 19
+
+
+def test_decodes_evict_cached_prefixes_before_retracting_anyone():
+    h = Harness(kv_capacity=64)
+    run_to_finish(h, make_request(1, n=30, max_new=1))
+    h.add(make_request(2, n=4, max_new=20), make_request(3, n=4, max_new=20))
+    h.run_until_idle()
+    assert h.s.num_retractions == 0 and not h.retracted
+    assert all(len(h.output(rid)) == 20 for rid in (2, 3))
+    assert h.s.kv.tree.total_size == 2 * (4 + 19)   # rid 1's prompt was evicted
+    h.assert_idle()
+
+
+# ---- chunked prefill -------------------------------------------------------------------
+
+def chunk_lengths(n, size):
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
+@pytest.mark.parametrize("size,n", [(1, 5), (7, 15), (7, 20), (7, 21), (64, 129), (64, 100)])
+def test_chunked_prefill(size, n):
+    h = Harness(kv_capacity=512, chunked_prefill_size=size)
+    h.token_fn = by_position
+    h.add(make_request(1, n=3, max_new=50))
+    while not h.output(1):                       # chunked too, when size < 3
+        h.run_step()
+    h.add(make_request(2, n=n, max_new=3))
+    chunks = []
+    while not chunks or not chunks[-1].needs_logits:
+        step = h.run_step()
+        assert step.decode_rids == [1]           # decodes go on beside the chunks
+        [p] = step.prefills
+        assert p.rid == 2 and p.num_generated == 0
+        chunks.append(p)
+        if not p.needs_logits:                   # no token before the last chunk
+            assert h.output(2) == []
+    assert [len(p.input_ids) for p in chunks] == chunk_lengths(n, size)
+    assert [p.needs_logits for p in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert sum((p.input_ids for p in chunks), []) == prompt_of(2, n)
+    for i, p in enumerate(chunks):               # each chunk reads the chunks before it
+        assert p.prefix_slot_ids == sum((q.new_slot_ids for q in chunks[:i]), [])
+    assert h.output(2) == [by_position(2, n)]
+    assert h.run_step().decode_rids == [1, 2]
+    h.run_until_idle()
+    assert h.output(2) == [by_position(2, n + i) for i in range(3)]
+    assert h.final[2].usage == {"prompt_tokens": n, "completion_tokens": 3, "cached_tokens": 0}
+    h.assert_idle()
+
+
+def test_a_last_chunk_of_one_token_is_a_prefill_not_a_decode():
+    h = Harness(kv_capacity=512, chunked_prefill_size=7)
+    h.add(make_request(1, n=15, max_new=2))
+    steps = [h.run_step() for _ in range(3)]
+    assert [[len(p.input_ids) for p in s.prefills] for s in steps] == [[7], [7], [1]]
+    assert all(s.decode_rids == [] for s in steps)
+    last = steps[-1].prefills[0]
+    assert last.input_ids == [prompt_of(1, 15)[-1]] and last.needs_logits
+    assert len(last.prefix_slot_ids) == 14
+    assert h.run_step().decode_rids == [1]
+
+
+def test_chunked_prefill_after_a_prefix_hit():
+    h = Harness(kv_capacity=512, chunked_prefill_size=8)
+    P = prompt_of(1, 20)
+    run_to_finish(h, make_request(1, prompt=P, max_new=1))
+    h.add(make_request(2, prompt=P + prompt_of(2, 19), max_new=2))
+    chunks = []
+    while not chunks or not chunks[-1].needs_logits:
+        chunks += h.run_step().prefills
+    assert [len(p.prefix_slot_ids) for p in chunks] == [20, 28, 36]
+    assert [len(p.input_ids) for p in chunks] == [8, 8, 3]
+    h.run_until_idle()
+    assert h.final[2].usage["cached_tokens"] == 20
+
+
+def test_a_chunked_prompt_is_shared_while_it_is_still_being_prefilled():
+    h = Harness(kv_capacity=512, chunked_prefill_size=16, max_prefill_tokens=20)
+    P = prompt_of(1, 48)
+    h.add(make_request(1, prompt=P, max_new=2))
+    first = h.run_step()
+    assert [len(p.input_ids) for p in first.prefills] == [16]
+    h.add(make_request(2, prompt=P[:16] + [5], max_new=2))
+    step = h.run_step()                          # rid 1's next chunk, and rid 2
+    assert prefilled(step) == [1, 2]
+    assert step.prefills[1].prefix_slot_ids == first.prefills[0].new_slot_ids
+    h.run_until_idle()
+    h.assert_idle()
+
+
+def test_one_request_prefills_in_chunks_at_a_time():
+    h = Harness(kv_capacity=512, chunked_prefill_size=8, max_prefill_tokens=10)
+    h.add(make_request(1, n=30, max_new=2), make_request(2, n=2, max_new=2),
+          make_request(3, n=30, max_new=2), make_request(4, n=1, max_new=2))
+    step = h.run_step()
+    assert [(p.rid, len(p.input_ids)) for p in step.prefills] == [(1, 8), (2, 2)]
+    for _ in range(2):                           # rid 3 would need a chunk: all wait
+        step = h.run_step()
+        assert [(p.rid, len(p.input_ids)) for p in step.prefills] == [(1, 8)]
+    step = h.run_step()                          # rid 1's last chunk: rid 3 may start
+    assert [(p.rid, len(p.input_ids), p.needs_logits) for p in step.prefills] == [
+        (1, 6, True), (3, 4, False)]
+    step = h.run_step()
+    assert [(p.rid, len(p.input_ids)) for p in step.prefills] == [(3, 8), (4, 1)]
+    h.run_until_idle()
+    assert all(len(h.output(rid)) == 2 for rid in (1, 2, 3, 4))
+
+
+def test_chunked_prefill_without_the_radix_cache_reads_its_own_chunks():
+    h = Harness(kv_capacity=64, chunked_prefill_size=5, enable_radix_cache=False)
+    h.add(make_request(1, n=12, max_new=2))
+    chunks = [h.run_step().prefills[0] for _ in range(3)]
+    assert [len(p.prefix_slot_ids) for p in chunks] == [0, 5, 10]
+    assert chunks[2].prefix_slot_ids == chunks[0].new_slot_ids + chunks[1].new_slot_ids
+    h.run_until_idle()
+    assert h.s.kv.allocator.num_free == 64
+
+
+def test_abort_in_the_middle_of_a_chunked_prefill():
+    h = Harness(kv_capacity=512, chunked_prefill_size=8)
+    h.add(make_request(1, n=30, max_new=2))
+    chunks = [h.run_step().prefills[0] for _ in range(2)]
+    h.abort(1)
+    assert h.final[1].finish_reason == "abort" and h.final[1].token_ids == []
+    assert h.final[1].usage == {"prompt_tokens": 30, "completion_tokens": 0, "cached_tokens": 0}
+    step = h.run_step()
+    assert step.releases == [1] and not step.prefills
+    assert h.s.chunking is None and h.run_step() is None
+    h.assert_idle()
+    # the two chunks it computed are cached
+    h.add(make_request(2, prompt=prompt_of(1, 30)))
+    [p] = h.run_step().prefills
+    assert p.prefix_slot_ids == chunks[0].new_slot_ids + chunks[1].new_slot_ids
+
+
+# ---- retraction ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
+def test_retraction_under_memory_pressure(radix):
+    h = Harness(kv_capacity=64, max_running_requests=8, enable_radix_cache=radix)
+    h.token_fn = by_position
+    rids = range(1, 7)
+    h.add(*[make_request(rid, n=4, max_new=40) for rid in rids])
+    h.run_until_idle()
+    assert h.s.num_retractions >= 3 and len(h.retracted) == h.s.num_retractions
+    for rid in rids:                             # every request completes, seamlessly
+        assert h.final[rid].finish_reason == "length"
+        assert h.output(rid) == [by_position(rid, 4 + i) for i in range(40)]
+        assert h.final[rid].usage == {"prompt_tokens": 4, "completion_tokens": 40,
+                                      "cached_tokens": 0}
+    for step_id, rid in h.retracted:             # released in the step that retracted it
+        step = h.steps[step_id - 1]
+        assert rid in step.releases and rid not in step.decode_rids
+        assert rid not in prefilled(step)
+    # each retraction is resumed once: prefilled with everything it had, and the
+    # number of tokens it had sampled (the worker keys its sampler on it)
+    assert len(h.resumes) == h.s.num_retractions
+    for rid, generated, tokens in h.resumes:
+        assert 0 < generated < 40
+        assert tokens == prompt_of(rid, 4) + h.output(rid)[:generated]
+    if not radix:                                # recomputed from scratch
+        resumed = [p for s in h.steps for p in s.prefills if p.num_generated]
+        assert all(p.prefix_slot_ids == [] and len(p.input_ids) == 4 + p.num_generated
+                   for p in resumed)
+    h.assert_idle()
+
+
+def test_the_request_with_the_least_progress_is_retracted():
+    h = Harness(kv_capacity=64)
+    h.add(make_request(1, n=4, max_new=60))
+    for _ in range(5):
+        h.run_step()
+    h.add(make_request(2, n=4, max_new=60))      # fewer outputs from now on
+    while not h.retracted:
+        h.run_step()
+    assert [rid for _, rid in h.retracted] == [2]
+    h.run_until_idle()
+    assert len(h.output(1)) == 60 and len(h.output(2)) == 60
+
+
+def test_retraction_ties_go_to_the_request_holding_more_kv():
+    h = Harness(kv_capacity=64)
+    h.add(make_request(1, n=4, max_new=50), make_request(2, n=10, max_new=50))
+    while not h.retracted:
+        h.run_step()
+    assert [rid for _, rid in h.retracted] == [2]    # both have the same output count
+    h.run_until_idle()
+    assert len(h.output(1)) == 50 and len(h.output(2)) == 50
+
+
+def test_a_retracted_request_resumes_from_its_cached_kv():
+    h = Harness(kv_capacity=4096, decode_cache_tokens=512)
+    h.token_fn = by_position
+    h.add(make_request(1, n=250, max_new=20), make_request(2, n=4, max_new=20))
+    h.run_until_idle()
+    assert h.retracted == [(8, 1)]
+    [first, resumed] = h.prefills_of(1)
+    had = 250 + 7
+    assert resumed.num_generated == 7 and resumed.input_ids == [h.output(1)[6]]
+    assert len(resumed.prefix_slot_ids) == had - 1
+    assert resumed.prefix_slot_ids[:250] == first.new_slot_ids
+    assert h.final[1].usage["cached_tokens"] == 0     # the first admission's hit
+
+
+def test_a_retracted_request_that_fits_alone_is_resumed():
+    """rid 2 is retracted (decode width) with 257 tokens, 256 of them cached. Alone it
+    fits the pool (250 + 15 - 1 <= 270), but resuming it asks for its last token plus
+    16 slots of headroom beside its locked prefix (17 > 270 - 256): it must still
+    resume once rid 1 is gone, and must not block rid 3 behind it."""
+    h = Harness(kv_capacity=270, decode_cache_tokens=512, chunked_prefill_size=128)
+    h.token_fn = by_position
+    h.add(make_request(1, n=4, max_new=12), make_request(2, n=250, max_new=15))
+    while not h.retracted:
+        h.run_step()
+    assert h.retracted == [(9, 2)]
+    h.add(make_request(3, n=2, max_new=2))
+    h.run_until_idle(limit=200)
+    assert h.output(2) == [by_position(2, 250 + i) for i in range(15)]
+    assert len(h.output(3)) == 2
+    h.assert_idle()
+
+
+def test_a_request_retracted_while_prefilling_in_chunks():
+    h = Harness(kv_capacity=64, chunked_prefill_size=4)
+    h.token_fn = by_position
+    h.add(make_request(1, n=4, max_new=40))
+    for _ in range(21):
+        h.run_step()
+    h.add(make_request(2, n=40, max_new=3))
+    while not h.retracted:
+        h.run_step()
+    [(step_id, rid)] = h.retracted
+    assert rid == 2 and h.output(2) == [] and h.s.chunking is None
+    before = [p for s in h.steps[:step_id - 1] for p in s.prefills if p.rid == 2]
+    assert not any(p.needs_logits for p in before)
+    h.run_until_idle()
+    after = [p for s in h.steps[step_id:] for p in s.prefills if p.rid == 2]
+    assert after and all(p.num_generated == 0 for p in after)
+    computed = sum((p.new_slot_ids for p in before), [])
+    assert 0 < len(after[0].prefix_slot_ids) < len(computed)    # part of it survived
+    assert after[0].prefix_slot_ids == computed[:len(after[0].prefix_slot_ids)]
+    assert h.output(2) == [by_position(2, 40 + i) for i in range(3)]
+    assert len(h.output(1)) == 40
+    h.assert_idle()
+
+
+def test_abort_of_a_retracted_request():
+    h = Harness(kv_capacity=64)
+    h.add(make_request(1, n=4, max_new=60), make_request(2, n=10, max_new=60))
+    while not h.retracted:
+        h.run_step()
+    assert h.s.waiting[0].rid == 2
+    h.abort(2)
+    final = h.final[2]
+    assert final.finish_reason == "abort" and final.token_ids == []
+    assert final.usage["completion_tokens"] == len(h.output(2)) > 0
+    h.run_until_idle()
+    assert h.prefills_of(2)[-1].num_generated == 0       # never resumed
+    assert all(2 not in s.releases for s in h.steps[h.retracted[0][0]:])
+    h.assert_idle()
 
 
 # ---- randomized soak -----------------------------------------------------------------
 
-@pytest.mark.parametrize("seed", range(6))
+SOAK_LIMITS = [
+    dict(kv_capacity=48, max_context=40, max_running_requests=4, max_prefill_tokens=16,
+         chunked_prefill_size=8),
+    dict(kv_capacity=100, max_context=500, max_running_requests=8, max_prefill_tokens=64,
+         chunked_prefill_size=7),
+    dict(kv_capacity=200, max_context=80, max_running_requests=16),
+    dict(kv_capacity=128, max_context=100, max_running_requests=3, max_prefill_tokens=10,
+         chunked_prefill_size=1),
+    dict(kv_capacity=300, max_context=64, max_running_requests=32, max_prefill_tokens=40,
+         chunked_prefill_size=16, enable_radix_cache=False),
+    dict(kv_capacity=700, max_context=400, max_running_requests=8, decode_cache_tokens=768,
+         chunked_prefill_size=64),
+    dict(kv_capacity=80, max_context=1000, max_running_requests=64, max_prefill_tokens=32,
+         chunked_prefill_size=12),
+    dict(kv_capacity=64, max_context=1000, max_running_requests=5, max_prefill_tokens=20,
+         chunked_prefill_size=5, enable_radix_cache=False),
+]
+
+
+@pytest.mark.parametrize("seed", range(len(SOAK_LIMITS)))
 def test_randomized_soak(seed):
     rng = random.Random(seed)
-    kv_capacity = [16, 40, 200, 200, 100, 300][seed]
-    max_context = [12, 30, 500, 40, 500, 64][seed]
-    h = Harness(kv_capacity=kv_capacity, max_context=max_context,
-                max_running_requests=[1, 3, 16, 8, 64, 32][seed],
-                max_prefill_tokens=[1, 8, 64, 16, 4096, 10][seed])
+    h = Harness(**SOAK_LIMITS[seed])
+    cap, max_context = h.cap, h.s.limits.max_context
+
+    def token(rid, pos):
+        value = hash((seed, rid, pos)) % 100
+        return EOS if value < 1 else 10 + value
+
+    h.token_fn = token
+    # Longest prompt + output that can always run alone (longer ones would meet the
+    # lone-request bugs exercised by dedicated tests above).
+    longest = min(cap - HEADROOM, h.s.decode_cache_tokens // 256 * 256 - 1)
+    bases = [prompt_of(900 + i, rng.randint(1, 40)) for i in range(4)]
     asked: dict[int, TokenizedRequest] = {}
+    aborted, failed = set(), set()
     next_rid = 1
+
+    def new_prompt():
+        kind = rng.random()
+        if kind < 0.15 and asked:                  # an earlier prompt again
+            return list(rng.choice(list(asked.values())).input_ids)
+        if kind < 0.25 and h.final:                # a follow-up turn
+            rid = rng.choice(list(h.final))
+            return list(asked[rid].input_ids) + h.output(rid) + [1500]
+        if kind < 0.7:                             # a shared "system prompt"
+            base = rng.choice(bases)
+            return base[:rng.randint(1, len(base))] + [
+                rng.randrange(1000, 2000) for _ in range(rng.randint(0, 12))]
+        return [rng.randrange(1000, 2000) for _ in range(rng.randint(1, 20))]
+
     for _ in range(400):
-        for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
-            biggest = min(max_context, kv_capacity) + 2   # some are rejected
-            n = rng.randint(1, 6) if rng.random() < 0.85 else rng.randint(0, biggest)
-            msg = make_request(next_rid, n=n, max_new=rng.randint(1, 30), stop=(EOS,))
+        for _ in range(rng.choice([0, 0, 0, 1, 1, 2, 4])):
+            prompt = new_prompt()
+            if rng.random() < 0.05:                # rejected
+                prompt = rng.choice([[], [5] * max(cap, min(max_context, 2000))])
+            elif len(prompt) >= longest:
+                prompt = prompt[:longest - 1]
+            room = min(longest - len(prompt), max_context - len(prompt),
+                       rng.choice([8, 30, 300]))
+            msg = make_request(next_rid, prompt=prompt, max_new=rng.randint(1, max(1, room)))
             asked[next_rid] = msg
             h.add(msg)
             next_rid += 1
-        for rid in range(1, next_rid):          # choose each running request's next token
-            h.tokens[rid] = EOS if rng.random() < 0.04 else rng.randrange(3, 500)
         step = h.schedule()
-        for _ in range(rng.choice([0, 0, 0, 1, 2])):
-            h.abort(rng.randrange(1, next_rid + 3))
+        for _ in range(rng.choice([0, 0, 0, 0, 1, 2])):
+            rid = rng.randrange(1, next_rid + 3)
+            if rid in asked and rid not in h.final:
+                aborted.add(rid)
+            h.abort(rid)
         if step is not None:
-            if rng.random() < 0.02:
+            if rng.random() < 0.01:
+                failed |= set(h.s.running)
                 h.fail(step, f"failure in step {step.step_id}")
             else:
                 h.answer(step)
     h.run_until_idle()
-    assert h.s.allocator.num_free == kv_capacity and not h.s.waiting and not h.s.running
+    h.assert_idle()
     assert set(h.final) == set(asked)
+    reasons = defaultdict(int)
     for rid, msg in asked.items():
-        final, out = h.final[rid], h.output(rid)
-        assert final.finish_reason in ("stop", "length", "abort", "error")
-        if final.finish_reason == "error" and final.usage is None:
-            assert out == []                     # rejected up front
+        final, out, n = h.final[rid], h.output(rid), len(msg.input_ids)
+        reasons[final.finish_reason] += 1
+        if final.usage is None:                    # rejected up front
+            assert final.finish_reason == "error" and out == []
+            assert n == 0 or n >= cap or n >= max_context
             continue
-        n = len(msg.input_ids)
-        assert final.usage == {"prompt_tokens": n, "completion_tokens": len(out),
-                               "cached_tokens": 0}
-        cap = min(msg.max_new_tokens, min(max_context, kv_capacity + 1) - n)
-        assert len(out) <= cap
+        assert out == [token(rid, n + i) for i in range(len(out))]   # no gap, no repeat
         assert EOS not in out[:-1]
-        if final.finish_reason == "stop":
-            assert out[-1] == EOS
         if final.finish_reason == "length":
-            assert len(out) == cap and (not out or out[-1] != EOS)
+            assert len(out) == min(msg.max_new_tokens, max_context - n)
+        elif final.finish_reason == "stop":
+            assert out[-1] == EOS
+        elif final.finish_reason == "abort":
+            assert rid in aborted
+        else:
+            assert rid in failed and final.error.startswith("failure in step")
+    assert reasons["length"] and reasons["stop"] and reasons["abort"]
+    assert h.steps and sum(len(s.prefills) for s in h.steps) >= len(asked) / 2
+
+
+def test_the_default_decode_budget_holds_any_request_the_pool_holds():
+    """decode_cache_tokens defaults to a row as long as the pool, rounded to 256."""
+    h = Harness(kv_capacity=300, max_running_requests=1)
+    assert h.s.decode_cache_tokens == 512
+    h.add(make_request(1, n=260, max_new=30))
+    h.run_until_idle()
+    assert h.final[1].finish_reason == "length" and len(h.output(1)) == 30

@@ -247,7 +247,9 @@ def test_request_prefill_decode_and_length_stop(sched):
     check_slots(sched, p.new_slot_ids, used)
     top = [[[100, 3], [-0.1, -2.5]]]
     sched.answer(s1, {1: 100}, top_logprobs=top)
-    assert sched.batch().entries == [TokenEntry(1, [100], [logprob(1, 100)], top)]
+    # the first token carries usage: the tokenizer learns cached_tokens early
+    assert sched.batch().entries == [TokenEntry(1, [100], [logprob(1, 100)], top, usage={
+        "prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0})]
 
     last_step = s1.step_id
     for n, token in enumerate([101, 102], start=2):
@@ -526,24 +528,66 @@ def test_requests_too_long_or_empty_get_error_entries(harness):
     harness.request(1, list(range(1, 65)), max_new_tokens=4)   # == max_context
     harness.request(2, list(range(1, 41)), max_new_tokens=4)   # > kv_capacity
     harness.request(3, [], max_new_tokens=4)
+    harness.request(4, list(range(1, 33)), max_new_tokens=4)   # == kv_capacity
     errors = []
-    while len(errors) < 3:
+    while len(errors) < 4:
         errors += harness.batch().entries
     by_rid = {e.rid: e for e in errors}
-    assert sorted(by_rid) == [1, 2, 3]
+    assert sorted(by_rid) == [1, 2, 3, 4]
     for e in errors:
         assert e.finish_reason == "error" and e.token_ids == [] and e.error
+        assert e.usage is None
     assert "context" in by_rid[1].error
-    assert "KV" in by_rid[2].error or "kv" in by_rid[2].error.lower()
+    assert "KV cache" in by_rid[2].error and "KV cache" in by_rid[4].error
     harness.assert_no_step()
 
-    # 30 prompt tokens + 10 asked > 32 slots: it is cut to what the KV can hold
-    harness.request(4, list(range(1, 31)), max_new_tokens=10)
-    out = harness.serve({4: list(range(100, 110))})
-    assert [e.token_ids[0] for e in out["entries"][4]] == [100, 101, 102]
-    assert out["entries"][4][-1].finish_reason == "length"
-    check_step_slots(harness, out["steps"])
-    harness.finish_releases({4})
+    # 10 prompt tokens + 30 asked > 32 slots: accepted (max_new_tokens is not cut to
+    # the pool); it runs until the pool is full, then finishes with an error
+    harness.request(5, list(range(1, 11)), max_new_tokens=30)
+    steps, entries = [], []
+    while not (entries and entries[-1].finish_reason):
+        step = harness.step()
+        steps.append(step)
+        rids = step.decode_rids + [p.rid for p in step.prefills if p.needs_logits]
+        harness.answer(step, {rid: 100 + len(entries) for rid in rids})
+        if rids:
+            entries += harness.batch().entries
+    tokens = [t for e in entries for t in e.token_ids]
+    assert tokens == list(range(100, 123))     # 10 + 22 decodes fill the 32 slots
+    assert entries[-1].finish_reason == "error" and entries[-1].token_ids == []
+    assert "KV" in entries[-1].error
+    assert entries[-1].usage == {"prompt_tokens": 10, "completion_tokens": 23,
+                                 "cached_tokens": 0}
+    check_step_slots(harness, steps)
+    harness.finish_releases({5})
+    harness.assert_no_batch()
+
+
+@pytest.mark.parametrize("flags,hit", [((), True), (("--disable-radix-cache",), False)],
+                         ids=["radix", "no-radix"])
+def test_a_repeated_prompt_reuses_the_cached_prefix(harness, flags, hit):
+    harness.spawn(*flags)
+    harness.worker_ready()
+    prompt = list(range(1, 21))
+    harness.request(1, prompt, max_new_tokens=1)
+    out = harness.serve({1: [50]})
+    [first] = out["steps"][0].prefills
+    harness.finish_releases({1})
+
+    harness.request(2, prompt, max_new_tokens=2)
+    s1 = harness.step()
+    [p] = s1.prefills
+    if hit:     # all but the last prompt token come from the pool
+        assert p.prefix_slot_ids == first.new_slot_ids[:19] and p.input_ids == [20]
+    else:
+        assert p.prefix_slot_ids == [] and p.input_ids == prompt
+    harness.answer(s1, {2: 60})
+    [entry] = harness.batch().entries
+    cached = 19 if hit else 0
+    assert entry.usage == {"prompt_tokens": 20, "completion_tokens": 1, "cached_tokens": cached}
+    out = harness.serve({2: [61]})
+    assert out["entries"][2][-1].usage["cached_tokens"] == cached
+    harness.finish_releases({2})
 
 
 # ---- lifecycle ----------------------------------------------------------------------

@@ -67,8 +67,10 @@ def test_stream_concatenates_to_the_decoded_text(client, llama_model):
     text = "".join(c.text for c in chunks)
     assert text == tokenizer.decode(token_ids, skip_special_tokens=True)
     assert text == client.generate(PROMPTS[3], max_tokens=MAX_TOKENS).text
-    assert chunks[-1].usage == {"prompt_tokens": len(encode(llama_model, PROMPTS[3])),
-                                "completion_tokens": len(token_ids), "cached_tokens": 0}
+    usage = chunks[-1].usage
+    n_prompt = len(encode(llama_model, PROMPTS[3]))
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (n_prompt, len(token_ids))
+    assert 0 <= usage["cached_tokens"] < n_prompt
 
 
 def test_input_ids_and_chat(client, llama_model):

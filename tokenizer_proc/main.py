@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 
 from protocol import (
-    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, Ready,
-    TokenBatch, TokenizedRequest, encode,
+    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ProtocolError,
+    Ready, Stats, StatsReply, StatsRequest, TokenBatch, TokenizedRequest, encode,
 )
 from runtime.config import parse_config
 from runtime.lifecycle import die_with_parent, setup_logging
@@ -57,8 +57,9 @@ class TokenizerServer:
         self.to_scheduler.connect(cfg.scheduler_input_addr)
         if self.to_launcher:
             self.to_launcher.connect(cfg.ready_addr)
-        self.client_decoder = Decoder(GenerateRequest, AbortRequest)
-        self.scheduler_decoder = Decoder(TokenBatch, Ready)
+        self.client_decoder = Decoder(GenerateRequest, AbortRequest, StatsRequest)
+        self.scheduler_decoder = Decoder(TokenBatch, Ready, Stats)
+        self.stats_queries: dict[int, tuple[bytes, str]] = {}
         self.limits: dict = {}
         self.streams: dict[int, RequestStream] = {}
         self.by_client: dict[tuple[bytes, str], int] = {}
@@ -108,6 +109,10 @@ class TokenizerServer:
             try:
                 if isinstance(msg, GenerateRequest):
                     await self._admit(client, msg)
+                elif isinstance(msg, StatsRequest):
+                    query_id = next(self._next_rid)
+                    self.stats_queries[query_id] = (client, msg.rid)
+                    await self.to_scheduler.send(encode(GetStats(query_id)))
                 else:
                     await self._abort_from_client(client, msg.rid)
             except Exception as exc:  # one bad request must not stop the server
@@ -178,6 +183,10 @@ class TokenizerServer:
                                "scheduler")
             if isinstance(msg, TokenBatch):
                 await self._on_batch(msg)
+            elif isinstance(msg, Stats) and msg.query_id in self.stats_queries:
+                client, rid = self.stats_queries.pop(msg.query_id)
+                stats = {**msg.stats, "tokenizer": {"streams": len(self.streams)}}
+                await self._reply(client, StatsReply(rid, stats))
 
     async def _on_batch(self, batch: TokenBatch) -> None:
         for entry in batch.entries:

@@ -33,15 +33,22 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rids)
 
-    def add(self, group: JoinGroup) -> None:
-        if self.caches is None:
-            self.caches, self.tokens = group.caches, group.first_tokens
-        else:
-            for cache, new in zip(self.caches, group.caches):
+    def add(self, groups: list[JoinGroup]) -> None:
+        """Join all of a step's new rows with one copy of the running batch."""
+        caches = groups[0].caches
+        for group in groups[1:]:
+            for cache, new in zip(caches, group.caches):
                 cache.extend(new)
-            self.tokens = mx.concatenate([self.tokens, group.first_tokens])
-        self.rids += group.rids
-        self.rows += group.rows
+        tokens = mx.concatenate([g.first_tokens for g in groups])
+        if self.caches is None:
+            self.caches, self.tokens = caches, tokens
+        else:
+            for cache, new in zip(self.caches, caches):
+                cache.extend(new)
+            self.tokens = mx.concatenate([self.tokens, tokens])
+        for group in groups:
+            self.rids += group.rids
+            self.rows += group.rows
 
     def remove(self, rids: set[int]) -> None:
         keep = [i for i, rid in enumerate(self.rids) if rid not in rids]

@@ -67,7 +67,7 @@ def build_runner(cfg: WorkerConfig):
 
     from .kv_pool import KVPool
     from .loading import is_quantized, load_model, resolve_dequantize
-    from .memory import kv_capacity_for, memory_limit_bytes
+    from .memory import kv_budget, memory_limit_bytes
     from .model_runner import ModelRunner, probe_geometry
 
     dequantize = resolve_dequantize(cfg.dequantize)
@@ -75,12 +75,13 @@ def build_runner(cfg: WorkerConfig):
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
     max_context = model_max_context(cfg.model)
-    capacity = cfg.kv_capacity or kv_capacity_for(
-        memory_limit_bytes(cfg.mem_fraction, cfg.mem_limit_gb), weights_bytes,
-        geometry.bytes_per_token, ceiling=cfg.max_running_requests * max_context)
-    pool = KVPool(geometry, capacity)
+    budget = kv_budget(memory_limit_bytes(cfg.mem_fraction, cfg.mem_limit_gb), weights_bytes,
+                       geometry.bytes_per_token, cfg.max_running_requests,
+                       ceiling=cfg.max_running_requests * max_context, capacity=cfg.kv_capacity)
+    pool = KVPool(geometry, budget.capacity)
     info = {
-        "kv_capacity": capacity, "max_context": max_context,
+        "kv_capacity": budget.capacity, "decode_cache_tokens": budget.decode_cache_tokens,
+        "max_context": max_context,
         "kv_pool_bytes": pool.nbytes, "weights_bytes": weights_bytes,
         "bytes_per_token": geometry.bytes_per_token, "blas": loaded_blas(),
         "quantized": is_quantized(model), "dequantize": dequantize,

@@ -1,11 +1,13 @@
 """KV capacity from a memory limit, counting the pool and the live decode caches."""
 
 import os
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
+DECODE_CACHE_STEP = 256   # mlx_lm's batched caches grow in steps of 256 tokens
 
 
 def machine_memory_bytes() -> int:
@@ -24,15 +26,32 @@ def memory_limit_bytes(mem_fraction: float, mem_limit_gb: float) -> int:
     return int(mem_fraction * machine_memory_bytes())
 
 
-def kv_capacity_for(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
-                    ceiling: int) -> int:
-    """Tokens of KV that fit: each token lives once in the pool and at most once
-    more in a running request's decode cache, so it is counted twice."""
-    free = limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES
-    capacity = min(free // (2 * bytes_per_token), ceiling)
-    if capacity < 16:
+@dataclass(frozen=True)
+class KVBudget:
+    capacity: int             # tokens in the slot pool
+    decode_cache_tokens: int  # tokens the padded decode caches may span (rows x width)
+
+
+def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
+              max_running: int, ceiling: int, capacity: int = 0) -> KVBudget:
+    """Split memory between the pool (C tokens) and the decode caches (D tokens),
+    which need twice their size while a join copies them: C + 2D fits. D is at
+    least a full batch of short rows (max_running x 256). An explicit `capacity`
+    sizes only the pool."""
+    min_decode = max_running * DECODE_CACHE_STEP
+    if capacity:
+        return KVBudget(capacity, max(_round_up(capacity + 1), min_decode))
+    tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
+    pool = min(tokens // 3, ceiling)
+    if pool < min_decode:   # small memory: a full batch of short rows comes first
+        pool = min(tokens - 2 * min_decode, ceiling)
+    if pool < 64:
         raise ValueError(
             f"memory limit of {limit_bytes / 1024**3:.2f} GiB leaves no room for a KV cache "
             f"(weights take {weights_bytes / 1024**3:.2f} GiB); raise --mem-fraction or "
             "--mem-limit-gb, or set --kv-capacity")
-    return int(capacity)
+    return KVBudget(int(pool), int(max(_round_up(pool + 1), min_decode)))
+
+
+def _round_up(n: int) -> int:
+    return -(-n // DECODE_CACHE_STEP) * DECODE_CACHE_STEP

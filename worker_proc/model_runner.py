@@ -73,6 +73,8 @@ class ModelRunner:
         outputs += self._prefill(step.prefills)
         result = self._finalize(step.step_id, outputs)
         result.timing["compute_ms"] = (time.perf_counter() - start) * 1e3
+        result.timing["active_memory"] = mx.get_active_memory()
+        result.timing["peak_memory"] = mx.get_peak_memory()
         return result
 
     def reset(self) -> None:
@@ -99,12 +101,14 @@ class ModelRunner:
 
     def _prefill(self, prefills: list[PrefillInput]) -> list[_Output]:
         self._check_prefills(prefills)
-        outputs = []
+        joins, outputs = [], []
         for group in plan_groups(prefills, self.prefill_step_size):
             joined = self._prefill_group(group)
             if joined is not None:
-                self.batch.add(joined[0])
+                joins.append(joined[0])
                 outputs.append(joined[1])
+        if joins:
+            self.batch.add(joins)
         return outputs
 
     def _check_prefills(self, prefills: list[PrefillInput]) -> None:
@@ -130,7 +134,8 @@ class ModelRunner:
             for cache in caches:
                 cache.filter(idx)
             logits = logits[idx]
-        rows = [RowState(group[i].sampling, self._seed(group[i].sampling)) for i in keep]
+        rows = [RowState(group[i].sampling, self._seed(group[i].sampling),
+                         group[i].num_generated) for i in keep]
         sampled = sample(logits, rows)
         rids = [group[i].rid for i in keep]
         return JoinGroup(rids, rows, caches, sampled.tokens), _Output(rids, rows, sampled)

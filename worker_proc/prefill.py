@@ -16,21 +16,36 @@ from .kv_pool import KVPool
 PAD_TOKEN = 0
 
 
-def plan_groups(prefills: list[PrefillInput], max_tokens: int) -> list[list[PrefillInput]]:
-    """Prompts with a cached prefix, or longer than `max_tokens`, run alone; the rest
-    are grouped by length with at most 2x padding and `max_tokens` padded tokens."""
-    alone = [[p] for p in prefills if p.prefix_slot_ids or len(p.input_ids) > max_tokens]
-    rest = sorted((p for p in prefills if not p.prefix_slot_ids and
-                   len(p.input_ids) <= max_tokens), key=lambda p: len(p.input_ids))
-    groups, current = [], []
-    for p in rest:
-        n = len(p.input_ids)   # the longest so far, since sorted
-        if current and (n * (len(current) + 1) > max_tokens or
-                        n > 2 * len(current[0].input_ids)):
-            groups.append(current)
-            current = []
-        current.append(p)
-    return alone + groups + ([current] if current else [])
+def plan_groups(prefills: list[PrefillInput], max_tokens: int,
+                max_width_tokens: int = 1 << 16) -> list[list[PrefillInput]]:
+    """Prefills run in left-padded groups of at most `max_tokens` new tokens.
+    Without a cached prefix, prompts group by length (at most 2x padding). With
+    one, a group needs the same number of new tokens (their columns must line
+    up); prefixes of different lengths are left-padded, up to `max_width_tokens`
+    cache positions per group. Longer than `max_tokens`: alone, in chunks."""
+    plain = sorted((p for p in prefills if not p.prefix_slot_ids),
+                   key=lambda p: len(p.input_ids))
+    cached = sorted((p for p in prefills if p.prefix_slot_ids),
+                    key=lambda p: (len(p.input_ids), len(p.prefix_slot_ids)))
+    groups: list[list[PrefillInput]] = []
+    for p in plain + cached:
+        group = groups[-1] if groups else None
+        if group is None or not _fits(group, p, max_tokens, max_width_tokens):
+            groups.append([p])
+        else:
+            group.append(p)
+    return groups
+
+
+def _fits(group: list[PrefillInput], p: PrefillInput, max_tokens: int, max_width: int) -> bool:
+    first, n = group[0], len(p.input_ids)   # p is the longest so far (sorted)
+    if bool(first.prefix_slot_ids) != bool(p.prefix_slot_ids) or n > max_tokens:
+        return False
+    if p.prefix_slot_ids:
+        width = len(p.prefix_slot_ids) + n
+        return (n == len(first.input_ids) and n * (len(group) + 1) <= max_tokens
+                and width * (len(group) + 1) <= max_width)
+    return n * (len(group) + 1) <= max_tokens and n <= 2 * len(first.input_ids)
 
 
 class GroupPrefill:
@@ -39,20 +54,25 @@ class GroupPrefill:
     def __init__(self, model, pool: KVPool, group: list[PrefillInput], chunk: int):
         self.model = model
         self.group = group
-        width = max(len(p.input_ids) for p in group)
-        pads = [width - len(p.input_ids) for p in group]
+        width = max(len(p.prefix_slot_ids) + len(p.input_ids) for p in group)
+        pads = [width - len(p.prefix_slot_ids) - len(p.input_ids) for p in group]
         self.caches = [BatchKVCache(pads) for _ in range(pool.geometry.num_layers)]
-        if group[0].prefix_slot_ids:   # only a group of one may carry a prefix
-            self._load_prefix(pool, group[0].prefix_slot_ids)
-        tokens = mx.array([[PAD_TOKEN] * pad + p.input_ids for pad, p in zip(pads, group)])
+        if group[0].prefix_slot_ids:   # all rows have one, and equally many new tokens
+            self._load_prefixes(pool, pads)
+        new = max(len(p.input_ids) for p in group)
+        tokens = mx.array([[PAD_TOKEN] * (new - len(p.input_ids)) + p.input_ids
+                           for p in group])
         self.logits = self._forward(tokens, chunk)
         self._write_pool(pool)
 
-    def _load_prefix(self, pool: KVPool, slot_ids: list[int]) -> None:
-        slots = mx.array(slot_ids)
+    def _load_prefixes(self, pool: KVPool, pads: list[int]) -> None:
+        """Gather every row's cached prefix, right-aligned; padding reads slot 0."""
+        width = max(len(p.prefix_slot_ids) for p in self.group)
+        slots = mx.array([[0] * (width - len(p.prefix_slot_ids)) + p.prefix_slot_ids
+                          for p in self.group])
         for layer, cache in enumerate(self.caches):
-            keys, values = pool.read(layer, slots)
-            cache.update_and_fetch(keys.swapaxes(0, 1)[None], values.swapaxes(0, 1)[None])
+            keys, values = pool.read(layer, slots)   # [B, P, heads, dim]
+            cache.update_and_fetch(keys.swapaxes(1, 2), values.swapaxes(1, 2))
 
     def _forward(self, tokens: mx.array, chunk: int) -> mx.array:
         body_model = getattr(self.model, "model", self.model)
@@ -64,15 +84,16 @@ class GroupPrefill:
         return self.model(tokens[:, -1:], cache=self.caches)[:, -1, :]
 
     def _write_pool(self, pool: KVPool) -> None:
-        """Every row's new tokens sit right-aligned at the cache's current end."""
+        """Every row's new tokens sit right-aligned in the last `n_max` columns."""
         end = self.caches[0].size()
-        width = self.caches[0].keys.shape[2]
-        rows = [(i * width + end - len(p.input_ids), len(p.input_ids))
-                for i, p in enumerate(self.group)]
-        flat = mx.array([start + j for start, n in rows for j in range(n)])
+        n_max = max(len(p.input_ids) for p in self.group)
+        flat = mx.array([i * n_max + n_max - len(p.input_ids) + j
+                         for i, p in enumerate(self.group) for j in range(len(p.input_ids))])
         slots = mx.array([s for p in self.group for s in p.new_slot_ids])
         for layer, cache in enumerate(self.caches):
-            pool.write(layer, slots, _rows(cache.keys, flat), _rows(cache.values, flat))
+            keys = cache.keys[:, :, end - n_max:end, :]
+            values = cache.values[:, :, end - n_max:end, :]
+            pool.write(layer, slots, _rows(keys, flat), _rows(values, flat))
 
 
 def _rows(x: mx.array, flat: mx.array) -> mx.array:

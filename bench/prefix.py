@@ -1,0 +1,99 @@
+"""Shared-prefix workload: the radix cache on vs off, in one run.
+
+64 requests share a 1024-token system prompt, each with its own 32-token
+question, 32 output tokens each (ignore_eos), all sent at once through the async
+SDK. Reports time to first token (p50, p90) and output throughput per setting.
+
+    python bench/prefix.py                 # ~40M random-weight model
+    python bench/prefix.py --model PATH --n 64 --shared 1024 --question 32 --gen-len 32
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+
+from common import MlxdServer, bench_model, machine_summary, now, random_prompts, tokenizer_vocab
+
+
+async def _drive(address: str, prompts, gen_len: int) -> dict:
+    from client import AsyncClient
+
+    async with AsyncClient(address, timeout=900) as c:
+        await c.generate(input_ids=prompts[0][-8:], max_tokens=2, ignore_eos=True)   # warm up
+        start = now()
+
+        async def one(ids):
+            first, tokens = None, 0
+            async for chunk in c.stream(input_ids=ids, max_tokens=gen_len, ignore_eos=True):
+                if chunk.token_ids and first is None:
+                    first = now() - start
+                tokens += len(chunk.token_ids)
+            return first, tokens
+
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = now() - start
+        stats = await c.stats()
+    ttfts = sorted(r[0] for r in results)
+    produced = sum(r[1] for r in results)
+    assert produced == len(prompts) * gen_len, produced
+    return {"ttft_p50_s": statistics.median(ttfts),
+            "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+            "output_tok_s": produced / elapsed, "elapsed_s": elapsed,
+            "free_slots": stats["free_slots"], "cached_slots": stats["cached_slots"]}
+
+
+def run(model: str, prompts, gen_len: int, cache: bool, args) -> dict:
+    # room for every row of the padded decode caches (256-token steps), both settings
+    capacity = len(prompts) * -(-(len(prompts[0]) + gen_len + 1) // 256) * 256 + 2048
+    flags = ["--max-running-requests", str(len(prompts)), "--kv-capacity", str(capacity)]
+    if not cache:
+        flags.append("--disable-radix-cache")
+    server = MlxdServer(model, *flags, *args.server_args.split())
+    try:
+        return asyncio.run(_drive(server.address, prompts, gen_len))
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--shared", type=int, default=1024)
+    ap.add_argument("--question", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--server-args", default="", help="extra launch.py flags")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    model = bench_model(args.model)
+    vocab = tokenizer_vocab(model)
+    system = random_prompts(1, args.shared, vocab, seed=1)[0]
+    prompts = [system + q for q in random_prompts(args.n, args.question, vocab, seed=2)]
+    runs = {"cache_on": [], "cache_off": []}
+    for _ in range(args.repeats):
+        runs["cache_off"].append(run(model, prompts, args.gen_len, False, args))
+        runs["cache_on"].append(run(model, prompts, args.gen_len, True, args))
+    report = {"machine": machine_summary(), "model": model, "n": args.n, "shared": args.shared,
+              "question": args.question, "gen_len": args.gen_len}
+    for name, rs in runs.items():
+        report[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    on, off = report["cache_on"], report["cache_off"]
+    report["ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"]
+    report["throughput_ratio"] = on["output_tok_s"] / off["output_tok_s"]
+    print(f"{args.n} requests: {args.shared}-token shared prefix + {args.question}-token "
+          f"question, {args.gen_len} output tokens; {report['machine']}")
+    for name in ("cache_off", "cache_on"):
+        r = report[name]
+        print(f"{name:10s} TTFT p50 {r['ttft_p50_s']:7.2f} s  p90 {r['ttft_p90_s']:7.2f} s  "
+              f"output {r['output_tok_s']:7.1f} tok/s")
+    print(f"cache on vs off: TTFT p50 {report['ttft_p50_speedup']:.1f}x lower, "
+          f"throughput {report['throughput_ratio']:.1f}x higher")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""KV bookkeeping: which slot holds what, and who owns it.
+
+A slot is either free (allocator), cached in the radix tree (evictable, or
+protected while a running request's prefix lock covers it), or private to one
+running request (KV it computed that the tree does not hold yet). Invariant:
+free + evictable + protected + private == capacity.
+"""
+
+from .allocator import SlotAllocator
+from .radix_cache import Node, RadixCache
+from .request import Request
+
+
+class KVBook:
+    def __init__(self, capacity: int, use_tree: bool = True):
+        self.capacity = capacity
+        self.allocator = SlotAllocator(capacity)
+        self.tree = RadixCache(self.allocator.free) if use_tree else None
+
+    # ---- capacity ---------------------------------------------------------------
+
+    @property
+    def available(self) -> int:
+        """Slots that can be had now: free, or evictable from the tree."""
+        return self.allocator.num_free + (self.tree.evictable_size if self.tree else 0)
+
+    def make_room(self, n: int) -> bool:
+        """Ensure `n` free slots, evicting unlocked tree leaves if needed."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.tree:
+            self.tree.evict(short)
+        return self.allocator.num_free >= n
+
+    def allocate(self, n: int) -> list[int]:
+        return self.allocator.allocate(n)
+
+    # ---- a request's prefix ------------------------------------------------------
+
+    def match(self, tokens: list[int]) -> tuple[list[int], Node | None]:
+        if not self.tree or not tokens:
+            return [], None
+        return self.tree.match_prefix(tokens)
+
+    def attach_prefix(self, req: Request, slots: list[int], node: Node | None) -> None:
+        """The request starts from a cached prefix: lock it, refer to its slots."""
+        if node is not None:
+            self.tree.lock(node)
+        req.last_node, req.prefix_len, req.slot_ids = node, len(slots), list(slots)
+
+    def cache_progress(self, req: Request) -> None:
+        """Put everything the request has computed into the tree and move its lock
+        there, so other requests can share it while it runs."""
+        if not self.tree:
+            return
+        tokens = req.all_ids[:len(req.slot_ids)]
+        already = self.tree.insert(tokens, req.slot_ids)
+        self.allocator.free(req.slot_ids[req.prefix_len:already])   # duplicates
+        slots, node = self.tree.match_prefix(tokens)
+        self.tree.lock(node)
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        req.last_node, req.prefix_len, req.slot_ids = node, len(slots), slots
+
+    def release(self, req: Request, keep: bool) -> None:
+        """The request stops running: its KV goes to the tree (`keep`, when the KV
+        is valid) or back to the allocator; its lock is dropped."""
+        if keep and self.tree:
+            self.cache_progress(req)
+        else:
+            self.allocator.free(req.slot_ids[req.prefix_len:])
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        req.last_node, req.prefix_len, req.slot_ids = None, 0, []
+
+    def reset_tree(self) -> None:
+        """Forget all cached KV (nothing may be running)."""
+        if self.tree:
+            self.tree.reset()
+
+    # ---- reporting ----------------------------------------------------------------
+
+    def stats(self, running: list[Request]) -> dict:
+        tree = self.tree
+        return {
+            "capacity": self.capacity, "free_slots": self.allocator.num_free,
+            "cached_slots": tree.total_size if tree else 0,
+            "evictable_slots": tree.evictable_size if tree else 0,
+            "used_slots": sum(len(r.slot_ids) - r.prefix_len for r in running)
+                          + (tree.protected_size if tree else 0),
+        }
+
+    def check_integrity(self, running: list[Request]) -> None:
+        self.allocator.check_integrity()
+        private = [s for r in running for s in r.slot_ids[r.prefix_len:]]
+        cached = self.tree.all_slots() if self.tree else []
+        if self.tree:
+            self.tree.check_integrity()
+        assert len(set(private)) == len(private), "a private slot is held twice"
+        assert not set(private) & set(cached), "a slot is both private and cached"
+        total = self.allocator.num_free + len(cached) + len(private)
+        assert total == self.capacity, (
+            f"free {self.allocator.num_free} + cached {len(cached)} + private "
+            f"{len(private)} != capacity {self.capacity}")
+        for r in running:
+            assert r.prefix_len == 0 or r.last_node is not None

@@ -1,0 +1,172 @@
+"""The radix prefix tree: token prefixes -> the KV slots that hold them.
+
+Edges carry runs of token ids with their slot ids. Running requests lock the
+path to the node their cached prefix ends at; unlocked leaves are evicted in
+LRU order when the allocator runs short. Slots in the tree belong to the tree:
+eviction hands them back through `free_slots`.
+"""
+
+import heapq
+import itertools
+from typing import Callable
+
+
+class Node:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, parent: "Node | None" = None, key=(), value=()):
+        self.children: dict[int, Node] = {}
+        self.parent = parent
+        self.key: list[int] = list(key)      # token ids on the edge into this node
+        self.value: list[int] = list(value)  # their slot ids
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __lt__(self, other: "Node") -> bool:   # heap order: least recently used first
+        return self.last_access < other.last_access
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    def __init__(self, free_slots: Callable[[list[int]], None]):
+        self._free_slots = free_slots
+        self._clock = itertools.count(1)
+        self.root = Node()
+        self.root.lock_ref = 1
+        self.evictable_size = 0   # slots in unlocked nodes
+        self.protected_size = 0   # slots in nodes some running request locks
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    # ---- lookup and insertion ---------------------------------------------------
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """Slots of the longest cached prefix of `tokens`, and the node it ends at
+        (split so that the prefix ends exactly on a node)."""
+        node, slots, i = self.root, [], 0
+        now = next(self._clock)
+        while i < len(tokens) and tokens[i] in node.children:
+            child = node.children[tokens[i]]
+            n = _common_len(child.key, tokens[i:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            slots += child.value
+            node, i = child, i + n
+        return slots, node
+
+    def insert(self, tokens: list[int], slots: list[int]) -> int:
+        """Cache `slots` for `tokens`. Returns how many leading tokens were already
+        cached: the caller still owns `slots[:that]` and must free the ones that
+        are not the tree's own (duplicates computed while the prefix was cached)."""
+        assert len(tokens) == len(slots)
+        node, i = self.root, 0
+        now = next(self._clock)
+        while i < len(tokens) and tokens[i] in node.children:
+            child = node.children[tokens[i]]
+            n = _common_len(child.key, tokens[i:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            node, i = child, i + n
+        if i < len(tokens):
+            leaf = Node(node, tokens[i:], slots[i:])
+            leaf.last_access = now
+            node.children[tokens[i]] = leaf
+            self.evictable_size += len(leaf.value)
+        return i
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Cut `child`'s edge after n tokens; return the new upper node."""
+        parent = child.parent
+        upper = Node(parent, child.key[:n], child.value[:n])
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        parent.children[upper.key[0]] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    # ---- locking ----------------------------------------------------------------
+
+    def lock(self, node: Node) -> None:
+        """Protect the path root..node from eviction (one running request)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.value)
+                self.protected_size += len(node.value)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "unlocking a node that is not locked"
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.value)
+                self.evictable_size += len(node.value)
+            node = node.parent
+
+    # ---- eviction ---------------------------------------------------------------
+
+    def evict(self, n: int) -> int:
+        """Free at least `n` slots from unlocked leaves, least recently used first
+        (fewer if not enough are unlocked). Returns the number freed."""
+        heap = [node for node in self._nodes() if not node.children and node.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n and heap:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            self._free_slots(leaf.value)
+            self.evictable_size -= len(leaf.value)
+            freed += len(leaf.value)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def reset(self) -> None:
+        """Drop everything (the worker lost its KV). No node may be locked."""
+        assert self.protected_size == 0, "resetting a tree with locked nodes"
+        for node in self._nodes():
+            self._free_slots(node.value)
+        self.root.children.clear()
+        self.evictable_size = 0
+
+    # ---- checks -----------------------------------------------------------------
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_slots(self) -> list[int]:
+        return [s for node in self._nodes() for s in node.value]
+
+    def check_integrity(self) -> None:
+        evictable = protected = 0
+        for node in self._nodes():
+            assert node.key and len(node.key) == len(node.value), "empty or ragged edge"
+            assert node.parent.children.get(node.key[0]) is node, "broken parent link"
+            assert node.lock_ref >= 0
+            assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root, \
+                "a child is locked more than its parent"
+            if node.lock_ref:
+                protected += len(node.value)
+            else:
+                evictable += len(node.value)
+        assert (evictable, protected) == (self.evictable_size, self.protected_size), \
+            f"sizes {(self.evictable_size, self.protected_size)} != {(evictable, protected)}"
+        slots = self.all_slots()
+        assert len(set(slots)) == len(slots), "a slot is cached twice"
