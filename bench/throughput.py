@@ -1,7 +1,8 @@
 """Throughput: N concurrent requests of P prompt + G output tokens.
 
 mlxd through the async SDK vs the same workload in-process with mlx_lm's
-BatchGenerator, on the same model with the same BLAS, alternating runs.
+BatchGenerator, on the same model with the same BLAS, alternating runs. Every
+repeat uses fresh random prompts, so mlxd's prefix cache never helps.
 
     python bench/throughput.py                 # ~40M random-weight model
     python bench/throughput.py --model smollm2   # the default model, SmolLM2-135M
@@ -68,10 +69,10 @@ def run_mlxd(address: str, prompts, gen_len: int) -> float:
     return asyncio.run(_drive_mlxd(address, prompts, gen_len))
 
 
-def baseline_in_child(args) -> float:
+def baseline_in_child(args, seed: int) -> float:
     cmd = [sys.executable, __file__, "--model", args.model, "--n", str(args.n),
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
-           "--baseline-only"]
+           "--seed", str(seed), "--baseline-only"]
     out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True,
                          check=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -86,11 +87,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--server-args", default="", help="extra launch.py flags")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = bench_model(args.model)
-    prompts = random_prompts(args.n, args.prompt_len, tokenizer_vocab(args.model))
+    vocab = tokenizer_vocab(args.model)
     if args.baseline_only:
+        prompts = random_prompts(args.n, args.prompt_len, vocab, seed=args.seed)
         print(run_batch_generator(args.model, prompts, args.gen_len))
         return
     capacity = args.n * (args.prompt_len + args.gen_len) + 1024
@@ -98,8 +101,9 @@ def main() -> None:
                         "--kv-capacity", str(capacity), *args.server_args.split())
     ours, theirs = [], []
     try:
-        for _ in range(args.repeats):
-            theirs.append(baseline_in_child(args))
+        for seed in range(args.repeats):   # fresh prompts each time: no prefix-cache hits
+            prompts = random_prompts(args.n, args.prompt_len, vocab, seed=seed)
+            theirs.append(baseline_in_child(args, seed))
             ours.append(run_mlxd(server.address, prompts, args.gen_len))
     finally:
         server.stop()

@@ -39,6 +39,7 @@ class SchedulerLimits:
     enable_radix_cache: bool = True
     decode_cache_tokens: int = 0    # room for the worker's padded decode caches (0: see below)
     decode_headroom: int = 16       # slots kept free per running request at admission
+    cached_token_cost: float = 0.25  # a cached prefix token's share of the prefill budget
 
 
 class Scheduler:
@@ -197,7 +198,7 @@ class Scheduler:
             chunk = self._next_chunk(self.chunking, budget)
             if chunk is not None:
                 prefills.append(chunk)
-                budget -= len(chunk.input_ids)
+                budget -= self._cost(chunk)
                 if chunk.needs_logits:
                     rows.append(self.running[chunk.rid])
         for req in self._waiting_order():
@@ -205,28 +206,39 @@ class Scheduler:
                 break
             if req.rid in self._releases or self._should_wait(req, prefills):
                 continue
-            p = self._admit(req, budget, rows)
+            p = self._admit(req, budget, rows, first=not prefills)
             if p is None:
                 break
             prefills.append(p)
-            budget -= len(p.input_ids)
+            budget -= self._cost(p)
             if p.needs_logits:
                 rows.append(req)
         self._prefilled = [self.running[p.rid] for p in prefills]
         return prefills
 
+    def _cost(self, p: PrefillInput) -> int:
+        """A prefill's share of the step budget: its new tokens, plus its cached
+        prefix at a fraction (gathering and attending over it takes time too)."""
+        return len(p.input_ids) + int(self.limits.cached_token_cost * len(p.prefix_slot_ids))
+
     def _next_chunk(self, req: Request, budget: int) -> PrefillInput | None:
         start = len(req.slot_ids)
-        n = min(req.fill_len - start, self.limits.chunked_prefill_size, budget)
+        budget -= int(self.limits.cached_token_cost * start)
+        n = min(req.fill_len - start, self.limits.chunked_prefill_size, max(1, budget))
         if not self.kv.make_room(n):
             return None
         return self._prefill_input(req, start, self.kv.allocate(n))
 
-    def _admit(self, req: Request, budget: int, rows: list[Request]) -> PrefillInput | None:
-        """Start `req` (or its first chunk) if memory allows; None stops admission."""
+    def _admit(self, req: Request, budget: int, rows: list[Request],
+               first: bool) -> PrefillInput | None:
+        """Start `req` (or its first chunk) if memory and the step's budget allow;
+        None stops admission. The step's first prefill always gets a token."""
         prefix, node = self.kv.match(req.all_ids[:req.fill_len - 1])
         extend = req.fill_len - len(prefix)
-        n = min(extend, self.limits.chunked_prefill_size, budget)
+        budget -= int(self.limits.cached_token_cost * len(prefix))
+        if budget < 1 and not first:
+            return None
+        n = min(extend, self.limits.chunked_prefill_size, max(1, budget))
         if n < extend and self.chunking is not None:
             return None
         if n == extend and self.running and not self._width_fits(rows, extra_len=req.fill_len):

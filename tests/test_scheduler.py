@@ -1157,7 +1157,8 @@ def test_chunked_prefill_after_a_prefix_hit():
 
 
 def test_a_chunked_prompt_is_shared_while_it_is_still_being_prefilled():
-    h = Harness(kv_capacity=512, chunked_prefill_size=16, max_prefill_tokens=20)
+    h = Harness(kv_capacity=512, chunked_prefill_size=16, max_prefill_tokens=20,
+                cached_token_cost=0)
     P = prompt_of(1, 48)
     h.add(make_request(1, prompt=P, max_new=2))
     first = h.run_step()
@@ -1171,7 +1172,8 @@ def test_a_chunked_prompt_is_shared_while_it_is_still_being_prefilled():
 
 
 def test_one_request_prefills_in_chunks_at_a_time():
-    h = Harness(kv_capacity=512, chunked_prefill_size=8, max_prefill_tokens=10)
+    h = Harness(kv_capacity=512, chunked_prefill_size=8, max_prefill_tokens=10,
+                cached_token_cost=0)
     h.add(make_request(1, n=30, max_new=2), make_request(2, n=2, max_new=2),
           make_request(3, n=30, max_new=2), make_request(4, n=1, max_new=2))
     step = h.run_step()
@@ -1452,3 +1454,31 @@ def test_the_default_decode_budget_holds_any_request_the_pool_holds():
     h.add(make_request(1, n=260, max_new=30))
     h.run_until_idle()
     assert h.final[1].finish_reason == "length" and len(h.output(1)) == 30
+
+
+def test_cached_prefix_tokens_count_against_the_step_budget():
+    """With cached_token_cost 0.25, a 32-token prefix costs 8 of the budget: requests
+    with 32 cached + 4 new tokens cost 12, so a budget of 40 admits three per step."""
+    h = Harness(kv_capacity=1024, max_prefill_tokens=40, cached_token_cost=0.25)
+    shared = prompt_of(1, 32)
+    run_to_finish(h, make_request(1, prompt=shared + [3], max_new=1))
+    h.add(*[make_request(rid, prompt=shared + prompt_of(rid, 4), max_new=2)
+            for rid in range(2, 8)])
+    sizes = []
+    while (step := h.run_step()) is not None:
+        if step.prefills:
+            sizes.append(len(step.prefills))
+            assert all(len(p.prefix_slot_ids) == 32 for p in step.prefills)
+    assert sizes == [3, 3]
+    h.assert_idle()
+
+
+def test_a_huge_cached_prefix_still_gets_admitted():
+    """A prefix that alone costs more than the budget does not block its request."""
+    h = Harness(kv_capacity=1024, max_prefill_tokens=8, chunked_prefill_size=64,
+                cached_token_cost=0.25)
+    long = prompt_of(1, 100)
+    run_to_finish(h, make_request(1, prompt=long, max_new=1))
+    h.add(make_request(2, prompt=long + [5, 6], max_new=2))
+    h.run_until_idle()
+    assert len(h.output(2)) == 2 and h.final[2].usage["cached_tokens"] >= 99

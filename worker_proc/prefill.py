@@ -14,15 +14,15 @@ from protocol import PrefillInput
 from .kv_pool import KVPool
 
 PAD_TOKEN = 0
+CACHE_STEP = 256   # mlx_lm's KV caches grow in steps of this many positions
 
 
-def plan_groups(prefills: list[PrefillInput], max_tokens: int,
-                max_width_tokens: int = 1 << 16) -> list[list[PrefillInput]]:
+def plan_groups(prefills: list[PrefillInput], max_tokens: int) -> list[list[PrefillInput]]:
     """Prefills run in left-padded groups of at most `max_tokens` new tokens.
     Without a cached prefix, prompts group by length (at most 2x padding). With
     one, a group needs the same number of new tokens (their columns must line
-    up); prefixes of different lengths are left-padded, up to `max_width_tokens`
-    cache positions per group. Longer than `max_tokens`: alone, in chunks."""
+    up); prefixes of different lengths are left-padded (the scheduler's decode
+    width budget bounds that memory). Longer than `max_tokens`: alone, in chunks."""
     plain = sorted((p for p in prefills if not p.prefix_slot_ids),
                    key=lambda p: len(p.input_ids))
     cached = sorted((p for p in prefills if p.prefix_slot_ids),
@@ -30,21 +30,19 @@ def plan_groups(prefills: list[PrefillInput], max_tokens: int,
     groups: list[list[PrefillInput]] = []
     for p in plain + cached:
         group = groups[-1] if groups else None
-        if group is None or not _fits(group, p, max_tokens, max_width_tokens):
+        if group is None or not _fits(group, p, max_tokens):
             groups.append([p])
         else:
             group.append(p)
     return groups
 
 
-def _fits(group: list[PrefillInput], p: PrefillInput, max_tokens: int, max_width: int) -> bool:
+def _fits(group: list[PrefillInput], p: PrefillInput, max_tokens: int) -> bool:
     first, n = group[0], len(p.input_ids)   # p is the longest so far (sorted)
     if bool(first.prefix_slot_ids) != bool(p.prefix_slot_ids) or n > max_tokens:
         return False
-    if p.prefix_slot_ids:
-        width = len(p.prefix_slot_ids) + n
-        return (n == len(first.input_ids) and n * (len(group) + 1) <= max_tokens
-                and width * (len(group) + 1) <= max_width)
+    if p.prefix_slot_ids and n != len(first.input_ids):
+        return False
     return n * (len(group) + 1) <= max_tokens and n <= 2 * len(first.input_ids)
 
 
@@ -66,13 +64,17 @@ class GroupPrefill:
         self._write_pool(pool)
 
     def _load_prefixes(self, pool: KVPool, pads: list[int]) -> None:
-        """Gather every row's cached prefix, right-aligned; padding reads slot 0."""
+        """Gather every row's cached prefix, right-aligned, straight into cache
+        buffers with room for the new tokens (padding and room read slot 0), so
+        the forward writes in place and nothing is copied twice."""
         width = max(len(p.prefix_slot_ids) for p in self.group)
+        new = max(len(p.input_ids) for p in self.group)
+        room = -(-(width + new) // CACHE_STEP) * CACHE_STEP - width
         slots = mx.array([[0] * (width - len(p.prefix_slot_ids)) + p.prefix_slot_ids
-                          for p in self.group])
+                          + [0] * room for p in self.group])
         for layer, cache in enumerate(self.caches):
-            keys, values = pool.read(layer, slots)   # [B, P, heads, dim]
-            cache.update_and_fetch(keys.swapaxes(1, 2), values.swapaxes(1, 2))
+            keys, values = (mx.contiguous(x.swapaxes(1, 2)) for x in pool.read(layer, slots))
+            cache.state = (keys, values, cache.offset + width, cache.left_padding, width)
 
     def _forward(self, tokens: mx.array, chunk: int) -> mx.array:
         body_model = getattr(self.model, "model", self.model)
