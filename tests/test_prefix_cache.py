@@ -150,3 +150,17 @@ def test_a_request_too_big_for_the_pool_gets_an_error(llama_model):
             assert ok.finish_reason in ("length", "stop")
     finally:
         server.stop()
+
+
+def test_cached_tokens_survive_a_stop_string_finish(cached_server, llama_model):
+    """A stop string ends the request in the tokenizer, before the scheduler's final
+    usage: cached_tokens comes from the first token's usage."""
+    ids = random_ids(60, seed=60)
+    with Client(cached_server.address, timeout=60) as c:
+        plain = c.generate(input_ids=ids, max_tokens=MAX_TOKENS)
+        stop = plain.text[3:6]
+        if not stop.strip():
+            pytest.skip("the greedy text has no usable stop string")
+        stopped = c.generate(input_ids=ids, max_tokens=MAX_TOKENS, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.usage["cached_tokens"] == len(ids) - 1

@@ -163,7 +163,7 @@ def test_usage(decode, encode):
     assert chunks[-1].usage == {"prompt_tokens": 11, "completion_tokens": len(ids),
                                 "cached_tokens": 4}
     assert rs.usage() == {"prompt_tokens": 11, "completion_tokens": len(ids),
-                          "cached_tokens": 0}
+                          "cached_tokens": 4}   # remembered from the scheduler's usage
 
 
 # ---- logprobs ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class RequestStream:
         self.logprobs: list[float] = []
         self.top_logprobs: list = []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0   # from the scheduler's usage, sent with the first token
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._searched = 0      # text before this was checked for stop strings
         self._sent_text = 0     # chunk cursors
@@ -39,6 +40,8 @@ class RequestStream:
         """Take the scheduler's new tokens; return a chunk to send, if any.
         After a stop-string hit `finish_reason` is "stop" and the scheduler
         still has to be told to abort the request."""
+        if entry.usage:
+            self.cached_tokens = entry.usage.get("cached_tokens", 0)
         self.token_ids += entry.token_ids
         self.logprobs += entry.logprobs
         self.top_logprobs += entry.top_logprobs or [None] * len(entry.token_ids)
@@ -77,15 +80,12 @@ class RequestStream:
         self._sent_text, self._sent_tokens = end, len(self.token_ids)
         if self.finished:
             chunk.finish_reason = self.finish_reason
-            chunk.usage = self.usage(entry)
+            chunk.usage = self.usage()
             chunk.error = entry.error
         elif not chunk.text and not chunk.token_ids:
             return None
         return chunk
 
-    def usage(self, entry: TokenEntry | None = None) -> dict:
-        usage = {"prompt_tokens": self.prompt_tokens,
-                 "completion_tokens": len(self.token_ids), "cached_tokens": 0}
-        if entry is not None and entry.usage:
-            usage["cached_tokens"] = entry.usage.get("cached_tokens", 0)
-        return usage
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": len(self.token_ids), "cached_tokens": self.cached_tokens}
