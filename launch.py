@@ -49,6 +49,7 @@ class LaunchConfig:
     disable_radix_cache: bool = False
     kv_capacity: int = 0
     dequantize: str = "auto"
+    disable_overlap: bool = False
     mem_fraction: float = 0.3
     mem_limit_gb: float = 0.0
     default_max_tokens: int = 256
@@ -69,6 +70,7 @@ HELP = {
     "disable_radix_cache": "do not reuse the KV of shared prompt prefixes",
     "kv_capacity": "KV pool size in tokens; 0 derives it from the memory limit",
     "dequantize": "auto, on or off: dequantize quantized weights at load (auto: on for CPU)",
+    "disable_overlap": "do not launch the next decode step before the current one is read",
     "mem_fraction": "fraction of machine memory for weights + KV when --kv-capacity is 0",
     "mem_limit_gb": "absolute memory limit in GiB (overrides --mem-fraction)",
     "default_max_tokens": "max_tokens of requests that do not set it",
@@ -165,6 +167,7 @@ class Launcher:
         worker = WorkerConfig(
             model=model, input_addr=self._ipc("worker_in"), output_addr=self._ipc("worker_out"),
             kv_capacity=cfg.kv_capacity, dequantize=cfg.dequantize,
+            disable_overlap=cfg.disable_overlap,
             mem_fraction=cfg.mem_fraction,
             mem_limit_gb=cfg.mem_limit_gb, max_running_requests=cfg.max_running_requests,
             **common)

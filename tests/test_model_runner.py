@@ -161,3 +161,39 @@ def test_prefix_prefills_of_different_lengths_share_one_group(llama_model):
         d.step()
     for rid, n in ((2, 5), (3, 12), (4, 20)):
         assert_matches_reference(llama_model, base[:n] + tails[rid][:6], d.out[rid])
+
+
+def run_scenario(model_path, overlap: bool, sampling=None):
+    """Arrivals mid-stream, finishes at different steps, an abort, max_tokens 1 and 2."""
+    d = Driver(model_path)
+    d.runner.overlap = overlap
+    ids = [encode(model_path, p) for p in PROMPTS]
+    limit = {0: 1, 1: 2, 2: 9, 3: 14, 4: 20, 5: 20, 6: 6, 7: 20}   # tokens per rid
+    arrive = {0: [0, 1, 2, 3], 3: [4, 5], 5: [6, 7]}
+    aborted = {9: 5}                                                 # step -> rid
+    for step in range(30):
+        joining = [d.prefill(r, ids[r], sampling=sampling) for r in arrive.get(step, [])]
+        done = [r for r in d.running if len(d.out[r]) >= limit[r] or aborted.get(step) == r]
+        d.step(joining, done)
+    return {rid: d.out[rid][:limit[rid]] for rid in d.out}
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=40, seed=9)],
+                         ids=["greedy", "seeded"])
+def test_overlap_gives_the_tokens_of_no_overlap(llama_model, sampling):
+    chained, plain = run_scenario(llama_model, True, sampling), run_scenario(llama_model, False, sampling)
+    assert chained.keys() == plain.keys()
+    for rid in plain:
+        assert [t for t, _ in chained[rid]] == [t for t, _ in plain[rid]], rid
+        assert max(abs(a[1] - b[1]) for a, b in zip(chained[rid], plain[rid])) < 1e-4
+
+
+def test_overlap_chains_the_next_decode(llama_model):
+    d = Driver(llama_model)
+    d.runner.overlap = True
+    d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
+    assert d.runner.ahead is not None and d.runner.ahead.rids == [1]
+    result = d.step()
+    assert result.timing["chained"] is True
+    d.step(releases=[1])
+    assert d.runner.ahead is None and len(d.runner.batch) == 0

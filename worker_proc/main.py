@@ -32,6 +32,7 @@ class WorkerConfig:
     output_addr: str
     kv_capacity: int = 0
     dequantize: str = "auto"
+    disable_overlap: bool = False
     mem_fraction: float = 0.3
     mem_limit_gb: float = 0.0
     max_running_requests: int = 64
@@ -88,7 +89,8 @@ def build_runner(cfg: WorkerConfig):
         "kv_dtype": str(geometry.dtype),
         "device": str(mx.default_device()),
     }
-    return ModelRunner(model, pool, cfg.prefill_step_size), info
+    info["overlap"] = not cfg.disable_overlap
+    return ModelRunner(model, pool, cfg.prefill_step_size, overlap=not cfg.disable_overlap), info
 
 
 def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list) -> None:

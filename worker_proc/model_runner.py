@@ -50,12 +50,18 @@ class _Output:
 
 
 class ModelRunner:
+    """Runs Steps. With `overlap`, every step ends by launching the next decode of
+    the whole batch on the still-lazy tokens (`self.ahead`), before blocking on its
+    own results; the next Step then commits that work for the rows it keeps."""
+
     def __init__(self, model, pool: KVPool, prefill_step_size: int = 2048,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, overlap: bool = False):
         self.model = model
         self.pool = pool
         self.prefill_step_size = prefill_step_size
+        self.overlap = overlap
         self.batch = DecodeBatch()
+        self.ahead: _Output | None = None   # a launched, uncommitted decode of the batch
         self.vocab_size = probe_vocab_size(model)
         self._rng = rng or random.Random()
 
@@ -63,15 +69,22 @@ class ModelRunner:
 
     def run(self, step: Step) -> StepResult:
         start = time.perf_counter()
-        self.batch.remove(set(step.releases))
+        chained = self.ahead is not None
+        self.batch.remove(set(step.releases))   # also drops their rows of `ahead`
         outputs = []
         if step.decode_rids:
-            outputs.append(self._decode(step.decode_rids, step.decode_slot_ids))
+            ahead, self.ahead = self.ahead or self._launch_decode(), None
+            outputs.append(self._commit_decode(ahead, step.decode_rids, step.decode_slot_ids))
         elif len(self.batch):
             raise ValueError(f"step {step.step_id} decodes nothing but "
                              f"{len(self.batch)} requests are running")
+        else:
+            self.ahead = None
         outputs += self._prefill(step.prefills)
+        if self.overlap and len(self.batch):
+            self.ahead = self._launch_decode()   # step k+1, chained on step k's tokens
         result = self._finalize(step.step_id, outputs)
+        result.timing["chained"] = chained
         result.timing["compute_ms"] = (time.perf_counter() - start) * 1e3
         result.timing["active_memory"] = mx.get_active_memory()
         result.timing["peak_memory"] = mx.get_peak_memory()
@@ -80,22 +93,38 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every request's state (after a failed step)."""
         self.batch.clear()
+        self.ahead = None
 
     # ---- decode -----------------------------------------------------------
 
-    def _decode(self, rids: list[int], slot_ids: list[int]) -> _Output:
+    def _launch_decode(self) -> _Output:
+        """Decode every row of the batch, lazily; the rows' next input is the result."""
+        logits = self.batch.forward(self.model)
+        sampled = sample(logits, self.batch.rows)
+        self.batch.tokens = sampled.tokens
+        mx.async_eval(sampled.tokens, sampled.logprobs)
+        return _Output(list(self.batch.rids), list(self.batch.rows), sampled)
+
+    def _commit_decode(self, launched: _Output, rids: list[int], slot_ids: list[int]) -> _Output:
+        """Keep the launched decode's rows the Step names (the batch's rows, after its
+        releases) and store their new KV at the Step's slots."""
         slot_of = dict(zip(rids, slot_ids))
         if len(slot_of) != len(rids) or slot_of.keys() != set(self.batch.rids):
             raise ValueError(f"decode rids {sorted(slot_of)} do not match the running "
                              f"requests {sorted(self.batch.rids)}")
         self.pool.check_slots(slot_ids)
-        logits = self.batch.forward(self.model)
         slots = mx.array([slot_of[rid] for rid in self.batch.rids])
         for layer in range(len(self.batch.caches)):
             self.pool.write(layer, slots, *self.batch.newest_kv(layer))
-        sampled = sample(logits, self.batch.rows)
-        self.batch.tokens = sampled.tokens
-        return _Output(list(self.batch.rids), list(self.batch.rows), sampled)
+        if launched.rids == self.batch.rids:
+            return launched
+        position = {rid: i for i, rid in enumerate(launched.rids)}
+        keep = mx.array([position[rid] for rid in self.batch.rids])
+        s = launched.sampled
+        return _Output(list(self.batch.rids), list(self.batch.rows), Sampled(
+            s.tokens[keep], s.logprobs[keep],
+            None if s.top_ids is None else s.top_ids[keep],
+            None if s.top_logprobs is None else s.top_logprobs[keep]))
 
     # ---- prefill ----------------------------------------------------------
 
