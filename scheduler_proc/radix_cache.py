@@ -52,7 +52,27 @@ class RadixCache:
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
         """Slots of the longest cached prefix of `tokens`, and the node it ends at
         (split so that the prefix ends exactly on a node)."""
-        node, slots, i = self.root, [], 0
+        node, _, slots, _ = self._walk(tokens)
+        return slots, node
+
+    def insert(self, tokens: list[int], slots: list[int]) -> int:
+        """Cache `slots` for `tokens`. Returns how many leading tokens were already
+        cached: the caller still owns `slots[:that]` and must free the ones that
+        are not the tree's own (duplicates computed while the prefix was cached)."""
+        assert len(tokens) == len(slots)
+        node, i, _, now = self._walk(tokens)
+        if i < len(tokens):
+            leaf = Node(node, tokens[i:], slots[i:])
+            leaf.last_access = now
+            node.children[tokens[i]] = leaf
+            self.evictable_size += len(leaf.value)
+        return i
+
+    def _walk(self, tokens: list[int]):
+        """Follow `tokens` down the tree, touching each node passed and splitting
+        the last edge so the matched part ends on a node. Returns that node, the
+        matched length, its slots and the access time used."""
+        node, i, slots = self.root, 0, []
         now = next(self._clock)
         while i < len(tokens) and tokens[i] in node.children:
             child = node.children[tokens[i]]
@@ -62,28 +82,7 @@ class RadixCache:
             child.last_access = now
             slots += child.value
             node, i = child, i + n
-        return slots, node
-
-    def insert(self, tokens: list[int], slots: list[int]) -> int:
-        """Cache `slots` for `tokens`. Returns how many leading tokens were already
-        cached: the caller still owns `slots[:that]` and must free the ones that
-        are not the tree's own (duplicates computed while the prefix was cached)."""
-        assert len(tokens) == len(slots)
-        node, i = self.root, 0
-        now = next(self._clock)
-        while i < len(tokens) and tokens[i] in node.children:
-            child = node.children[tokens[i]]
-            n = _common_len(child.key, tokens[i:])
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            node, i = child, i + n
-        if i < len(tokens):
-            leaf = Node(node, tokens[i:], slots[i:])
-            leaf.last_access = now
-            node.children[tokens[i]] = leaf
-            self.evictable_size += len(leaf.value)
-        return i
+        return node, i, slots, now
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; return the new upper node."""
