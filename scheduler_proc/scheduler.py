@@ -157,11 +157,12 @@ class Scheduler:
 
     def _width_fits(self, rows: list[Request], extra_len: int = 0) -> bool:
         """The worker's decode caches are padded to the longest row, in 256-token
-        steps; `extra_len` is the length of one more row about to join."""
+        steps; `extra_len` is the length of one more row about to join. A row holds
+        its KV, the next input's position and, with overlap, one chained position."""
         lengths = [len(r.slot_ids) for r in rows] + ([extra_len] if extra_len else [])
         if not lengths:
             return True
-        return len(lengths) * round_up(max(lengths) + 1) <= self.decode_cache_tokens
+        return len(lengths) * round_up(max(lengths) + 2) <= self.decode_cache_tokens
 
     def _retraction_victim(self) -> Request:
         """The running request with the least progress (then: holding the most KV)."""
@@ -195,7 +196,7 @@ class Scheduler:
         prefills: list[PrefillInput] = []
         rows = list(decoding)   # the decode batch of the next step
         if self.chunking is not None:
-            chunk = self._next_chunk(self.chunking, budget)
+            chunk = self._next_chunk(self.chunking, budget, rows)
             if chunk is not None:
                 prefills.append(chunk)
                 budget -= self._cost(chunk)
@@ -221,10 +222,13 @@ class Scheduler:
         prefix at a fraction (gathering and attending over it takes time too)."""
         return len(p.input_ids) + int(self.limits.cached_token_cost * len(p.prefix_slot_ids))
 
-    def _next_chunk(self, req: Request, budget: int) -> PrefillInput | None:
+    def _next_chunk(self, req: Request, budget: int, rows: list[Request]) -> PrefillInput | None:
         start = len(req.slot_ids)
         budget -= int(self.limits.cached_token_cost * start)
         n = min(req.fill_len - start, self.limits.chunked_prefill_size, max(1, budget))
+        last = start + n == req.fill_len
+        if last and rows and not self._width_fits(rows, extra_len=req.fill_len):
+            return None   # its row would not fit the decode caches yet: wait
         if not self.kv.make_room(n):
             return None
         return self._prefill_input(req, start, self.kv.allocate(n))
@@ -241,8 +245,8 @@ class Scheduler:
         n = min(extend, self.limits.chunked_prefill_size, max(1, budget))
         if n < extend and self.chunking is not None:
             return None
-        if n == extend and self.running and not self._width_fits(rows, extra_len=req.fill_len):
-            return None
+        if self.running and not self._width_fits(rows, extra_len=req.fill_len):
+            return None   # chunked or not, it joins the decode caches at this length
         # Headroom for the running rows' next tokens; never asked of a request alone.
         alone = not self.running
         need = n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))

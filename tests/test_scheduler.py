@@ -511,12 +511,13 @@ def test_decode_cache_width_retracts_a_row_that_grows_past_a_step():
     h.add(make_request(1, n=250, max_new=20), make_request(2, n=4, max_new=20))
     assert prefilled(h.run_step()) == [1, 2]     # widths 2 x 256
     h.run_until_idle()
-    # step 8 would give rid 1 its 257th slot: 2 x 512 > 512; it holds more KV than rid 2
-    assert h.retracted == [(8, 1)] and h.s.num_retractions == 1
+    # step 7 would need width round_up(256 + 2) = 512 for rid 1: 2 x 512 > 512; it
+    # holds more KV than rid 2
+    assert h.retracted == [(7, 1)] and h.s.num_retractions == 1
     assert h.output(1) == [by_position(1, 250 + i) for i in range(20)]
     assert h.output(2) == [by_position(2, 4 + i) for i in range(20)]
     [(rid, generated, tokens)] = h.resumes
-    assert rid == 1 and generated == 7 and tokens == prompt_of(1, 250) + h.output(1)[:7]
+    assert rid == 1 and generated == 6 and tokens == prompt_of(1, 250) + h.output(1)[:6]
     h.assert_idle()
 
 
@@ -531,13 +532,13 @@ def test_a_lone_request_wider_than_the_decode_caches_does_not_hang():
 
 
 def test_a_lone_request_growing_wider_than_the_decode_caches_gets_a_true_error():
-    """At 257 tokens its padded decode cache (512) outgrows a decode budget set to 300:
-    it must stop, but the error must not blame a pool that holds it."""
+    """At 256 tokens its padded decode cache (round_up(256 + 2) = 512) outgrows a decode
+    budget set to 300: it must stop, but the error must not blame a pool that holds it."""
     h = Harness(kv_capacity=300, max_running_requests=1, decode_cache_tokens=300)
     h.add(make_request(1, n=200, max_new=100))
     h.run_until_idle()
     final = h.final[1]
-    assert final.finish_reason == "error" and len(h.output(1)) == 57
+    assert final.finish_reason == "error" and len(h.output(1)) == 56
     claim = re.search(r"needs (\d+) KV slots; the pool holds (\d+)", final.error)
     assert not claim or int(claim[1]) > int(claim[2]), f"untrue error: {final.error!r}"
 
@@ -1277,26 +1278,26 @@ def test_a_retracted_request_resumes_from_its_cached_kv():
     h.token_fn = by_position
     h.add(make_request(1, n=250, max_new=20), make_request(2, n=4, max_new=20))
     h.run_until_idle()
-    assert h.retracted == [(8, 1)]
+    assert h.retracted == [(7, 1)]
     [first, resumed] = h.prefills_of(1)
-    had = 250 + 7
-    assert resumed.num_generated == 7 and resumed.input_ids == [h.output(1)[6]]
+    had = 250 + 6
+    assert resumed.num_generated == 6 and resumed.input_ids == [h.output(1)[5]]
     assert len(resumed.prefix_slot_ids) == had - 1
     assert resumed.prefix_slot_ids[:250] == first.new_slot_ids
     assert h.final[1].usage["cached_tokens"] == 0     # the first admission's hit
 
 
 def test_a_retracted_request_that_fits_alone_is_resumed():
-    """rid 2 is retracted (decode width) with 257 tokens, 256 of them cached. Alone it
+    """rid 2 is retracted (decode width) with 256 tokens, 255 of them cached. Alone it
     fits the pool (250 + 15 - 1 <= 270), but resuming it asks for its last token plus
-    16 slots of headroom beside its locked prefix (17 > 270 - 256): it must still
+    16 slots of headroom beside its locked prefix (17 > 270 - 255): it must still
     resume once rid 1 is gone, and must not block rid 3 behind it."""
     h = Harness(kv_capacity=270, decode_cache_tokens=512, chunked_prefill_size=128)
     h.token_fn = by_position
     h.add(make_request(1, n=4, max_new=12), make_request(2, n=250, max_new=15))
     while not h.retracted:
         h.run_step()
-    assert h.retracted == [(9, 2)]
+    assert h.retracted == [(8, 2)]
     h.add(make_request(3, n=2, max_new=2))
     h.run_until_idle(limit=200)
     assert h.output(2) == [by_position(2, 250 + i) for i in range(15)]

@@ -225,9 +225,12 @@ def test_input_ids_default_max_tokens_and_kv_sized_prompt_pass_through(tok, clie
     client.stream(input_ids=[1, 5, 6, 7])
     req = tok.take_request()
     assert req.input_ids == [1, 5, 6, 7] and req.max_new_tokens == DEFAULT_MAX_TOKENS
-    client.stream(input_ids=[5] * KV_CAPACITY, max_tokens=1)    # exactly the KV capacity
+    client.stream(input_ids=[5] * (KV_CAPACITY - 1), max_tokens=1)   # the largest that fits
     big = tok.take_request()
-    assert len(big.input_ids) == KV_CAPACITY and big.rid != req.rid
+    assert len(big.input_ids) == KV_CAPACITY - 1 and big.rid != req.rid
+    with pytest.raises(MlxdError) as err:   # as many as the pool holds: no room to decode
+        client.generate(input_ids=[5] * KV_CAPACITY, max_tokens=1)
+    assert err.value.code == "invalid_request"
     tok.finish(req.rid)
     tok.finish(big.rid)
 

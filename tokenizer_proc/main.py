@@ -166,7 +166,7 @@ class TokenizerServer:
         if max_context and n >= max_context:
             raise InvalidRequest(f"the prompt has {n} tokens; the model's context is "
                                  f"{max_context} tokens")
-        if kv_capacity and n > kv_capacity:
+        if kv_capacity and n >= kv_capacity:
             raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds "
                                  f"{kv_capacity} tokens")
 

@@ -42,9 +42,10 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
     if capacity:
         return KVBudget(capacity, max(_round_up(capacity + 1), min_decode))
     tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
-    pool = min(tokens // 3, ceiling)
-    if pool < min_decode:   # small memory: a full batch of short rows comes first
-        pool = min(tokens - 2 * min_decode, ceiling)
+    pool = min((tokens - 2 * DECODE_CACHE_STEP) // 3, ceiling)
+    if pool + 2 * max(_round_up(pool + 1), min_decode) > tokens:
+        # small memory: a full batch of short rows comes first
+        pool = min(tokens - 2 * min_decode, min_decode - 1, ceiling)
     if pool < 64:
         raise ValueError(
             f"memory limit of {limit_bytes / 1024**3:.2f} GiB leaves no room for a KV cache "
