@@ -1,0 +1,100 @@
+"""Regression tests for defects found in review: decode-width and memory budgets, and
+the longest prompt the tokenizer and scheduler accept."""
+
+from types import SimpleNamespace
+
+from scheduler_proc.scheduler import Scheduler, SchedulerLimits, round_up
+from test_scheduler import Harness, make_request
+from tokenizer_proc.main import TokenizerServer
+from tokenizer_proc.params import InvalidRequest
+
+
+def _worker_decode_width(h: Harness) -> int:
+    """Tokens the worker's padded decode caches span after the last step: rows x the
+    longest row rounded up to 256 (the quantity `decode_cache_tokens` budgets)."""
+    if not h.batch:
+        return 0
+    return len(h.batch) * round_up(max(len(h.ctx[rid]) for rid in h.batch))
+
+
+def test_a_chunked_prefill_respects_the_decode_width_budget():
+    """Two short requests decode; a third one with a 40-token prompt arrives. The
+    decode caches may span 512 tokens = 2 rows of 256, so the third request must wait,
+    chunked or not: joining would make the worker's caches span 3 x 256 tokens."""
+    h = Harness(kv_capacity=4096, decode_cache_tokens=512, chunked_prefill_size=16)
+    h.add(make_request(1, n=4, max_new=50), make_request(2, n=4, max_new=50))
+    h.run_step()
+    assert sorted(h.batch) == [1, 2]
+    h.add(make_request(3, n=40, max_new=5))
+    widths = []
+    for _ in range(6):
+        h.run_step()
+        widths.append(_worker_decode_width(h))
+    assert max(widths) <= h.s.decode_cache_tokens, (
+        f"worker decode caches spanned {widths} tokens; budget {h.s.decode_cache_tokens}")
+    assert h.s.num_retractions == 0
+
+
+def test_tokenizer_and_scheduler_agree_on_the_longest_prompt():
+    """Both reject a prompt of exactly kv_capacity tokens, so the client gets the
+    documented ErrorReply(code="invalid_request"), never a late "error" chunk."""
+    cap = 1000
+    fake = SimpleNamespace(limits={"kv_capacity": cap, "max_context": 4096})
+    try:
+        TokenizerServer._check_length(fake, cap)
+        tokenizer_accepts = True
+    except InvalidRequest:
+        tokenizer_accepts = False
+    s = Scheduler(SchedulerLimits(kv_capacity=cap, max_context=4096))
+    s.add_request(make_request(1, n=cap, max_new=1))
+    [rejected] = s.take_outputs() or [None]
+    scheduler_accepts = rejected is None
+    assert tokenizer_accepts == scheduler_accepts, (
+        f"tokenizer accepts={tokenizer_accepts}, scheduler says: {rejected and rejected.error}")
+
+
+def test_overlap_decode_caches_stay_within_the_width_budget(llama_model):
+    """With overlap the worker appends the *next* decode position to its batched
+    caches at the end of every step; the scheduler's width budget counts that
+    position, so the real caches never span more than decode_cache_tokens."""
+    from protocol import SamplingParams, TokenizedRequest
+    from support import load_reference
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.model_runner import ModelRunner, probe_geometry
+
+    model, _ = load_reference(llama_model)
+    spans = {}
+    for overlap in (False, True):
+        s = Scheduler(SchedulerLimits(kv_capacity=4096, max_context=2048,
+                                      decode_cache_tokens=512))
+        runner = ModelRunner(model, KVPool(probe_geometry(model), 4096), overlap=overlap)
+        s.add_request(TokenizedRequest(1, [7] * 240, SamplingParams(), 40, []))
+        spans[overlap] = []
+        for i in range(40):
+            if i == 2:
+                s.add_request(TokenizedRequest(2, [9] * 5, SamplingParams(), 40, []))
+            step = s.schedule()
+            if step is None:
+                break
+            s.process_result(runner.run(step))
+            s.take_outputs()
+            caches = runner.batch.caches
+            spans[overlap].append(0 if caches is None else
+                                  caches[0].keys.shape[0] * caches[0].keys.shape[2])
+    assert max(spans[False]) <= 512
+    assert max(spans[True]) <= s.decode_cache_tokens, (
+        f"with overlap the decode caches spanned up to {max(spans[True])} tokens "
+        f"(budget {s.decode_cache_tokens})")
+
+
+def test_kv_budget_keeps_pool_plus_twice_the_decode_caches_within_memory():
+    """memory.kv_budget: the pool C and the decode caches D (rounded up to 256) satisfy
+    C + 2D <= the tokens left after weights and the activation reserve."""
+    from worker_proc.memory import ACTIVATION_RESERVE_BYTES, kv_budget
+
+    bytes_per_token = 1000
+    tokens = 100_000
+    budget = kv_budget(tokens * bytes_per_token + ACTIVATION_RESERVE_BYTES, 0,
+                       bytes_per_token, max_running=64, ceiling=10**9)
+    used = budget.capacity + 2 * budget.decode_cache_tokens
+    assert used <= tokens, f"C + 2D = {used} tokens > {tokens} available ({budget})"
