@@ -155,11 +155,11 @@ class Scheduler:
             decoding = [r for r in decoding if r is not victim]
         return decoding
 
-    def _width_fits(self, rows: list[Request], extra_len: int = 0) -> bool:
+    def _width_fits(self, rows: list[Request], *extra_lens: int) -> bool:
         """The worker's decode caches are padded to the longest row, in 256-token
-        steps; `extra_len` is the length of one more row about to join. A row holds
-        its KV, the next input's position and, with overlap, one chained position."""
-        lengths = [len(r.slot_ids) for r in rows] + ([extra_len] if extra_len else [])
+        steps; `extra_lens` are lengths of rows about to join. A row holds its KV,
+        the next input's position and, with overlap, one chained position."""
+        lengths = [len(r.slot_ids) for r in rows] + [n for n in extra_lens if n]
         if not lengths:
             return True
         return len(lengths) * round_up(max(lengths) + 2) <= self.decode_cache_tokens
@@ -207,7 +207,9 @@ class Scheduler:
                 break
             if req.rid in self._releases or self._should_wait(req, prefills):
                 continue
-            p = self._admit(req, budget, rows, first=not prefills)
+            # a chunked request still prefilling keeps a place in the decode width
+            pending = self.chunking.fill_len if self.chunking is not None else 0
+            p = self._admit(req, budget, rows, pending, first=not prefills)
             if p is None:
                 break
             prefills.append(p)
@@ -227,13 +229,13 @@ class Scheduler:
         budget -= int(self.limits.cached_token_cost * start)
         n = min(req.fill_len - start, self.limits.chunked_prefill_size, max(1, budget))
         last = start + n == req.fill_len
-        if last and rows and not self._width_fits(rows, extra_len=req.fill_len):
+        if last and rows and not self._width_fits(rows, req.fill_len):
             return None   # its row would not fit the decode caches yet: wait
         if not self.kv.make_room(n):
             return None
         return self._prefill_input(req, start, self.kv.allocate(n))
 
-    def _admit(self, req: Request, budget: int, rows: list[Request],
+    def _admit(self, req: Request, budget: int, rows: list[Request], pending: int,
                first: bool) -> PrefillInput | None:
         """Start `req` (or its first chunk) if memory and the step's budget allow;
         None stops admission. The step's first prefill always gets a token."""
@@ -245,7 +247,7 @@ class Scheduler:
         n = min(extend, self.limits.chunked_prefill_size, max(1, budget))
         if n < extend and self.chunking is not None:
             return None
-        if self.running and not self._width_fits(rows, extra_len=req.fill_len):
+        if self.running and not self._width_fits(rows, req.fill_len, pending):
             return None   # chunked or not, it joins the decode caches at this length
         # Headroom for the running rows' next tokens; never asked of a request alone.
         alone = not self.running

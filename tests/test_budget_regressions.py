@@ -98,3 +98,23 @@ def test_kv_budget_keeps_pool_plus_twice_the_decode_caches_within_memory():
                        bytes_per_token, max_running=64, ceiling=10**9)
     used = budget.capacity + 2 * budget.decode_cache_tokens
     assert used <= tokens, f"C + 2D = {used} tokens > {tokens} available ({budget})"
+
+
+def test_a_chunked_request_waiting_for_decode_width_is_not_starved_by_later_arrivals():
+    """A chunked request's last chunk waits while its row would not fit the decode
+    width; later arrivals must count its pending row, or a stream of short requests
+    (one per step, keeping 2 rows decoding) starves it forever."""
+    h = Harness(kv_capacity=4096, decode_cache_tokens=1024, chunked_prefill_size=16)
+    h.add(make_request(1, n=4, max_new=4))
+    h.run_step()
+    h.add(make_request(2, n=300, max_new=5))
+    rid = 3
+    for _ in range(300):
+        h.add(make_request(rid, n=4, max_new=3))
+        rid += 1
+        h.run_step()
+    served_after = sum(1 for r in range(3, rid) if r in h.final)
+    assert h.output(2), (
+        f"rid 2 never got its first token in 300 steps (holding "
+        f"{len(h.s.running[2].slot_ids)} slots, queue {len(h.s.waiting)}), while "
+        f"{served_after} requests that arrived after it finished")
