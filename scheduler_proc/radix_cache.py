@@ -26,7 +26,7 @@ class Node:
         return self.last_access < other.last_access
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -76,7 +76,7 @@ class RadixCache:
         now = next(self._clock)
         while i < len(tokens) and tokens[i] in node.children:
             child = node.children[tokens[i]]
-            n = _common_len(child.key, tokens[i:])
+            n = common_prefix_len(child.key, tokens[i:])
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now

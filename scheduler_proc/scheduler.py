@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
 
 from .kv_book import KVBook
+from .radix_cache import common_prefix_len
 from .request import Request, Status
 
 LPM_QUEUE_LIMIT = 128      # longer waiting queues fall back to FCFS
@@ -202,10 +203,10 @@ class Scheduler:
                 budget -= self._cost(chunk)
                 if chunk.needs_logits:
                     rows.append(self.running[chunk.rid])
-        for req in self._waiting_order():
+        for req, cached in self._waiting_order():
             if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
                 break
-            if req.rid in self._releases or self._should_wait(req, prefills):
+            if req.rid in self._releases or self._should_wait(req, cached, prefills):
                 continue
             # a chunked request still prefilling keeps a place in the decode width
             pending = self.chunking.fill_len if self.chunking is not None else 0
@@ -276,23 +277,29 @@ class Scheduler:
                             new_slots, req.sampling, needs_logits=done,
                             num_generated=len(req.output_ids))
 
-    def _waiting_order(self) -> list[Request]:
-        """Longest cached prefix first (ties: arrival order); FCFS for long queues."""
-        queue = list(self.waiting)
-        if not self.kv.tree or len(queue) > LPM_QUEUE_LIMIT:
-            return queue
-        return sorted(queue, key=lambda r: -len(self.kv.match(r.all_ids[:r.fill_len - 1])[0]))
+    def _cached_len(self, req: Request) -> int:
+        return len(self.kv.match(req.all_ids[:req.fill_len - 1])[0])
 
-    def _should_wait(self, req: Request, prefills: list[PrefillInput]) -> bool:
+    def _waiting_order(self) -> list[tuple[Request, int | None]]:
+        """Longest cached prefix first (ties: arrival order), with each request's
+        cached length; FCFS for long queues (lengths not computed: None)."""
+        if not self.kv.tree or len(self.waiting) > LPM_QUEUE_LIMIT:
+            return [(req, None) for req in self.waiting]
+        ranked = [(req, self._cached_len(req)) for req in self.waiting]
+        return sorted(ranked, key=lambda pair: -pair[1])
+
+    def _should_wait(self, req: Request, cached: int | None,
+                     prefills: list[PrefillInput]) -> bool:
         """Defer a request that shares a long prefix with one being prefilled right
         now: a step later that prefix is cached and need not be computed twice."""
         if not self.kv.tree or not prefills:
             return False
-        cached = len(self.kv.match(req.all_ids[:req.fill_len - 1])[0])
+        if cached is None:
+            cached = self._cached_len(req)
         ids = req.all_ids
         for p in prefills:
             other = self.running[p.rid]
-            if _common_prefix(ids, other.all_ids[:other.fill_len]) - cached >= SHARED_PREFIX_WAIT:
+            if common_prefix_len(ids, other.all_ids[:other.fill_len]) - cached >= SHARED_PREFIX_WAIT:
                 return True
         return False
 
@@ -322,11 +329,3 @@ class Scheduler:
         entry.finish_reason = reason
         entry.usage = req.usage()
         self._outbox.append(entry)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

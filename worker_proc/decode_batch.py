@@ -76,7 +76,3 @@ class DecodeBatch:
         cache = self.caches[layer]
         i = cache.size() - 1
         return cache.keys[:, :, i, :], cache.values[:, :, i, :]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches) if self.caches else 0

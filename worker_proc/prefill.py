@@ -56,14 +56,14 @@ class GroupPrefill:
         pads = [width - len(p.prefix_slot_ids) - len(p.input_ids) for p in group]
         self.caches = [BatchKVCache(pads) for _ in range(pool.geometry.num_layers)]
         if group[0].prefix_slot_ids:   # all rows have one, and equally many new tokens
-            self._load_prefixes(pool, pads)
+            self._load_prefixes(pool)
         new = max(len(p.input_ids) for p in group)
         tokens = mx.array([[PAD_TOKEN] * (new - len(p.input_ids)) + p.input_ids
                            for p in group])
         self.logits = self._forward(tokens, chunk)
         self._write_pool(pool)
 
-    def _load_prefixes(self, pool: KVPool, pads: list[int]) -> None:
+    def _load_prefixes(self, pool: KVPool) -> None:
         """Gather every row's cached prefix, right-aligned, straight into cache
         buffers with room for the new tokens (padding and room read slot 0), so
         the forward writes in place and nothing is copied twice."""
