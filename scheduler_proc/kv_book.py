@@ -14,6 +14,8 @@ from .request import Request
 class KVBook:
     def __init__(self, capacity: int, use_tree: bool = True):
         self.capacity = capacity
+        # Eviction walks the whole tree: free a batch at a time, not one slot per step.
+        self.evict_batch = max(1, min(256, capacity // 64))
         self.allocator = SlotAllocator(capacity)
         self.tree = RadixCache(self.allocator.free) if use_tree else None
 
@@ -28,7 +30,7 @@ class KVBook:
         """Ensure `n` free slots, evicting unlocked tree leaves if needed."""
         short = n - self.allocator.num_free
         if short > 0 and self.tree:
-            self.tree.evict(short)
+            self.tree.evict(max(short, self.evict_batch))
         return self.allocator.num_free >= n
 
     def allocate(self, n: int) -> list[int]:

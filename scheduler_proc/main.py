@@ -9,6 +9,7 @@ Sockets (each process binds what it receives on):
 """
 
 import logging
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -22,8 +23,11 @@ from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers
 from runtime.sockets import bind_pull, close_all, connect_push
 
 from .scheduler import Scheduler, SchedulerLimits
+from .step_timing import StepTimings
 
 log = logging.getLogger("mlxd.scheduler")
+
+MEMORY_KEYS = ("active_memory", "peak_memory")
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,9 @@ class SchedulerLoop:
         self.worker_decoder = Decoder(StepResult, WorkerError, Ready)
         self.scheduler: Scheduler | None = None
         self.in_flight: int | None = None   # step_id sent and not yet answered
-        self.worker_info: dict = {}         # READY info, then the latest step timing
+        self.worker_info: dict = {}         # READY info, then the latest step's memory
+        self.timings = StepTimings()
+        self._answered: tuple[float, dict] | None = None   # (received at, worker timing)
 
     @property
     def sockets(self):
@@ -104,6 +110,7 @@ class SchedulerLoop:
                 if step is not None:
                     self.to_worker.send(encode(step))
                     self.in_flight = step.step_id
+                self._record_timing()
             # 3. stream everything this iteration produced, in one message
             entries = self.scheduler.take_outputs()
             if entries:
@@ -121,7 +128,8 @@ class SchedulerLoop:
             elif isinstance(msg, Abort):
                 self.scheduler.abort(msg.rid)
             elif isinstance(msg, GetStats):
-                stats = {**self.scheduler.stats(), "worker": self.worker_info}
+                stats = {**self.scheduler.stats(), "worker": self.worker_info,
+                         "timing": self.timings.summary()}
                 self.to_tokenizer.send(encode(Stats(msg.query_id, stats)))
 
     def _drain_worker(self) -> None:
@@ -134,11 +142,20 @@ class SchedulerLoop:
             if isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
                 self.in_flight = None
                 if isinstance(msg, StepResult):
-                    self.worker_info.update(msg.timing)
+                    self._answered = (time.perf_counter(), msg.timing)
+                    self.worker_info.update({key: msg.timing[key] for key in MEMORY_KEYS
+                                             if key in msg.timing})
                     self.scheduler.process_result(msg)
                 else:
                     log.error("worker failed step %d: %s", msg.step_id, msg.message)
                     self.scheduler.fail_step(msg)
+
+    def _record_timing(self) -> None:
+        """Scheduler time of a step: from its result's arrival to the next Step sent."""
+        if self._answered is not None:
+            received_at, worker_timing = self._answered
+            self._answered = None
+            self.timings.record(worker_timing, (time.perf_counter() - received_at) * 1e3)
 
     def _answers_in_flight(self, msg) -> bool:
         if msg.step_id == self.in_flight:

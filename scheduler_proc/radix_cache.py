@@ -42,6 +42,7 @@ class RadixCache:
         self.root.lock_ref = 1
         self.evictable_size = 0   # slots in unlocked nodes
         self.protected_size = 0   # slots in nodes some running request locks
+        self.version = 0          # changes whenever a match could return another length
 
     @property
     def total_size(self) -> int:
@@ -66,6 +67,7 @@ class RadixCache:
             leaf.last_access = now
             node.children[tokens[i]] = leaf
             self.evictable_size += len(leaf.value)
+            self.version += 1
         return i
 
     def _walk(self, tokens: list[int]):
@@ -129,6 +131,7 @@ class RadixCache:
             self._free_slots(leaf.value)
             self.evictable_size -= len(leaf.value)
             freed += len(leaf.value)
+            self.version += 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
@@ -140,6 +143,7 @@ class RadixCache:
             self._free_slots(node.value)
         self.root.children.clear()
         self.evictable_size = 0
+        self.version += 1
 
     # ---- checks -----------------------------------------------------------------
 

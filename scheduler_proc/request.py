@@ -27,6 +27,8 @@ class Request:
     cached_tokens: int | None = None   # prefix reused at the first admission
     status: Status = Status.WAITING
     retractions: int = 0
+    match_key: tuple = ()        # (tree version, fill_len) when match_len was computed
+    match_len: int = 0           # cached prefix length of all_ids[:fill_len - 1]
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, max_new_tokens: int) -> "Request":

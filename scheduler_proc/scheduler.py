@@ -203,7 +203,8 @@ class Scheduler:
                 budget -= self._cost(chunk)
                 if chunk.needs_logits:
                     rows.append(self.running[chunk.rid])
-        for req, cached in self._waiting_order():
+        admitting = self.waiting and len(self.running) < self.limits.max_running_requests
+        for req, cached in self._waiting_order() if admitting else ():
             if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
                 break
             if req.rid in self._releases or self._should_wait(req, cached, prefills):
@@ -278,7 +279,13 @@ class Scheduler:
                             num_generated=len(req.output_ids))
 
     def _cached_len(self, req: Request) -> int:
-        return len(self.kv.match(req.all_ids[:req.fill_len - 1])[0])
+        """Length of the request's cached prefix; recomputed only after the tree
+        changed, so a long waiting queue costs little per step."""
+        key = (self.kv.tree.version, req.fill_len)
+        if req.match_key != key:
+            req.match_len = len(self.kv.match(req.all_ids[:req.fill_len - 1])[0])
+            req.match_key = key
+        return req.match_len
 
     def _waiting_order(self) -> list[tuple[Request, int | None]]:
         """Longest cached prefix first (ties: arrival order), with each request's

@@ -1,6 +1,7 @@
 """ModelRunner in-process against mlx_lm: tokens, logprobs and the KV pool contents."""
 
 import itertools
+import time
 
 import mlx.core as mx
 import pytest
@@ -191,9 +192,36 @@ def test_overlap_gives_the_tokens_of_no_overlap(llama_model, sampling):
 def test_overlap_chains_the_next_decode(llama_model):
     d = Driver(llama_model)
     d.runner.overlap = True
-    d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
-    assert d.runner.ahead is not None and d.runner.ahead.rids == [1]
+    first = d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
+    assert d.runner.speculating and not first.timing["chained"]
     result = d.step()
-    assert result.timing["chained"] is True
+    assert result.timing["chained"] is True and result.timing["ahead_wait_ms"] >= 0
+    assert d.runner.speculating
     d.step(releases=[1])
-    assert d.runner.ahead is None and len(d.runner.batch) == 0
+    assert d.runner.ahead is None and len(d.runner.batch) == 0 and not d.runner.speculating
+
+
+def test_a_failed_chained_decode_fails_the_next_step_and_reset_recovers(llama_model):
+    d = Driver(llama_model)
+    d.runner.overlap = True
+    d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
+    d.runner._background.wait()
+    d.runner._background.start(lambda: 1 / 0)   # as if the chained decode had raised
+    with pytest.raises(ZeroDivisionError):
+        d.step()
+    d.runner.reset()
+    assert len(d.runner.batch) == 0 and not d.runner.speculating
+    d.running = []
+    d.step([d.prefill(2, encode(llama_model, PROMPTS[1]))])
+    for _ in range(MAX_TOKENS - 1):
+        d.step()
+    assert_matches_reference(llama_model, encode(llama_model, PROMPTS[1]), d.out[2])
+
+
+def test_step_timing_accounts_for_the_wait(llama_model):
+    d = Driver(llama_model)
+    d.runner.overlap = False
+    d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
+    time.sleep(0.05)
+    t = d.step().timing
+    assert t["wait_ms"] >= 50 and t["idle_ms"] >= 50 and t["compute_ms"] > 0

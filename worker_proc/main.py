@@ -102,20 +102,18 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list) -> None:
     results_out.send(encode(Ready("worker", info)))
     decoder = Decoder(Step)
     while True:
-        idle_start = time.perf_counter()
         frame = steps_in.recv()
-        idle_ms = (time.perf_counter() - idle_start) * 1e3
+        arrived_at = time.perf_counter()
         try:
             step = decoder.decode(frame)
         except ProtocolError as exc:
             log.error("dropped a malformed frame from the scheduler: %s", exc)
             continue
         try:
-            reply = runner.run(step)
-            reply.timing["idle_ms"] = idle_ms
+            reply = runner.run(step, arrived_at)
             log.debug("step %d: %d decode, %d prefill, %.1f ms compute, %.1f ms idle before",
                       step.step_id, len(step.decode_rids), len(step.prefills),
-                      reply.timing["compute_ms"], idle_ms)
+                      reply.timing["compute_ms"], reply.timing["idle_ms"])
         except Exception as exc:  # a failed step must not kill the worker
             log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
             runner.reset()

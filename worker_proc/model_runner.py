@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from protocol import PrefillInput, Step, StepResult
 
+from .background import BackgroundJob
 from .decode_batch import DecodeBatch, JoinGroup
 from .kv_pool import KVGeometry, KVPool
 from .prefill import GroupPrefill, plan_groups
@@ -50,9 +51,15 @@ class _Output:
 
 
 class ModelRunner:
-    """Runs Steps. With `overlap`, every step ends by launching the next decode of
-    the whole batch on the still-lazy tokens (`self.ahead`), before blocking on its
-    own results; the next Step then commits that work for the rows it keeps."""
+    """Runs Steps. With `overlap`, every step ends by starting the next decode of
+    the whole batch (`self.ahead`) on a helper thread, chained on this step's
+    tokens; it computes while the result travels to the scheduler and the next
+    Step comes back. That Step then commits the work for the rows it keeps.
+
+    Per-step timing (ms): `wait_ms` from the previous result to this Step,
+    `idle_ms` the part of it with no work in flight, `ahead_wait_ms` spent
+    finishing the chained decode after the Step arrived, `compute_ms` from the
+    Step's arrival to its result."""
 
     def __init__(self, model, pool: KVPool, prefill_step_size: int = 2048,
                  rng: random.Random | None = None, overlap: bool = False):
@@ -61,15 +68,28 @@ class ModelRunner:
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
         self.batch = DecodeBatch()
-        self.ahead: _Output | None = None   # a launched, uncommitted decode of the batch
+        self.ahead: _Output | None = None   # a computed, uncommitted decode of the batch
         self.vocab_size = probe_vocab_size(model)
         self._rng = rng or random.Random()
+        # Both threads put their work on this one stream; they never use it at once.
+        self.stream = mx.new_thread_unsafe_stream(mx.default_device())
+        self._background = BackgroundJob()
+        self._returned_at: float | None = None   # when the last result was handed back
 
     # ---- the step ---------------------------------------------------------
 
-    def run(self, step: Step) -> StepResult:
+    def run(self, step: Step, arrived_at: float | None = None) -> StepResult:
+        """Execute `step` (received at `arrived_at`, a perf_counter() time)."""
+        with mx.stream(self.stream):
+            return self._run(step, arrived_at)
+
+    def _run(self, step: Step, arrived_at: float | None) -> StepResult:
         start = time.perf_counter()
-        chained = self.ahead is not None
+        arrived_at = start if arrived_at is None else arrived_at
+        chained = self.speculating
+        busy_until = self._background.wait() if chained else 0.0
+        timing = self._wait_timing(arrived_at, busy_until)
+        timing["ahead_wait_ms"] = (time.perf_counter() - start) * 1e3 if chained else 0.0
         self.batch.remove(set(step.releases))   # also drops their rows of `ahead`
         outputs = []
         if step.decode_rids:
@@ -81,19 +101,37 @@ class ModelRunner:
         else:
             self.ahead = None
         outputs += self._prefill(step.prefills)
-        if self.overlap and len(self.batch):
-            self.ahead = self._launch_decode()   # step k+1, chained on step k's tokens
         result = self._finalize(step.step_id, outputs)
-        result.timing["chained"] = chained
-        result.timing["compute_ms"] = (time.perf_counter() - start) * 1e3
-        result.timing["active_memory"] = mx.get_active_memory()
-        result.timing["peak_memory"] = mx.get_peak_memory()
+        timing["active_memory"] = mx.get_active_memory()
+        timing["peak_memory"] = mx.get_peak_memory()
+        if self.overlap and len(self.batch):
+            self._background.start(self._compute_ahead)   # step k+1, chained on step k
+        self._returned_at = time.perf_counter()
+        timing["chained"] = chained
+        timing["compute_ms"] = (self._returned_at - arrived_at) * 1e3
+        result.timing.update(timing)
         return result
+
+    @property
+    def speculating(self) -> bool:
+        """A chained decode was started for the next Step (it may have finished)."""
+        return self._background.running
 
     def reset(self) -> None:
         """Drop every request's state (after a failed step)."""
+        try:
+            self._background.wait()
+        except Exception:
+            pass   # the step that failed already reported it
         self.batch.clear()
         self.ahead = None
+
+    def _wait_timing(self, arrived_at: float, busy_until: float) -> dict:
+        if self._returned_at is None:
+            return {"wait_ms": 0.0, "idle_ms": 0.0}
+        wait = max(0.0, arrived_at - self._returned_at)
+        idle = max(0.0, arrived_at - max(self._returned_at, busy_until))
+        return {"wait_ms": wait * 1e3, "idle_ms": idle * 1e3}
 
     # ---- decode -----------------------------------------------------------
 
@@ -102,8 +140,14 @@ class ModelRunner:
         logits = self.batch.forward(self.model)
         sampled = sample(logits, self.batch.rows)
         self.batch.tokens = sampled.tokens
-        mx.async_eval(sampled.tokens, sampled.logprobs)
         return _Output(list(self.batch.rids), list(self.batch.rows), sampled)
+
+    def _compute_ahead(self) -> None:
+        """On the helper thread: decode the whole batch once more, to completion."""
+        with mx.stream(self.stream):
+            ahead = self._launch_decode()
+            mx.eval(_arrays([ahead]))
+        self.ahead = ahead
 
     def _commit_decode(self, launched: _Output, rids: list[int], slot_ids: list[int]) -> _Output:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
@@ -175,14 +219,9 @@ class ModelRunner:
     # ---- results ----------------------------------------------------------
 
     def _finalize(self, step_id: int, outputs: list[_Output]) -> StepResult:
-        arrays = []
-        for o in outputs:
-            arrays += [o.sampled.tokens, o.sampled.logprobs]
-            if o.sampled.top_ids is not None:
-                arrays += [o.sampled.top_ids, o.sampled.top_logprobs]
         # The pool writes are not in the tokens' graph: evaluate them with the step,
         # or lazy scatters pile up and pin every step's KV in memory.
-        mx.eval(arrays, self.pool.keys, self.pool.values)
+        mx.eval(_arrays(outputs), self.pool.keys, self.pool.values)
         result = StepResult(step_id, [], [], [])
         tops = []
         for o in outputs:
@@ -201,3 +240,12 @@ class ModelRunner:
         ids, lps = o.sampled.top_ids.tolist(), o.sampled.top_logprobs.tolist()
         return [top_lists(ids[i], lps[i], r.params.top_logprobs) if r.params.top_logprobs
                 else None for i, r in enumerate(o.rows)]
+
+
+def _arrays(outputs: list[_Output]) -> list[mx.array]:
+    arrays = []
+    for o in outputs:
+        arrays += [o.sampled.tokens, o.sampled.logprobs]
+        if o.sampled.top_ids is not None:
+            arrays += [o.sampled.top_ids, o.sampled.top_logprobs]
+    return arrays
