@@ -3,6 +3,7 @@
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,9 +22,33 @@ def _raise_shutdown(signum, _frame):
     raise Shutdown(signal.Signals(signum).name)
 
 
-def install_signal_handlers() -> None:
+_wakeup: list[socket.socket] = []
+
+
+def install_signal_handlers() -> socket.socket:
+    """SIGTERM/SIGINT raise Shutdown in the main thread. Returns a socket that turns
+    readable when one arrives: poll it beside the process's own sockets. The kernel
+    may deliver the signal to any thread (a helper thread, one of MLX's or BLAS's);
+    the main thread, blocked in a poll that nothing interrupts, would never run the
+    handler otherwise."""
     signal.signal(signal.SIGTERM, _raise_shutdown)
     signal.signal(signal.SIGINT, _raise_shutdown)
+    if not _wakeup:
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        _wakeup.extend([reader, writer])
+    return _wakeup[0]
+
+
+def drain(wakeup: socket.socket) -> None:
+    """Empty the wakeup socket (the signal's handler has run or will run next)."""
+    try:
+        while wakeup.recv(512):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
 
 
 def _set_linux_pdeathsig() -> None:

@@ -1,5 +1,7 @@
 """ZeroMQ socket helpers. Rule: a process binds the sockets it receives on."""
 
+from typing import Callable
+
 import zmq
 
 
@@ -23,3 +25,23 @@ def close_all(ctx: zmq.Context, *sockets: zmq.Socket) -> None:
         if sock is not None:
             sock.close(linger=0)
     ctx.term()
+
+
+
+def waking_receiver(sock: zmq.Socket, wakeup) -> Callable[[], bytes]:
+    """A blocking `recv()` for `sock` that also wakes when a signal arrives (see
+    runtime.lifecycle.install_signal_handlers), so the signal's handler runs."""
+    from runtime.lifecycle import drain
+
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(wakeup, zmq.POLLIN)
+
+    def recv() -> bytes:
+        while True:
+            events = dict(poller.poll())
+            if sock in events:
+                return sock.recv()
+            drain(wakeup)
+
+    return recv

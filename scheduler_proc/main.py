@@ -19,8 +19,10 @@ from protocol import (
     TokenizedRequest, WorkerError, encode,
 )
 from runtime.config import parse_config
-from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
-from runtime.sockets import bind_pull, close_all, connect_push
+from runtime.lifecycle import (
+    Shutdown, die_with_parent, drain, install_signal_handlers, setup_logging,
+)
+from runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
 
 from .scheduler import Scheduler, SchedulerLimits
 from .step_timing import StepTimings
@@ -46,8 +48,9 @@ class SchedulerConfig:
 
 
 class SchedulerLoop:
-    def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context):
+    def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context, wakeup=None):
         self.cfg = cfg
+        self.wakeup = wakeup   # readable when a signal arrives (see runtime.lifecycle)
         self.from_tokenizer = bind_pull(ctx, cfg.input_addr)
         self.from_worker = bind_pull(ctx, cfg.worker_output_addr)
         self.to_tokenizer = connect_push(ctx, cfg.output_addr)
@@ -68,8 +71,10 @@ class SchedulerLoop:
 
     def start(self) -> None:
         """Wait for the worker's Ready, then announce ourselves."""
+        recv = (waking_receiver(self.from_worker, self.wakeup) if self.wakeup
+                else self.from_worker.recv)
         while True:
-            msg = self._decode(self.worker_decoder, self.from_worker.recv(), "worker")
+            msg = self._decode(self.worker_decoder, recv(), "worker")
             if isinstance(msg, Ready) and _usable_worker_info(msg.info):
                 break
             log.error("waiting for the worker's Ready; ignored %r", msg)
@@ -94,6 +99,8 @@ class SchedulerLoop:
         poller = zmq.Poller()
         poller.register(self.from_tokenizer, zmq.POLLIN)
         poller.register(self.from_worker, zmq.POLLIN)
+        if self.wakeup is not None:
+            poller.register(self.wakeup, zmq.POLLIN)
         stalled = False   # the last schedule() had nothing to send: wait for input
         while True:
             # 1. receive: block only when there is no step to build
@@ -103,6 +110,8 @@ class SchedulerLoop:
                 self._drain_requests()
             if self.from_worker in events:
                 self._drain_worker()
+            if self.wakeup in events:
+                drain(self.wakeup)   # the signal's handler raises Shutdown
             # 2. schedule and send the next step as soon as the worker is free
             if self.in_flight is None:
                 step = self.scheduler.schedule()
@@ -182,9 +191,9 @@ def main(argv=None) -> None:
     cfg = parse_config(SchedulerConfig, "mlxd scheduler process", argv)
     setup_logging("scheduler", cfg.log_level)
     die_with_parent(cfg.parent_pid)
-    install_signal_handlers()
+    wakeup = install_signal_handlers()
     ctx = zmq.Context()
-    loop = SchedulerLoop(cfg, ctx)
+    loop = SchedulerLoop(cfg, ctx, wakeup)
     try:
         loop.start()
         loop.run()

@@ -54,6 +54,39 @@ def test_sigterm_shuts_down_cleanly(server):
     assert not any("Traceback" in line for line in server.stderr_lines)
 
 
+def _signal_a_helper_thread(pid: int, sig: int) -> None:
+    """Deliver `sig` to one of the process's threads other than its main thread, as
+    the kernel may do with a process-directed signal (Linux tgkill)."""
+    import ctypes
+
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert tids, "the process has no helper thread"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(234, pid, tids[0], sig) == 0   # SYS_tgkill on x86_64
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="tgkill's syscall number")
+@pytest.mark.parametrize("name", ["scheduler_proc", "worker_proc"])
+def test_a_signal_caught_by_a_helper_thread_still_stops_the_process(server, name):
+    with Client(server.address, timeout=30) as c:   # the worker's helper thread exists
+        c.generate("hello", max_tokens=4)
+    pid = server.child(name)
+    _signal_a_helper_thread(pid, signal.SIGTERM)
+    assert wait_until(lambda: not pid_alive(pid), 5), f"{name} ignored SIGTERM"
+    server.proc.wait(10)   # the launcher notices and stops the rest
+    assert wait_until(lambda: all_gone(server.child_pids), 5)
+    assert not any("terminate called" in line for line in server.stderr_lines)
+
+
+def test_sigterm_right_after_a_request_is_clean(server):
+    with Client(server.address, timeout=30) as c:   # a chained decode may be computing
+        c.generate("hello", max_tokens=8, ignore_eos=True)
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(6)
+    assert server.proc.returncode == 0
+    assert not any("terminate called" in line or "did not stop in time" in line
+                   for line in server.stderr_lines)
+
+
 def test_children_die_with_a_killed_launcher(server):
     server.proc.kill()
     server.proc.wait()

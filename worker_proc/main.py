@@ -18,7 +18,7 @@ import zmq
 from protocol import Decoder, ProtocolError, Ready, Step, WorkerError, encode
 from runtime.config import parse_config
 from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
-from runtime.sockets import bind_pull, close_all, connect_push
+from runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
 
 log = logging.getLogger("mlxd.worker")
 
@@ -93,16 +93,23 @@ def build_runner(cfg: WorkerConfig):
     return ModelRunner(model, pool, cfg.prefill_step_size, overlap=not cfg.disable_overlap), info
 
 
-def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list) -> None:
+def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
     steps_in = bind_pull(ctx, cfg.input_addr)
     results_out = connect_push(ctx, cfg.output_addr)
     sockets += [steps_in, results_out]
     runner, info = build_runner(cfg)
+    try:
+        _serve_steps(runner, info, waking_receiver(steps_in, wakeup), results_out)
+    finally:
+        runner.close()   # never exit while the helper thread is inside MLX
+
+
+def _serve_steps(runner, info: dict, recv, results_out: zmq.Socket) -> None:
     log.info("ready: %s", info)
     results_out.send(encode(Ready("worker", info)))
     decoder = Decoder(Step)
     while True:
-        frame = steps_in.recv()
+        frame = recv()
         arrived_at = time.perf_counter()
         try:
             step = decoder.decode(frame)
@@ -125,12 +132,12 @@ def main(argv=None) -> None:
     cfg = parse_config(WorkerConfig, "mlxd MLX worker process", argv)
     setup_logging("worker", cfg.log_level)
     die_with_parent(cfg.parent_pid)
-    install_signal_handlers()
+    wakeup = install_signal_handlers()
     log.info("pid %d, LD_PRELOAD=%s", os.getpid(), os.environ.get("LD_PRELOAD", ""))
     ctx = zmq.Context()
     sockets: list = []
     try:
-        serve(cfg, ctx, sockets)
+        serve(cfg, ctx, sockets, wakeup)
     except Shutdown as why:
         log.info("shutting down (%s)", why)
     finally:

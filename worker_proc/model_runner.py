@@ -119,12 +119,16 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Drop every request's state (after a failed step)."""
+        self.close()
+        self.batch.clear()
+        self.ahead = None
+
+    def close(self) -> None:
+        """Wait for the chained decode, if one is computing (its errors are moot)."""
         try:
             self._background.wait()
         except Exception:
-            pass   # the step that failed already reported it
-        self.batch.clear()
-        self.ahead = None
+            pass
 
     def _wait_timing(self, arrived_at: float, busy_until: float) -> dict:
         if self._returned_at is None:
