@@ -130,9 +130,12 @@ def test_slot_ids_outside_the_pool_are_rejected(llama_model):
         d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [64, 65], SamplingParams())]))
 
 
-def test_memory_stays_flat_over_many_decode_steps(llama_model):
-    """Each step's pool writes are evaluated with it; nothing lazy piles up."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+def test_memory_stays_flat_over_many_decode_steps(llama_model, overlap):
+    """Each step's pool writes are evaluated with it (or with the chained decode);
+    nothing lazy piles up."""
     d = Driver(llama_model)
+    d.runner.overlap = overlap
     ids = [encode(llama_model, p) for p in PROMPTS]
     d.step([d.prefill(r, ids[r]) for r in range(len(ids))])
     for _ in range(20):
@@ -140,6 +143,7 @@ def test_memory_stays_flat_over_many_decode_steps(llama_model):
     before = mx.get_active_memory()
     for _ in range(80):
         d.step()
+    d.runner.close()
     assert mx.get_active_memory() - before < 1_000_000
 
 

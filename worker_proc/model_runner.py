@@ -101,11 +101,12 @@ class ModelRunner:
         else:
             self.ahead = None
         outputs += self._prefill(step.prefills)
-        result = self._finalize(step.step_id, outputs)
+        speculate = self.overlap and len(self.batch) > 0
+        result = self._finalize(step.step_id, outputs, pool_writes=not speculate)
         timing["active_memory"] = mx.get_active_memory()
         timing["peak_memory"] = mx.get_peak_memory()
-        if self.overlap and len(self.batch):
-            self._background.start(self._compute_ahead)   # step k+1, chained on step k
+        if speculate:   # step k+1, chained on step k; it also completes the pool writes
+            self._background.start(self._compute_ahead)
         self._returned_at = time.perf_counter()
         timing["chained"] = chained
         timing["compute_ms"] = (self._returned_at - arrived_at) * 1e3
@@ -150,7 +151,7 @@ class ModelRunner:
         """On the helper thread: decode the whole batch once more, to completion."""
         with mx.stream(self.stream):
             ahead = self._launch_decode()
-            mx.eval(_arrays([ahead]))
+            mx.eval(_arrays([ahead]), self.pool.keys, self.pool.values)
         self.ahead = ahead
 
     def _commit_decode(self, launched: _Output, rids: list[int], slot_ids: list[int]) -> _Output:
@@ -222,10 +223,11 @@ class ModelRunner:
 
     # ---- results ----------------------------------------------------------
 
-    def _finalize(self, step_id: int, outputs: list[_Output]) -> StepResult:
-        # The pool writes are not in the tokens' graph: evaluate them with the step,
-        # or lazy scatters pile up and pin every step's KV in memory.
-        mx.eval(_arrays(outputs), self.pool.keys, self.pool.values)
+    def _finalize(self, step_id: int, outputs: list[_Output], pool_writes: bool) -> StepResult:
+        # The pool writes are not in the tokens' graph: evaluate them with the step
+        # (or with the chained decode), or lazy scatters pile up and pin every
+        # step's KV in memory.
+        mx.eval(_arrays(outputs), *((self.pool.keys, self.pool.values) if pool_writes else ()))
         result = StepResult(step_id, [], [], [])
         tops = []
         for o in outputs:
