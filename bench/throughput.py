@@ -1,8 +1,9 @@
 """Throughput: N concurrent requests of P prompt + G output tokens.
 
-mlxd through the async SDK vs the same workload in-process with mlx_lm's
-BatchGenerator, on the same model with the same BLAS, alternating runs. Every
-repeat uses fresh random prompts, so mlxd's prefix cache never helps.
+mlxd through the async SDK (overlap on, and with --disable-overlap) vs the same
+workload in-process with mlx_lm's BatchGenerator, on the same model with the same
+BLAS, alternating runs. Every repeat uses fresh random prompts, so mlxd's prefix
+cache never helps.
 
     python bench/throughput.py                 # ~40M random-weight model
     python bench/throughput.py --model smollm2   # the default model, SmolLM2-135M
@@ -97,27 +98,37 @@ def main() -> None:
         print(run_batch_generator(args.model, prompts, args.gen_len))
         return
     capacity = args.n * (args.prompt_len + args.gen_len) + 1024
-    server = MlxdServer(args.model, "--max-running-requests", str(args.n),
-                        "--kv-capacity", str(capacity), *args.server_args.split())
-    ours, theirs = [], []
+    flags = ["--max-running-requests", str(args.n), "--kv-capacity", str(capacity),
+             *args.server_args.split()]
+    servers = {"mlxd": MlxdServer(args.model, *flags),
+               "mlxd_no_overlap": MlxdServer(args.model, *flags, "--disable-overlap")}
+    runs = {"batch_generator": [], "mlxd": [], "mlxd_no_overlap": []}
     try:
         for seed in range(args.repeats):   # fresh prompts each time: no prefix-cache hits
             prompts = random_prompts(args.n, args.prompt_len, vocab, seed=seed)
-            theirs.append(baseline_in_child(args, seed))
-            ours.append(run_mlxd(server.address, prompts, args.gen_len))
+            runs["batch_generator"].append(baseline_in_child(args, seed))
+            for name, server in servers.items():
+                runs[name].append(run_mlxd(server.address, prompts, args.gen_len))
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+    med = {name: statistics.median(values) for name, values in runs.items()}
     report = {
         "machine": machine_summary(), "model": args.model, "n": args.n,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-        "mlxd_tok_s": statistics.median(ours), "batch_generator_tok_s": statistics.median(theirs),
-        "runs_mlxd": ours, "runs_batch_generator": theirs,
+        "mlxd_tok_s": med["mlxd"], "mlxd_no_overlap_tok_s": med["mlxd_no_overlap"],
+        "batch_generator_tok_s": med["batch_generator"],
+        "runs_mlxd": runs["mlxd"], "runs_mlxd_no_overlap": runs["mlxd_no_overlap"],
+        "runs_batch_generator": runs["batch_generator"],
+        "ratio": med["mlxd"] / med["batch_generator"],
+        "ratio_no_overlap": med["mlxd_no_overlap"] / med["batch_generator"],
     }
-    report["ratio"] = report["mlxd_tok_s"] / report["batch_generator_tok_s"]
     print(f"N={args.n} P={args.prompt_len} G={args.gen_len} on {report['machine']}")
-    print(f"mlx_lm BatchGenerator (in-process): {report['batch_generator_tok_s']:8.1f} output tok/s")
-    print(f"mlxd (server, SDK):                 {report['mlxd_tok_s']:8.1f} output tok/s")
-    print(f"ratio mlxd / BatchGenerator:        {report['ratio']:8.3f}")
+    print(f"mlx_lm BatchGenerator (in-process): {med['batch_generator']:8.1f} output tok/s")
+    print(f"mlxd (server, SDK), overlap on:     {med['mlxd']:8.1f} output tok/s"
+          f"   ratio {report['ratio']:.3f}")
+    print(f"mlxd, --disable-overlap:            {med['mlxd_no_overlap']:8.1f} output tok/s"
+          f"   ratio {report['ratio_no_overlap']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

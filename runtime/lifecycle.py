@@ -19,7 +19,17 @@ class Shutdown(BaseException):
 
 
 def _raise_shutdown(signum, _frame):
+    # Only the first signal interrupts: a second one (Ctrl-C reaches the whole process
+    # group, then the launcher's SIGTERM follows) must not cut the clean-up short.
+    # A handler that does nothing, not SIG_IGN: a signal already pending would then
+    # surface as "OSError: Signal 15 ignored due to race condition".
+    signal.signal(signal.SIGTERM, _already_stopping)
+    signal.signal(signal.SIGINT, _already_stopping)
     raise Shutdown(signal.Signals(signum).name)
+
+
+def _already_stopping(signum, _frame):
+    log.info("%s while shutting down: ignored", signal.Signals(signum).name)
 
 
 _wakeup: list[socket.socket] = []
@@ -37,8 +47,8 @@ def install_signal_handlers() -> socket.socket:
         reader, writer = socket.socketpair()
         reader.setblocking(False)
         writer.setblocking(False)
-        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         _wakeup.extend([reader, writer])
+    signal.set_wakeup_fd(_wakeup[1].fileno(), warn_on_full_buffer=False)
     return _wakeup[0]
 
 

@@ -106,10 +106,11 @@ class SchedulerLoop:
             # 1. receive: block only when there is no step to build
             busy = self.in_flight is None and self.scheduler.has_work and not stalled
             events = dict(poller.poll(0 if busy else None))
+            polled_at = time.perf_counter()
             if self.from_tokenizer in events:
                 self._drain_requests()
             if self.from_worker in events:
-                self._drain_worker()
+                self._drain_worker(polled_at)
             if self.wakeup in events:
                 drain(self.wakeup)   # the signal's handler raises Shutdown
             # 2. schedule and send the next step as soon as the worker is free
@@ -141,7 +142,7 @@ class SchedulerLoop:
                          "timing": self.timings.summary()}
                 self.to_tokenizer.send(encode(Stats(msg.query_id, stats)))
 
-    def _drain_worker(self) -> None:
+    def _drain_worker(self, polled_at: float) -> None:
         while True:
             try:
                 frame = self.from_worker.recv(zmq.NOBLOCK)
@@ -151,7 +152,7 @@ class SchedulerLoop:
             if isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
                 self.in_flight = None
                 if isinstance(msg, StepResult):
-                    self._answered = (time.perf_counter(), msg.timing)
+                    self._answered = (polled_at, msg.timing)
                     self.worker_info.update({key: msg.timing[key] for key in MEMORY_KEYS
                                              if key in msg.timing})
                     self.scheduler.process_result(msg)

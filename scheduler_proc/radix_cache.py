@@ -70,6 +70,13 @@ class RadixCache:
             self.version += 1
         return i
 
+    def touch(self, node: Node) -> None:
+        """Mark the path root..node as just used (LRU), as a match would."""
+        now = next(self._clock)
+        while node is not None and node is not self.root:
+            node.last_access = now
+            node = node.parent
+
     def _walk(self, tokens: list[int]):
         """Follow `tokens` down the tree, touching each node passed and splitting
         the last edge so the matched part ends on a node. Returns that node, the

@@ -29,6 +29,7 @@ class Request:
     retractions: int = 0
     match_key: tuple = ()        # (tree version, fill_len) when match_len was computed
     match_len: int = 0           # cached prefix length of all_ids[:fill_len - 1]
+    match_node: object = None    # the tree node that prefix ends at
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, max_new_tokens: int) -> "Request":

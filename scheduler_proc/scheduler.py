@@ -203,8 +203,7 @@ class Scheduler:
                 budget -= self._cost(chunk)
                 if chunk.needs_logits:
                     rows.append(self.running[chunk.rid])
-        admitting = self.waiting and len(self.running) < self.limits.max_running_requests
-        for req, cached in self._waiting_order() if admitting else ():
+        for req, cached in self._waiting_order():
             if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
                 break
             if req.rid in self._releases or self._should_wait(req, cached, prefills):
@@ -280,11 +279,14 @@ class Scheduler:
 
     def _cached_len(self, req: Request) -> int:
         """Length of the request's cached prefix; recomputed only after the tree
-        changed, so a long waiting queue costs little per step."""
+        changed, so a long waiting queue costs little per step. Either way the
+        prefix counts as used now, so waiting requests keep theirs in the LRU."""
         key = (self.kv.tree.version, req.fill_len)
         if req.match_key != key:
-            req.match_len = len(self.kv.match(req.all_ids[:req.fill_len - 1])[0])
-            req.match_key = key
+            slots, req.match_node = self.kv.match(req.all_ids[:req.fill_len - 1])
+            req.match_len, req.match_key = len(slots), key
+        elif req.match_node is not None:
+            self.kv.tree.touch(req.match_node)
         return req.match_len
 
     def _waiting_order(self) -> list[tuple[Request, int | None]]:

@@ -2,7 +2,9 @@
 
 Each step contributes the worker's own figures (StepResult.timing: compute,
 wait for the Step, idle with nothing in flight, finishing the chained decode)
-and the scheduler's: from receiving a result to sending the next Step.
+and the scheduler's: from receiving a result to sending the next Step. A figure
+a step does not have (the worker's wait after a pause with nothing running) is
+left out of that figure's statistics.
 """
 
 from collections import deque
@@ -32,17 +34,23 @@ class StepTimings:
         if not self._recent:
             return out
         columns = dict(zip(METRICS, zip(*self._recent)))
-        for name, values in columns.items():
-            ordered = sorted(values)
-            out[name] = {"mean": sum(values) / len(values), "p50": _quantile(ordered, 0.5),
-                         "p90": _quantile(ordered, 0.9)}
-        cycle = sum(columns["wait_ms"]) + sum(columns["compute_ms"])
-        out["idle_fraction"] = sum(columns["idle_ms"]) / cycle if cycle else 0.0
+        for name, column in columns.items():
+            values = sorted(v for v in column if v is not None)
+            if values:
+                out[name] = {"mean": sum(values) / len(values), "n": len(values),
+                             "p50": _quantile(values, 0.5), "p90": _quantile(values, 0.9)}
+        # over the steps that followed a round trip (those with a wait)
+        steps = [(w, c, i) for w, c, i in zip(columns["wait_ms"], columns["compute_ms"],
+                                              columns["idle_ms"]) if w is not None]
+        cycle = sum(w + (c or 0.0) for w, c, _ in steps)
+        out["idle_fraction"] = sum(i or 0.0 for _, _, i in steps) / cycle if cycle else 0.0
         return out
 
 
-def _ms(value) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+def _ms(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _quantile(ordered: list[float], q: float) -> float:

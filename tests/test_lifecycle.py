@@ -87,6 +87,21 @@ def test_sigterm_right_after_a_request_is_clean(server):
                    for line in server.stderr_lines)
 
 
+def test_a_second_signal_does_not_cut_the_worker_s_clean_up_short(server):
+    """Ctrl-C reaches the whole process group, then the launcher's SIGTERM follows:
+    the worker, busy with a chained decode, must still exit cleanly."""
+    with Client(server.address, timeout=30) as c:
+        stream = c.stream("hello", max_tokens=3000, ignore_eos=True)
+        next(iter(stream))
+        pid = server.child("worker_proc")
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+        assert wait_until(lambda: not pid_alive(pid), 5)
+    server.proc.wait(10)
+    assert not any("terminate called" in line or "Traceback" in line
+                   for line in server.stderr_lines), server.stderr_lines[-20:]
+
+
 def test_children_die_with_a_killed_launcher(server):
     server.proc.kill()
     server.proc.wait()

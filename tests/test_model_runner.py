@@ -229,3 +229,57 @@ def test_step_timing_accounts_for_the_wait(llama_model):
     time.sleep(0.05)
     t = d.step().timing
     assert t["wait_ms"] >= 50 and t["idle_ms"] >= 50 and t["compute_ms"] > 0
+    d.step(releases=[1])   # nothing runs now: the next wait is for work, not a round trip
+    time.sleep(0.05)
+    t = d.step([d.prefill(2, encode(llama_model, PROMPTS[1]))]).timing
+    assert "wait_ms" not in t and "idle_ms" not in t and t["compute_ms"] > 0
+
+
+def test_chained_step_timing_reports_the_wait_as_busy(llama_model):
+    d = Driver(llama_model)
+    d.runner.overlap = True
+    d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
+    t = d.step().timing   # arrives at once: the chained decode is still computing or done
+    assert t["chained"] and t["idle_ms"] <= t["wait_ms"] and t["ahead_wait_ms"] >= 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+def test_decode_steps_update_the_caches_in_place(llama_model, overlap):
+    """A decode step writes one position into each row's cache; nothing may hold the
+    caches' previous buffers meanwhile (a pending pool write did, with overlap), or
+    every step copies every layer's whole cache (seconds per step at serving sizes)."""
+    d = Driver(llama_model)
+    d.runner.overlap = overlap
+    long = [(i % 400) + 10 for i in range(900)]   # a wide cache: 8 rows x ~1024 positions
+    d.step([d.prefill(r, long[r:] + long[:r]) for r in range(8)])
+    for _ in range(3):
+        d.step()
+    d.runner.close()
+    cache_bytes = sum(c.keys.nbytes + c.values.nbytes for c in d.runner.batch.caches)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for _ in range(6):
+        d.step()
+    d.runner.close()
+    assert mx.get_peak_memory() - before < cache_bytes / 4
+
+
+def test_released_rows_wait_for_the_next_join_and_every_output_stays_exact(llama_model):
+    """Released rows stay in the caches (dead) until a join copies the batch anyway,
+    or until they are more than 1/8 of the rows; outputs are unaffected."""
+    d = Driver(llama_model)
+    ids = [encode(llama_model, p) for p in PROMPTS]
+    ids += [ids[0] + ids[2], ids[3] + ids[1]]
+    d.step([d.prefill(r, ids[r]) for r in range(9)])
+    d.step()
+    d.step([d.prefill(9, ids[9])], releases=[1])   # the join leaves the new dead row out
+    assert None not in d.runner.batch.row_rids and len(d.runner.batch) == 9
+    d.step(releases=[2])             # 1 of 9 rows dead: kept until later
+    assert d.runner.batch.row_rids.count(None) == 1 and len(d.runner.batch) == 8
+    d.step()
+    d.step(releases=[0])             # 2 of 9 dead: more than 1/8, compacted now
+    assert None not in d.runner.batch.row_rids and len(d.runner.batch) == 7
+    for _ in range(MAX_TOKENS):
+        d.step()
+    for r in (3, 4, 5, 6, 7, 8, 9):
+        assert_matches_reference(llama_model, ids[r], d.out[r])

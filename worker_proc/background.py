@@ -33,11 +33,13 @@ class BackgroundJob:
         self._done.clear()
         self._jobs.put(job)
 
-    def wait(self) -> float:
-        """Block until the job ends; its end time. Re-raises the job's exception."""
+    def wait(self, timeout: float | None = None) -> float:
+        """Block until the job ends (at most `timeout` s); its end time. Re-raises
+        the job's exception."""
         if not self._running:
             return self.finished_at
-        self._done.wait()
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the background job did not end within {timeout} s")
         self._running = False
         error, self._error = self._error, None
         if error is not None:
@@ -51,5 +53,6 @@ class BackgroundJob:
                 job()
             except BaseException as exc:   # handed to the owner by wait()
                 self._error = exc
+            del job   # hold nothing of the owner's between jobs
             self.finished_at = time.perf_counter()
             self._done.set()

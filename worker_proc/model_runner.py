@@ -21,6 +21,9 @@ from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
 
 
+CLOSE_TIMEOUT = 60.0   # s; a chained decode is one step of the batch
+
+
 class UnsupportedModel(ValueError):
     pass
 
@@ -80,19 +83,29 @@ class ModelRunner:
 
     def run(self, step: Step, arrived_at: float | None = None) -> StepResult:
         """Execute `step` (received at `arrived_at`, a perf_counter() time)."""
-        with mx.stream(self.stream):
-            return self._run(step, arrived_at)
-
-    def _run(self, step: Step, arrived_at: float | None) -> StepResult:
         start = time.perf_counter()
         arrived_at = start if arrived_at is None else arrived_at
         chained = self.speculating
         busy_until = self._background.wait() if chained else 0.0
         timing = self._wait_timing(arrived_at, busy_until)
         timing["ahead_wait_ms"] = (time.perf_counter() - start) * 1e3 if chained else 0.0
-        self.batch.remove(set(step.releases))   # also drops their rows of `ahead`
+        with mx.stream(self.stream):
+            result = self._execute(step)
+            timing["active_memory"] = mx.get_active_memory()
+            timing["peak_memory"] = mx.get_peak_memory()
+        if self.overlap and len(self.batch):   # step k+1, chained on step k
+            self._background.start(self._compute_ahead)
+        # A wait for the next Step is a round trip only while requests run.
+        self._returned_at = time.perf_counter() if len(self.batch) else None
+        timing["chained"] = chained
+        timing["compute_ms"] = (time.perf_counter() - arrived_at) * 1e3
+        result.timing.update(timing)
+        return result
+
+    def _execute(self, step: Step) -> StepResult:
+        self.batch.remove(set(step.releases))
         outputs = []
-        if step.decode_rids:
+        if step.decode_rids:   # the chained decode if there is one; its released rows drop
             ahead, self.ahead = self.ahead or self._launch_decode(), None
             outputs.append(self._commit_decode(ahead, step.decode_rids, step.decode_slot_ids))
         elif len(self.batch):
@@ -101,17 +114,9 @@ class ModelRunner:
         else:
             self.ahead = None
         outputs += self._prefill(step.prefills)
-        speculate = self.overlap and len(self.batch) > 0
-        result = self._finalize(step.step_id, outputs, pool_writes=not speculate)
-        timing["active_memory"] = mx.get_active_memory()
-        timing["peak_memory"] = mx.get_peak_memory()
-        if speculate:   # step k+1, chained on step k; it also completes the pool writes
-            self._background.start(self._compute_ahead)
-        self._returned_at = time.perf_counter()
-        timing["chained"] = chained
-        timing["compute_ms"] = (self._returned_at - arrived_at) * 1e3
-        result.timing.update(timing)
-        return result
+        # with overlap, the chained decode completes the pool writes
+        chaining = self.overlap and len(self.batch) > 0
+        return self._finalize(step.step_id, outputs, pool_writes=not chaining)
 
     @property
     def speculating(self) -> bool:
@@ -123,17 +128,19 @@ class ModelRunner:
         self.close()
         self.batch.clear()
         self.ahead = None
+        self._returned_at = None
 
     def close(self) -> None:
         """Wait for the chained decode, if one is computing (its errors are moot)."""
         try:
-            self._background.wait()
+            self._background.wait(timeout=CLOSE_TIMEOUT)
         except Exception:
             pass
 
     def _wait_timing(self, arrived_at: float, busy_until: float) -> dict:
+        """Absent after a step that left no request running (the wait was for work)."""
         if self._returned_at is None:
-            return {"wait_ms": 0.0, "idle_ms": 0.0}
+            return {}
         wait = max(0.0, arrived_at - self._returned_at)
         idle = max(0.0, arrived_at - max(self._returned_at, busy_until))
         return {"wait_ms": wait * 1e3, "idle_ms": idle * 1e3}
@@ -145,13 +152,18 @@ class ModelRunner:
         logits = self.batch.forward(self.model)
         sampled = sample(logits, self.batch.rows)
         self.batch.tokens = sampled.tokens
-        return _Output(list(self.batch.rids), list(self.batch.rows), sampled)
+        return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled)
 
     def _compute_ahead(self) -> None:
-        """On the helper thread: decode the whole batch once more, to completion."""
+        """On the helper thread: complete the step's pool writes, then decode the
+        whole batch once more, to completion. The writes go first: they read the
+        decode caches' newest position, and while they are pending the decode's
+        cache update cannot reuse the caches' buffers in place (it would copy every
+        layer's whole cache, each step)."""
         with mx.stream(self.stream):
+            mx.eval(self.pool.keys, self.pool.values)
             ahead = self._launch_decode()
-            mx.eval(_arrays([ahead]), self.pool.keys, self.pool.values)
+            mx.eval(_arrays([ahead]))
         self.ahead = ahead
 
     def _commit_decode(self, launched: _Output, rids: list[int], slot_ids: list[int]) -> _Output:
@@ -165,12 +177,14 @@ class ModelRunner:
         slots = mx.array([slot_of[rid] for rid in self.batch.rids])
         for layer in range(len(self.batch.caches)):
             self.pool.write(layer, slots, *self.batch.newest_kv(layer))
-        if launched.rids == self.batch.rids:
+        running = self.batch.rids
+        if launched.rids == running:
             return launched
-        position = {rid: i for i, rid in enumerate(launched.rids)}
-        keep = mx.array([position[rid] for rid in self.batch.rids])
+        position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
+        keep = mx.array([position[rid] for rid in running])
         s = launched.sampled
-        return _Output(list(self.batch.rids), list(self.batch.rows), Sampled(
+        rows = [launched.rows[position[rid]] for rid in running]
+        return _Output(running, rows, Sampled(
             s.tokens[keep], s.logprobs[keep],
             None if s.top_ids is None else s.top_ids[keep],
             None if s.top_logprobs is None else s.top_logprobs[keep]))
