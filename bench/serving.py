@@ -323,12 +323,14 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"),
                     help="results.json, the traces and the plots go here")
-    ap.add_argument("--mlxd-args", default="",
+    ap.add_argument("--mlxd-args", default="--max-running-requests 32",
                     help="extra launch.py flags; a single flag needs '=': "
-                         "--mlxd-args=--disable-radix-cache")
-    ap.add_argument("--mlx-lm-args", default="--decode-concurrency 64",
-                    help="extra mlx_lm.server flags (default matches mlxd's default "
-                         "--max-running-requests 64; mlx_lm's own default is 32)")
+                         "--mlxd-args=--disable-radix-cache (default: the same 32 "
+                         "concurrent requests as mlx_lm.server's default)")
+    ap.add_argument("--mlx-lm-args", default="--decode-concurrency 32",
+                    help="extra mlx_lm.server flags (default: its own default, 32 "
+                         "concurrent requests; at 64 the kernel OOM-killed it at 24 GB "
+                         "during a 64-request burst on the bench model)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds a request may take, send to last token, before it "
                          "counts as an error")
