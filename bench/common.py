@@ -59,7 +59,11 @@ class MlxdServer:
             [sys.executable, str(ROOT / "launch.py"), "--model", model, "--port", "0",
              "--log-level", "warning", *args],
             cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        self.address = read_ready_address(self.proc.stdout, 600)
+        try:   # an interrupted wait (Ctrl-C, SIGTERM) must not leave the launcher running
+            self.address = read_ready_address(self.proc.stdout, 600)
+        except BaseException:
+            self.stop()
+            raise
         if self.address is None:
             self.stop()
             raise RuntimeError("mlxd did not start")

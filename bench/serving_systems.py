@@ -207,15 +207,7 @@ class MlxdProcess:
     name = "mlxd"
 
     def __init__(self, model: str, flags: list[str]):
-        # MlxdServer starts the launcher, then waits for its ready line; if that
-        # wait is interrupted (Ctrl-C, SIGTERM), the launcher must still be stopped.
-        self.server = MlxdServer.__new__(MlxdServer)
-        try:
-            self.server.__init__(model, *flags)
-        except BaseException:
-            if getattr(self.server, "proc", None) is not None:
-                self.server.stop()
-            raise
+        self.server = MlxdServer(model, *flags)   # stops the launcher if interrupted
         self.address = self.server.address
 
     def alive(self) -> bool:

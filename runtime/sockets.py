@@ -4,6 +4,8 @@ from typing import Callable
 
 import zmq
 
+from runtime.lifecycle import drain
+
 
 def bind_pull(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock = ctx.socket(zmq.PULL)

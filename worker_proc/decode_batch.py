@@ -61,8 +61,7 @@ class DecodeBatch:
             live = self._live_index()
             parts.append([(cache, live) for cache in self.caches])
             tokens.append(self.tokens if live is None else self.tokens[live])
-            self.rows = [r for r, rid in zip(self.rows, self.row_rids) if rid is not None]
-            self.row_rids = self.rids
+            self._forget_dead_rows()
         parts += [[(cache, None) for cache in g.caches] for g in groups]
         self.caches = [merge([part[layer] for part in parts]) for layer in range(len(parts[0]))]
         self.tokens = mx.concatenate(tokens + [g.first_tokens for g in groups])
@@ -87,6 +86,10 @@ class DecodeBatch:
         for cache in self.caches:
             cache.filter(live)
         self.tokens = self.tokens[live]
+        self._forget_dead_rows()
+
+    def _forget_dead_rows(self) -> None:
+        """The row lists, once the caches no longer hold the dead rows."""
         self.rows = [r for r, rid in zip(self.rows, self.row_rids) if rid is not None]
         self.row_rids = self.rids
 
@@ -97,13 +100,16 @@ class DecodeBatch:
         """Logits `[rows, V]` for the next token of every row, dead ones too (lazy)."""
         return model(self.tokens[:, None], cache=self.caches)[:, -1, :]
 
-    def newest_kv(self, layer: int) -> tuple[mx.array, mx.array]:
-        """Keys/values `[live rows, heads, dim]` of the position the last forward wrote."""
-        cache = self.caches[layer]
-        i = cache.size() - 1
-        keys, values = cache.keys[:, :, i, :], cache.values[:, :, i, :]
+    def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
+        """Per layer, keys/values `[live rows, heads, dim]` of the position the last
+        forward wrote."""
         live = self._live_index()
-        return (keys, values) if live is None else (keys[live], values[live])
+        out = []
+        for cache in self.caches:
+            i = cache.size() - 1
+            keys, values = cache.keys[:, :, i, :], cache.values[:, :, i, :]
+            out.append((keys, values) if live is None else (keys[live], values[live]))
+        return out
 
     def _live_index(self) -> mx.array | None:
         """Positions of the live rows; None when every row is live."""

@@ -93,7 +93,7 @@ class ModelRunner:
             result = self._execute(step)
             timing["active_memory"] = mx.get_active_memory()
             timing["peak_memory"] = mx.get_peak_memory()
-        if self.overlap and len(self.batch):   # step k+1, chained on step k
+        if self._chains_next:   # step k+1, chained on step k
             self._background.start(self._compute_ahead)
         # A wait for the next Step is a round trip only while requests run.
         self._returned_at = time.perf_counter() if len(self.batch) else None
@@ -114,9 +114,13 @@ class ModelRunner:
         else:
             self.ahead = None
         outputs += self._prefill(step.prefills)
-        # with overlap, the chained decode completes the pool writes
-        chaining = self.overlap and len(self.batch) > 0
-        return self._finalize(step.step_id, outputs, pool_writes=not chaining)
+        # the chained decode, when there is one, completes the pool writes
+        return self._finalize(step.step_id, outputs, pool_writes=not self._chains_next)
+
+    @property
+    def _chains_next(self) -> bool:
+        """This step ends by starting the next decode on the helper thread."""
+        return self.overlap and len(self.batch) > 0
 
     @property
     def speculating(self) -> bool:
@@ -170,14 +174,14 @@ class ModelRunner:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
         releases) and store their new KV at the Step's slots."""
         slot_of = dict(zip(rids, slot_ids))
-        if len(slot_of) != len(rids) or slot_of.keys() != set(self.batch.rids):
-            raise ValueError(f"decode rids {sorted(slot_of)} do not match the running "
-                             f"requests {sorted(self.batch.rids)}")
-        self.pool.check_slots(slot_ids)
-        slots = mx.array([slot_of[rid] for rid in self.batch.rids])
-        for layer in range(len(self.batch.caches)):
-            self.pool.write(layer, slots, *self.batch.newest_kv(layer))
         running = self.batch.rids
+        if len(slot_of) != len(rids) or slot_of.keys() != set(running):
+            raise ValueError(f"decode rids {sorted(slot_of)} do not match the running "
+                             f"requests {sorted(running)}")
+        self.pool.check_slots(slot_ids)
+        slots = mx.array([slot_of[rid] for rid in running])
+        for layer, (keys, values) in enumerate(self.batch.newest_kv()):
+            self.pool.write(layer, slots, keys, values)
         if launched.rids == running:
             return launched
         position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
