@@ -30,7 +30,8 @@ def run_in_process(model_path: str, prompt: list[int], gen_len: int) -> float:
     return last.generation_tps
 
 
-async def _drive(address: str, prompt: list[int], gen_len: int) -> float:
+async def _drive(address: str, prompt: list[int], gen_len: int) -> tuple[float, dict]:
+    """Decode tok/s of one stream, and the server's step timing (p50s) over its steps."""
     from client import AsyncClient
 
     async with AsyncClient(address, timeout=600) as c:
@@ -42,7 +43,9 @@ async def _drive(address: str, prompt: list[int], gen_len: int) -> float:
                 first = now()
             tokens += len(chunk.token_ids)
             end = now()
-    return (tokens - 1) / (end - first)   # decode rate, after the first token
+        timing = (await c.stats())["timing"]
+    p50 = {k: v["p50"] for k, v in timing.items() if isinstance(v, dict)}
+    return (tokens - 1) / (end - first), p50   # decode rate, after the first token
 
 
 def in_child(args, prompt_seed: int) -> float:
@@ -71,18 +74,21 @@ def main() -> None:
     servers = {"overlap_on": MlxdServer(args.model),
                "overlap_off": MlxdServer(args.model, "--disable-overlap")}
     runs = {"in_process": [], "overlap_on": [], "overlap_off": []}
+    step_timing = {"overlap_on": [], "overlap_off": []}
     try:
         for seed in range(args.repeats):   # fresh prompts: no prefix-cache hits
             prompt = random_prompts(1, args.prompt_len, vocab, seed=100 + seed)[0]
             runs["in_process"].append(in_child(args, 100 + seed))
             for name, server in servers.items():
-                runs[name].append(asyncio.run(_drive(server.address, prompt, args.gen_len)))
+                rate, timing = asyncio.run(_drive(server.address, prompt, args.gen_len))
+                runs[name].append(rate)
+                step_timing[name].append(timing)
     finally:
         for server in servers.values():
             server.stop()
     med = {k: statistics.median(v) for k, v in runs.items()}
     report = {"machine": machine_summary(), "model": args.model, "gen_len": args.gen_len,
-              "decode_tok_s": med, "runs": runs,
+              "decode_tok_s": med, "runs": runs, "step_timing_p50_ms": step_timing,
               "ratio_overlap_on": med["overlap_on"] / med["in_process"],
               "ratio_overlap_off": med["overlap_off"] / med["in_process"]}
     print(f"one stream, {args.gen_len} output tokens; {report['machine']}")
@@ -90,6 +96,9 @@ def main() -> None:
         print(f"{name:12s} {value:8.1f} decode tok/s")
     print(f"ratio to in-process: overlap on {report['ratio_overlap_on']:.3f}, "
           f"off {report['ratio_overlap_off']:.3f}")
+    print("server step timing, p50 ms over the last run's steps (client.stats()):")
+    for name, timings in step_timing.items():
+        print(f"  {name:12s} " + "  ".join(f"{k} {v:.2f}" for k, v in timings[-1].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
