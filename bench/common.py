@@ -68,12 +68,38 @@ class MlxdServer:
             self.stop()
             raise RuntimeError("mlxd did not start")
 
+    def cpu_seconds(self) -> dict[str, float] | None:
+        """CPU time (user + system) used so far by each server process, by module
+        (worker_proc, scheduler_proc, tokenizer_proc); None where /proc is missing."""
+        return process_cpu_seconds(self.proc.pid)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def process_cpu_seconds(launcher_pid: int) -> dict[str, float] | None:
+    try:
+        with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
+            children = f.read().split()
+    except OSError:   # not Linux
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                argv = f.read().split("\0")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        module = argv[argv.index("-m") + 1] if "-m" in argv else argv[0]
+        out[module] = (int(fields[11]) + int(fields[12])) / ticks   # utime + stime
+    return out
 
 
 def machine_summary() -> str:

@@ -3,6 +3,13 @@ model in-process with mlx_lm's stream_generate, overlap on and off, in one run.
 
     python bench/overhead.py                  # ~40M random-weight model, G=256
     python bench/overhead.py --model PATH --gen-len 256
+
+Where /proc exists it also reports the CPU time per output token of each process
+(worker, scheduler, tokenizer, and this client), and runs stream_generate once more
+while helper processes burn the CPU time per token the scheduler, tokenizer and
+client used (one burner each, once per in-process token period): on a machine whose
+cores the worker's BLAS threads already fill, that is the share of the decode rate
+the other processes' work costs by itself, whatever the server does.
 """
 
 import argparse
@@ -11,12 +18,26 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 from common import ROOT, MlxdServer, bench_model, blas_env, machine_summary, now, random_prompts, tokenizer_vocab
 
 
-def run_in_process(model_path: str, prompt: list[int], gen_len: int) -> float:
-    """Decode tok/s of mlx_lm.stream_generate (called in a child with the worker's BLAS)."""
+BURNER = """
+import sys, time
+busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(max(0.0, period - busy))
+"""
+
+
+def run_in_process(model_path: str, prompt: list[int], gen_len: int,
+                   load_ms: list[float], period_ms: float) -> float:
+    """Decode tok/s of mlx_lm.stream_generate (called in a child with the worker's BLAS),
+    with one burner process per entry of `load_ms` (ms of CPU every `period_ms`)."""
     from mlx_lm import stream_generate
 
     from worker_proc.loading import load_model, resolve_dequantize
@@ -24,33 +45,49 @@ def run_in_process(model_path: str, prompt: list[int], gen_len: int) -> float:
     model, tokenizer = load_model(model_path, resolve_dequantize("auto"))
     for _ in stream_generate(model, tokenizer, prompt[:8], max_tokens=4):
         pass
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_len):
-        pass
+    burners = [subprocess.Popen([sys.executable, "-c", BURNER, str(ms), str(period_ms)])
+               for ms in load_ms]
+    try:
+        last = None
+        for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_len):
+            pass
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
     return last.generation_tps
 
 
-async def _drive(address: str, prompt: list[int], gen_len: int) -> tuple[float, dict]:
-    """Decode tok/s of one stream, and the server's step timing (p50s) over its steps."""
+async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[float, dict, dict]:
+    """Decode tok/s of one stream, the server's step timing (p50s) over its steps, and
+    the CPU ms per output token of each process (empty without /proc)."""
     from client import AsyncClient
 
-    async with AsyncClient(address, timeout=600) as c:
+    async with AsyncClient(server.address, timeout=600) as c:
         await c.generate(input_ids=prompt[:8], max_tokens=4, ignore_eos=True)
         first = end = None
         tokens = 0
+        cpu_before, client_before = server.cpu_seconds(), time.process_time()
         async for chunk in c.stream(input_ids=prompt, max_tokens=gen_len, ignore_eos=True):
             if chunk.token_ids and first is None:
                 first = now()
             tokens += len(chunk.token_ids)
             end = now()
+        cpu_after, client_after = server.cpu_seconds(), time.process_time()
         timing = (await c.stats())["timing"]
     p50 = {k: v["p50"] for k, v in timing.items() if isinstance(v, dict)}
-    return (tokens - 1) / (end - first), p50   # decode rate, after the first token
+    cpu = {}
+    if cpu_before and cpu_after:
+        cpu = {name.removesuffix("_proc"): (cpu_after[name] - cpu_before.get(name, 0.0)) * 1e3 / tokens
+               for name in cpu_after}
+        cpu["client"] = (client_after - client_before) * 1e3 / tokens
+    return (tokens - 1) / (end - first), p50, cpu   # decode rate, after the first token
 
 
-def in_child(args, prompt_seed: int) -> float:
+def in_child(args, prompt_seed: int, load_ms: list[float] = (), period_ms: float = 0.0) -> float:
     cmd = [sys.executable, __file__, "--model", args.model, "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--seed", str(prompt_seed), "--in-process-only"]
+           "--gen-len", str(args.gen_len), "--seed", str(prompt_seed), "--in-process-only",
+           "--load", ",".join(f"{ms:.3f}" for ms in load_ms), "--load-period", str(period_ms)]
     out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -63,42 +100,64 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--in-process-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--load", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--load-period", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.model = bench_model(args.model)
     vocab = tokenizer_vocab(args.model)
     if args.in_process_only:
+        load_ms = [float(ms) for ms in args.load.split(",") if ms]
         print(run_in_process(args.model, random_prompts(1, args.prompt_len, vocab, args.seed)[0],
-                             args.gen_len))
+                             args.gen_len, load_ms, args.load_period))
         return
     servers = {"overlap_on": MlxdServer(args.model),
                "overlap_off": MlxdServer(args.model, "--disable-overlap")}
     runs = {"in_process": [], "overlap_on": [], "overlap_off": []}
     step_timing = {"overlap_on": [], "overlap_off": []}
+    cpu_runs = {"overlap_on": [], "overlap_off": []}
     try:
         for seed in range(args.repeats):   # fresh prompts: no prefix-cache hits
             prompt = random_prompts(1, args.prompt_len, vocab, seed=100 + seed)[0]
             runs["in_process"].append(in_child(args, 100 + seed))
             for name, server in servers.items():
-                rate, timing = asyncio.run(_drive(server.address, prompt, args.gen_len))
+                rate, timing, cpu = asyncio.run(_drive(server, prompt, args.gen_len))
                 runs[name].append(rate)
                 step_timing[name].append(timing)
+                cpu_runs[name].append(cpu)
     finally:
         for server in servers.values():
             server.stop()
     med = {k: statistics.median(v) for k, v in runs.items()}
+    cpu_ms = {name: {p: statistics.median(c[p] for c in cpus) for p in cpus[0]}
+              for name, cpus in cpu_runs.items() if cpus[0]}
+    others = [ms for p, ms in cpu_ms.get("overlap_on", {}).items() if p != "worker"]
+    if others:   # the same prompts again, in-process, with the other processes' CPU work
+        period_ms = 1e3 / med["in_process"]
+        runs["in_process_loaded"] = [in_child(args, 100 + seed, others, period_ms)
+                                     for seed in range(args.repeats)]
+        med["in_process_loaded"] = statistics.median(runs["in_process_loaded"])
     report = {"machine": machine_summary(), "model": args.model, "gen_len": args.gen_len,
               "decode_tok_s": med, "runs": runs, "step_timing_p50_ms": step_timing,
+              "cpu_ms_per_token": cpu_ms,
               "ratio_overlap_on": med["overlap_on"] / med["in_process"],
               "ratio_overlap_off": med["overlap_off"] / med["in_process"]}
     print(f"one stream, {args.gen_len} output tokens; {report['machine']}")
     for name, value in med.items():
-        print(f"{name:12s} {value:8.1f} decode tok/s")
+        print(f"{name:17s} {value:8.1f} decode tok/s")
     print(f"ratio to in-process: overlap on {report['ratio_overlap_on']:.3f}, "
           f"off {report['ratio_overlap_off']:.3f}")
     print("server step timing, p50 ms over the last run's steps (client.stats()):")
     for name, timings in step_timing.items():
         print(f"  {name:12s} " + "  ".join(f"{k} {v:.2f}" for k, v in timings[-1].items()))
+    if cpu_ms:
+        print("CPU ms per output token (median over runs):")
+        for name, per_process in cpu_ms.items():
+            print(f"  {name:12s} " + "  ".join(f"{p} {ms:.2f}" for p, ms in per_process.items()))
+    if "in_process_loaded" in med:
+        report["ratio_loaded_in_process"] = med["in_process_loaded"] / med["in_process"]
+        print(f"in-process with the scheduler's, tokenizer's and client's CPU per token "
+              f"burnt alongside: {report['ratio_loaded_in_process']:.3f} of in-process alone")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

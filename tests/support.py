@@ -80,6 +80,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def processes_using(text: str) -> list[int]:
+    """Pids (other than this one) whose command line contains `text` (Linux /proc)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from model_store.tiny import TinySpec, build_tiny_model
-from support import wait_until
+from support import processes_using, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -210,17 +209,6 @@ def run_bench(args: list[str], timeout: float = 150.0) -> subprocess.CompletedPr
         out, err = proc.communicate(timeout=30)
         pytest.fail(f"bench/serving.py timed out:\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def processes_using(path: str) -> list[int]:
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if path.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
-                pids.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return pids
 
 
 SMOKE = ["--systems", "mlxd", "--num-requests", "6", "--rate", "8", "--rates", "4",

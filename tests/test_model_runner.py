@@ -79,6 +79,20 @@ def test_prefix_from_pool_matches_full_prefill(llama_model):
     assert_matches_reference(llama_model, full, d.out[2])
 
 
+def assert_pool_holds_mlx_lm_kv(d: "Driver", rid: int, prompt_ids: list[int]) -> None:
+    """The pool slots of `rid` hold the KV mlx_lm computes for its prompt and output."""
+    tokens = prompt_ids + [t for t, _ in d.out[rid]][:-1]   # the last token has no KV yet
+    cache = make_prompt_cache(d.model)
+    d.model(mx.array(tokens)[None], cache=cache)
+    slots = mx.array(d.slot_ids[rid])
+    assert len(d.slot_ids[rid]) == len(tokens)
+    for layer, c in enumerate(cache):
+        got_k, got_v = d.runner.pool.read(layer, slots)
+        assert mx.allclose(got_k, c.keys[0, :, :len(tokens), :].swapaxes(0, 1), atol=1e-4).item()
+        assert mx.allclose(got_v, c.values[0, :, :len(tokens), :].swapaxes(0, 1),
+                           atol=1e-4).item()
+
+
 def test_pool_holds_the_kv_mlx_lm_computes(llama_model):
     """Prefill and decode KV land exactly at the slots the scheduler sent."""
     d = Driver(llama_model)
@@ -86,17 +100,25 @@ def test_pool_holds_the_kv_mlx_lm_computes(llama_model):
     d.step([d.prefill(7, ids)])
     for _ in range(5):
         d.step()
-    tokens = ids + [t for t, _ in d.out[7]][:-1]   # the last token has no KV yet
-    cache = make_prompt_cache(d.model)
-    d.model(mx.array(tokens)[None], cache=cache)
-    slots = mx.array(d.slot_ids[7])
-    assert len(d.slot_ids[7]) == len(tokens)
-    for layer, c in enumerate(cache):
-        expect = c.keys[0, :, :len(tokens), :].swapaxes(0, 1)
-        got_k, got_v = d.runner.pool.read(layer, slots)
-        assert mx.allclose(got_k, expect, atol=1e-4).item()
-        assert mx.allclose(got_v, c.values[0, :, :len(tokens), :].swapaxes(0, 1),
-                           atol=1e-4).item()
+    assert_pool_holds_mlx_lm_kv(d, 7, ids)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+def test_pool_writes_skip_released_rows(llama_model, overlap):
+    """With a released row still in the decode caches (and, chained, a decode launched
+    before the release), each survivor's decode KV still lands at its own slots."""
+    d = Driver(llama_model)
+    d.runner.overlap = overlap
+    ids = [encode(llama_model, p) for p in PROMPTS] + [encode(llama_model, PROMPTS[1] + " a")]
+    d.step([d.prefill(r, ids[r]) for r in range(9)])
+    d.step()
+    d.step(releases=[4])   # 1 of 9 rows dead: it stays in the caches
+    assert d.runner.batch.row_rids.count(None) == 1
+    for _ in range(3):
+        d.step()
+    d.runner.close()
+    for rid in (3, 5, 8):   # before and after the dead row
+        assert_pool_holds_mlx_lm_kv(d, rid, ids[rid])
 
 
 def test_seeded_sampling_ignores_batch_neighbours(llama_model):

@@ -21,6 +21,18 @@ from .sampling import RowState
 CACHE_STEP = 256   # mlx_lm's KV caches grow in steps of this many positions
 
 
+class DecodeKVCache(BatchKVCache):
+    """mlx_lm's batch cache that also keeps the keys/values of the latest update:
+    the decoded positions' KV, for the pool, without reading the cache buffer
+    (a pending read of it would stop the next update from reusing the buffer)."""
+
+    newest: tuple[mx.array, mx.array] | None = None
+
+    def update_and_fetch(self, keys, values):
+        self.newest = (keys, values)
+        return super().update_and_fetch(keys, values)
+
+
 @dataclass
 class JoinGroup:
     """Freshly prefilled requests waiting to join the batch, rows in cache order."""
@@ -42,7 +54,7 @@ class DecodeBatch:
     def __init__(self):
         self.row_rids: list[int | None] = []   # per row; None: released, not yet dropped
         self.rows: list[RowState] = []
-        self.caches: list[BatchKVCache] | None = None
+        self.caches: list[DecodeKVCache] | None = None
         self.tokens: mx.array | None = None   # [rows] next input token of each row
 
     @property
@@ -101,15 +113,9 @@ class DecodeBatch:
         return model(self.tokens[:, None], cache=self.caches)[:, -1, :]
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
-        """Per layer, keys/values `[live rows, heads, dim]` of the position the last
-        forward wrote."""
-        live = self._live_index()
-        out = []
-        for cache in self.caches:
-            i = cache.size() - 1
-            keys, values = cache.keys[:, :, i, :], cache.values[:, :, i, :]
-            out.append((keys, values) if live is None else (keys[live], values[live]))
-        return out
+        """Per layer, keys/values `[rows, heads, dim]` (every row, dead ones too) of
+        the position the last forward wrote."""
+        return [(c.newest[0][:, :, -1, :], c.newest[1][:, :, -1, :]) for c in self.caches]
 
     def _live_index(self) -> mx.array | None:
         """Positions of the live rows; None when every row is live."""
@@ -118,7 +124,7 @@ class DecodeBatch:
         return mx.array([i for i, rid in enumerate(self.row_rids) if rid is not None])
 
 
-def merge(parts: list[tuple[BatchKVCache, mx.array | None]]) -> BatchKVCache:
+def merge(parts: list[tuple[BatchKVCache, mx.array | None]]) -> DecodeKVCache:
     """One cache with the rows of the parts (a cache, and which of its rows to take:
     None for all), in order, right-aligned at the longest row's end, in a buffer with
     room for at least one more position (the width the scheduler's decode budget
@@ -148,7 +154,7 @@ def merge(parts: list[tuple[BatchKVCache, mx.array | None]]) -> BatchKVCache:
         lefts.append(left + (end - length - start))
         offsets.append(offset)
         row += n
-    merged = BatchKVCache([0] * n_rows)
+    merged = DecodeKVCache([0] * n_rows)
     merged.keys, merged.values, merged._idx = keys, values, end
     merged.offset, merged.left_padding = mx.concatenate(offsets), mx.concatenate(lefts)
     return merged

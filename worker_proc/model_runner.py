@@ -48,9 +48,10 @@ def probe_vocab_size(model) -> int:
 
 @dataclass
 class _Output:
-    rids: list[int]
+    rids: list[int | None]   # per row; None: a dead decode row
     rows: list[RowState]
     sampled: Sampled
+    new_kv: list[tuple[mx.array, mx.array]] | None = None   # decode: per layer, the input's KV
 
 
 class ModelRunner:
@@ -156,18 +157,15 @@ class ModelRunner:
         logits = self.batch.forward(self.model)
         sampled = sample(logits, self.batch.rows)
         self.batch.tokens = sampled.tokens
-        return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled)
+        return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled,
+                       self.batch.newest_kv())
 
     def _compute_ahead(self) -> None:
-        """On the helper thread: complete the step's pool writes, then decode the
-        whole batch once more, to completion. The writes go first: they read the
-        decode caches' newest position, and while they are pending the decode's
-        cache update cannot reuse the caches' buffers in place (it would copy every
-        layer's whole cache, each step)."""
+        """On the helper thread: decode the whole batch once more, to completion,
+        with the step's pending pool writes."""
         with mx.stream(self.stream):
-            mx.eval(self.pool.keys, self.pool.values)
             ahead = self._launch_decode()
-            mx.eval(_arrays([ahead]))
+            mx.eval(self.pool.keys, self.pool.values, _arrays([ahead]))
         self.ahead = ahead
 
     def _commit_decode(self, launched: _Output, rids: list[int], slot_ids: list[int]) -> _Output:
@@ -180,12 +178,16 @@ class ModelRunner:
                              f"requests {sorted(running)}")
         self.pool.check_slots(slot_ids)
         slots = mx.array([slot_of[rid] for rid in running])
-        for layer, (keys, values) in enumerate(self.batch.newest_kv()):
+        keep = None
+        if launched.rids != running:
+            position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
+            keep = mx.array([position[rid] for rid in running])
+        for layer, (keys, values) in enumerate(launched.new_kv):
+            if keep is not None:
+                keys, values = keys[keep], values[keep]
             self.pool.write(layer, slots, keys, values)
-        if launched.rids == running:
+        if keep is None:
             return launched
-        position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
-        keep = mx.array([position[rid] for rid in running])
         s = launched.sampled
         rows = [launched.rows[position[rid]] for rid in running]
         return _Output(running, rows, Sampled(
