@@ -27,6 +27,8 @@ class Request:
     cached_tokens: int | None = None   # prefix reused at the first admission
     status: Status = Status.WAITING
     retractions: int = 0
+    arrival: int = 0             # the scheduler's arrival counter
+    overtaken: int = 0           # later arrivals admitted while this one waited (LPM order)
     match_key: tuple = ()        # (tree version, fill_len) when match_len was computed
     match_len: int = 0           # cached prefix length of all_ids[:fill_len - 1]
     match_node: object = None    # the tree node that prefix ends at

@@ -4,9 +4,13 @@ Each step, running decodes come first: they get a slot each, made by evicting
 cached prefixes and, if that is not enough, by retracting the request with the
 least progress. Then prefill work fills the step's token budget: the next chunk
 of the one request being prefilled in chunks, then new requests, longest cached
-prefix first. Finished requests and every finished chunk go into the radix tree.
+prefix first (a request that later arrivals overtook LPM_OVERTAKE_LIMIT times goes
+first: no request waits forever behind a stream of cache hits). Finished requests
+and every finished chunk go into the radix tree.
 """
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -17,6 +21,7 @@ from .radix_cache import common_prefix_len
 from .request import Request, Status
 
 LPM_QUEUE_LIMIT = 128      # longer waiting queues fall back to FCFS
+LPM_OVERTAKE_LIMIT = 32    # a request overtaken this often by later arrivals goes first
 SHARED_PREFIX_WAIT = 32    # defer a request that would soon reuse this many more tokens
 
 
@@ -50,6 +55,7 @@ class Scheduler:
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests)
         self.waiting: deque[Request] = deque()
+        self._arrivals = itertools.count()
         self.running: dict[int, Request] = {}
         self.chunking: Request | None = None   # at most one request prefills in chunks
         self._prefilled: list[Request] = []     # requests with a chunk in the last Step
@@ -66,7 +72,9 @@ class Scheduler:
             self._outbox.append(TokenEntry(msg.rid, [], [], finish_reason="error", error=error))
             return
         max_new = min(msg.max_new_tokens, self.limits.max_context - len(msg.input_ids))
-        self.waiting.append(Request.from_message(msg, max_new))
+        req = Request.from_message(msg, max_new)
+        req.arrival = next(self._arrivals)
+        self.waiting.append(req)
 
     def abort(self, rid: int) -> None:
         if rid in self.running:
@@ -203,7 +211,8 @@ class Scheduler:
                 budget -= self._cost(chunk)
                 if chunk.needs_logits:
                     rows.append(self.running[chunk.rid])
-        for req, cached in self._waiting_order():
+        order = self._waiting_order()
+        for req, cached in order:
             if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
                 break
             if req.rid in self._releases or self._should_wait(req, cached, prefills):
@@ -218,7 +227,20 @@ class Scheduler:
             if p.needs_logits:
                 rows.append(req)
         self._prefilled = [self.running[p.rid] for p in prefills]
+        if order and order[0][1] is not None:   # LPM order: count the overtakes
+            self._count_overtakes([req for req, _ in order])
         return prefills
+
+    @staticmethod
+    def _count_overtakes(ranked: list[Request]) -> None:
+        """Each request still waiting was overtaken by every admitted one that
+        arrived after it."""
+        admitted = sorted(req.arrival for req in ranked if req.status is not Status.WAITING)
+        if not admitted:
+            return
+        for req in ranked:
+            if req.status is Status.WAITING:
+                req.overtaken += len(admitted) - bisect.bisect_right(admitted, req.arrival)
 
     def _cost(self, p: PrefillInput) -> int:
         """A prefill's share of the step budget: its new tokens, plus its cached
@@ -291,11 +313,13 @@ class Scheduler:
 
     def _waiting_order(self) -> list[tuple[Request, int | None]]:
         """Longest cached prefix first (ties: arrival order), with each request's
-        cached length; FCFS for long queues (lengths not computed: None)."""
+        cached length, but requests overtaken LPM_OVERTAKE_LIMIT times first; FCFS
+        for long queues (lengths not computed: None)."""
         if not self.kv.tree or len(self.waiting) > LPM_QUEUE_LIMIT:
             return [(req, None) for req in self.waiting]
         ranked = [(req, self._cached_len(req)) for req in self.waiting]
-        return sorted(ranked, key=lambda pair: -pair[1])
+        return sorted(ranked, key=lambda pair: (pair[0].overtaken < LPM_OVERTAKE_LIMIT,
+                                                -pair[1]))
 
     def _should_wait(self, req: Request, cached: int | None,
                      prefills: list[PrefillInput]) -> bool:

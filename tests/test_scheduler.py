@@ -23,7 +23,7 @@ import pytest
 from protocol import SamplingParams, Step, StepResult, TokenizedRequest, WorkerError
 from scheduler_proc.request import Request, Status
 from scheduler_proc.scheduler import (
-    LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT, Scheduler, SchedulerLimits, round_up,
+    LPM_OVERTAKE_LIMIT, LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT, Scheduler, SchedulerLimits, round_up,
 )
 
 EOS = 2
@@ -1013,6 +1013,23 @@ def test_longest_cached_prefix_first():
     while (step := h.run_step()) is not None:
         order += prefilled(step)
     assert order == [3, 6, 5, 2, 4]
+
+
+def test_a_request_without_a_cache_hit_is_not_starved_by_later_hits():
+    """Longest prefix first would pass over a request without a hit for as long as
+    requests with hits keep arriving; after LPM_OVERTAKE_LIMIT of them it goes first."""
+    h = Harness(max_running_requests=1, kv_capacity=4096)
+    P = prompt_of(1, 10)
+    run_to_finish(h, make_request(1, prompt=P, max_new=1))
+    h.add(make_request(2, n=6, max_new=1))   # no cache hit
+    order = []
+    for rid in range(100, 100 + LPM_OVERTAKE_LIMIT + 1):   # a hit arrives every step
+        h.add(make_request(rid, prompt=P + [5 + rid % 7], max_new=1))
+        order += prefilled(h.run_step())
+    assert order[:LPM_OVERTAKE_LIMIT] == list(range(100, 100 + LPM_OVERTAKE_LIMIT))
+    assert order[LPM_OVERTAKE_LIMIT] == 2
+    h.run_until_idle()
+    h.assert_idle()
 
 
 def test_fcfs_when_more_than_lpm_queue_limit_requests_wait():
