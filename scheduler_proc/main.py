@@ -86,7 +86,8 @@ class SchedulerLoop:
             max_prefill_tokens=self.cfg.max_prefill_tokens,
             chunked_prefill_size=self.cfg.chunked_prefill_size,
             enable_radix_cache=not self.cfg.disable_radix_cache,
-            decode_cache_tokens=info.get("decode_cache_tokens", 0)))
+            decode_cache_tokens=info.get("decode_cache_tokens", 0),
+            vocab_size=info.get("vocab_size", 0)))
         ready = encode(Ready("scheduler", {**info, "max_running_requests":
                                            self.cfg.max_running_requests}))
         self.to_tokenizer.send(ready)

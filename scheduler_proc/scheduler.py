@@ -46,6 +46,7 @@ class SchedulerLimits:
     decode_cache_tokens: int = 0    # room for the worker's padded decode caches (0: see below)
     decode_headroom: int = 16       # slots kept free per running request at admission
     cached_token_cost: float = 0.25  # a cached prefix token's share of the prefill budget
+    vocab_size: int = 0             # the model's token ids are [0, vocab_size) (0: unchecked)
 
 
 class Scheduler:
@@ -350,6 +351,9 @@ class Scheduler:
                     f"{self.limits.kv_capacity} tokens")
         if msg.rid in self.running or any(r.rid == msg.rid for r in self.waiting):
             return f"request id {msg.rid} is already in use"
+        vocab = self.limits.vocab_size
+        if vocab and not (0 <= min(msg.input_ids) and max(msg.input_ids) < vocab):
+            return f"the prompt has token ids outside the model's vocabulary [0, {vocab})"
         return None
 
     def _finish(self, req: Request, reason: str, entry: TokenEntry, keep_kv: bool = True) -> None:

@@ -834,6 +834,20 @@ def test_rejections(n, why):
     assert not h.s.has_work and h.schedule() is None
 
 
+def test_token_ids_outside_the_models_vocabulary_are_rejected_alone():
+    """One request's bad id must not reach the worker (it would fail the whole step,
+    and with it every running request)."""
+    h = Harness(vocab_size=100)
+    h.add(make_request(1, prompt=[5, 6, 7], max_new=3))
+    h.add(make_request(2, prompt=[5, 100, 7]), make_request(3, prompt=[-1, 5]))
+    for rid in (2, 3):
+        assert h.final[rid].finish_reason == "error" and "vocabulary" in h.final[rid].error
+    h.add(make_request(4, prompt=[99, 0], max_new=2))   # both ends of the range are fine
+    h.run_until_idle()
+    assert len(h.output(1)) == 3 and len(h.output(4)) == 2
+    assert all(p.rid in (1, 4) for step in h.steps for p in step.prefills)
+
+
 def test_duplicate_rid_is_rejected_without_touching_the_original():
     h = Harness(max_running_requests=1)
     h.add(make_request(1, max_new=3), make_request(2, max_new=3))

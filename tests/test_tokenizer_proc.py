@@ -47,9 +47,10 @@ def free_port() -> int:
 class TokenizerProc(ProcHarness):
     """`python -m tokenizer_proc` plus the scheduler's and launcher's sockets."""
 
-    def __init__(self, model_path: str, tmp_path: Path):
+    def __init__(self, model_path: str, tmp_path: Path, **ready_info):
         super().__init__("tokenizer", tmp_path, RECV_TIMEOUT)
         self.model_path = model_path
+        self.ready_info = {"kv_capacity": KV_CAPACITY, "max_context": MAX_CONTEXT, **ready_info}
         self.start()
 
     def start(self) -> None:
@@ -65,8 +66,7 @@ class TokenizerProc(ProcHarness):
                          "--scheduler-input-addr", self.ipc("sched"),
                          "--ready-addr", self.ipc("ready"),
                          "--default-max-tokens", str(DEFAULT_MAX_TOKENS))
-        self.batches.send(encode(Ready("scheduler", {"kv_capacity": KV_CAPACITY,
-                                                     "max_context": MAX_CONTEXT})))
+        self.batches.send(encode(Ready("scheduler", self.ready_info)))
         self.ready = self._recv(self.launcher, Decoder(Ready), "the launcher's Ready",
                                 READY_TIMEOUT)
 
@@ -472,6 +472,28 @@ def test_invalid_request_is_rejected_and_server_keeps_serving(tok, client, case)
     assert err.value.code == "invalid_request", err.value
     assert err.value.message
     serves_a_request(tok, client)
+
+
+def test_token_ids_the_model_cannot_embed_are_invalid(llama_model, tmp_path):
+    """The worker's vocabulary bounds the ids, where a tokenizer knows more tokens than
+    the model has embeddings for: input_ids, encoded prompts and stop_token_ids."""
+    from transformers import AutoTokenizer
+
+    model_vocab = VOCAB - 100
+    tokenizer = AutoTokenizer.from_pretrained(llama_model)
+    high = next(t for t in range(VOCAB - 1, model_vocab, -1)
+                if max(tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False),
+                       default=0) >= model_vocab)
+    text = tokenizer.decode([high])
+    with TokenizerProc(llama_model, tmp_path, vocab_size=model_vocab) as t, \
+            Client(t.client_addr, timeout=CLIENT_TIMEOUT) as c:
+        for args, kwargs in (((), {"input_ids": [1, model_vocab]}), ((text,), {}),
+                             (("hi",), {"stop_token_ids": [model_vocab]})):
+            with pytest.raises(MlxdError) as err:
+                c.generate(*args, **kwargs)
+            assert err.value.code == "invalid_request" and str(model_vocab) in err.value.message
+        t.assert_quiet()   # nothing reached the scheduler
+        serves_a_request(t, c)
 
 
 WRONG_FIELD_TYPES = {

@@ -182,6 +182,7 @@ def test_ready_info(worker, llama_model):
     assert isinstance(info["device"], str)
     assert info["bytes_per_token"] > 0
     assert info["kv_pool_bytes"] == (KV_CAPACITY + 1) * info["bytes_per_token"]
+    assert info["vocab_size"] == config["vocab_size"]
 
 
 def test_staggered_requests_match_mlx_lm(driver, llama_model):

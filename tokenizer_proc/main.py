@@ -126,7 +126,7 @@ class TokenizerServer:
                                                  f"request id {req.rid!r} is already running"))
             return
         try:
-            params = parse_params(req.params, self.codec.vocab_size, self.cfg.default_max_tokens)
+            params = parse_params(req.params, self.vocab_size, self.cfg.default_max_tokens)
             input_ids = self._input_ids(req)
             self._check_length(len(input_ids))
         except InvalidRequest as exc:
@@ -147,8 +147,8 @@ class TokenizerServer:
         given = [x for x in (req.prompt, req.messages, req.input_ids) if x is not None]
         if len(given) != 1:
             raise InvalidRequest("send exactly one of prompt, messages or input_ids")
+        vocab = self.vocab_size
         if req.input_ids is not None:
-            vocab = self.codec.vocab_size
             if any(not 0 <= t < vocab for t in req.input_ids):
                 raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
             ids = req.input_ids
@@ -158,7 +158,16 @@ class TokenizerServer:
             ids = self.codec.encode_prompt(req.prompt) if req.prompt else []
         if not ids:
             raise InvalidRequest("the prompt is empty")
+        if max(ids) >= vocab:   # the tokenizer knows tokens the model has no embedding for
+            raise InvalidRequest(f"the prompt encodes to token id {max(ids)}; the model's "
+                                 f"vocabulary is [0, {vocab})")
         return ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes: the worker's figure once known (a tokenizer may
+        hold added tokens the model has no embedding for), else the tokenizer's."""
+        return self.limits.get("vocab_size") or self.codec.vocab_size
 
     def _check_length(self, n: int) -> None:
         max_context = self.limits.get("max_context")

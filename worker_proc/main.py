@@ -97,7 +97,9 @@ def build_runner(cfg: WorkerConfig):
         "device": str(mx.default_device()),
     }
     info["overlap"] = not cfg.disable_overlap
-    return ModelRunner(model, pool, cfg.prefill_step_size, overlap=not cfg.disable_overlap), info
+    runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not cfg.disable_overlap)
+    info["vocab_size"] = runner.vocab_size   # token ids the model can embed: [0, vocab_size)
+    return runner, info
 
 
 def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
