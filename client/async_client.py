@@ -17,6 +17,7 @@ from protocol import (
     AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StatsReply,
     StatsRequest, StreamChunk, encode,
 )
+from runtime.aio import LoopSocket
 
 from .types import Chunk, MlxdError, Result
 
@@ -72,11 +73,14 @@ class AsyncClient:
         self.address = address
         self.timeout = timeout
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        # a plain socket, driven by LoopSocket in the event loop (cheaper per message
+        # than zmq.asyncio; see runtime/aio.py); its monitor is a zmq.asyncio socket
+        self._sock = zmq.Socket(self._ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
+        self._io: LoopSocket | None = None   # made in the event loop, at first use
         self._queues: dict[str, asyncio.Queue] = {}
         self._decoder = Decoder(StreamChunk, ErrorReply, StatsReply)
         self._tasks: list[asyncio.Task] = []
@@ -102,17 +106,16 @@ class AsyncClient:
         return AsyncStream(self, _request(prompt, input_ids, messages, rid, params, True))
 
     async def abort(self, rid: str) -> None:
-        await self._sock.send(encode(AbortRequest(rid)))
+        await self._channel().send(encode(AbortRequest(rid)))
 
     async def stats(self) -> dict:
         """The server's counters: waiting / running requests, free / cached / used KV
         slots, retractions, and the worker's memory and last step timing."""
-        self._start_tasks()
         rid = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         try:
-            await self._sock.send(encode(StatsRequest(rid)))
+            await self._channel().send(encode(StatsRequest(rid)))
             msg = await asyncio.wait_for(queue.get(), self.timeout)
         except asyncio.TimeoutError:
             raise MlxdError("timeout", f"no reply for {self.timeout} s") from None
@@ -127,6 +130,8 @@ class AsyncClient:
             task.cancel()
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
+        if self._io is not None:
+            self._io.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -139,22 +144,25 @@ class AsyncClient:
     # ---- internals ---------------------------------------------------------
 
     async def _send(self, request: GenerateRequest) -> asyncio.Queue:
-        self._start_tasks()
+        channel = self._channel()
         if request.rid in self._queues:
             raise MlxdError("duplicate_rid", f"request id {request.rid!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.rid] = queue
-        await self._sock.send(encode(request))
+        await channel.send(encode(request))
         return queue
 
-    def _start_tasks(self) -> None:
-        if not self._tasks:
-            self._tasks = [asyncio.ensure_future(self._read_replies()),
+    def _channel(self) -> LoopSocket:
+        """The socket, in the running loop, with its reader tasks started."""
+        if self._io is None:
+            self._io = LoopSocket(self._sock)
+            self._tasks = [asyncio.ensure_future(self._read_replies(self._io)),
                            asyncio.ensure_future(self._watch_connection())]
+        return self._io
 
-    async def _read_replies(self) -> None:
+    async def _read_replies(self, channel: LoopSocket) -> None:
         while True:
-            frame = await self._sock.recv()
+            frame = await channel.recv()
             try:
                 msg = self._decoder.decode(frame)
             except ProtocolError as exc:

@@ -19,6 +19,7 @@ from protocol import (
     Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ProtocolError,
     Ready, Stats, StatsReply, StatsRequest, TokenBatch, TokenizedRequest, encode,
 )
+from runtime.aio import LoopSocket
 from runtime.config import parse_config
 from runtime.lifecycle import die_with_parent, setup_logging
 
@@ -46,14 +47,16 @@ class TokenizerServer:
     def __init__(self, cfg: TokenizerConfig, codec: TextCodec, ctx: zmq.asyncio.Context):
         self.cfg = cfg
         self.codec = codec
-        self.clients = ctx.socket(zmq.ROUTER)
-        self.from_scheduler = ctx.socket(zmq.PULL)
+        # a token batch in and a chunk per stream out every decode step: the cheaper
+        # path per message (runtime/aio.py)
+        self.clients = LoopSocket(zmq.Socket(ctx, zmq.ROUTER), multipart=True)
+        self.from_scheduler = LoopSocket(zmq.Socket(ctx, zmq.PULL))
         self.to_scheduler = ctx.socket(zmq.PUSH)
         self.to_launcher = ctx.socket(zmq.PUSH) if cfg.ready_addr else None
         for sock in self.sockets:
-            sock.setsockopt(zmq.LINGER, 0)
-        self.clients.bind(cfg.client_addr)
-        self.from_scheduler.bind(cfg.input_addr)
+            getattr(sock, "sock", sock).setsockopt(zmq.LINGER, 0)
+        self.clients.sock.bind(cfg.client_addr)
+        self.from_scheduler.sock.bind(cfg.input_addr)
         self.to_scheduler.connect(cfg.scheduler_input_addr)
         if self.to_launcher:
             self.to_launcher.connect(cfg.ready_addr)
@@ -72,7 +75,7 @@ class TokenizerServer:
 
     @property
     def address(self) -> str:
-        return self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.clients.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def run(self) -> None:
         await self._wait_for_scheduler()
@@ -93,7 +96,7 @@ class TokenizerServer:
 
     async def _client_loop(self) -> None:
         while True:
-            frames = await self.clients.recv_multipart()
+            frames = await self.clients.recv()
             if len(frames) != 2:
                 log.error("dropped a client message of %d frames", len(frames))
                 continue

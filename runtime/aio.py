@@ -1,0 +1,92 @@
+"""A ZeroMQ socket for an asyncio loop, cheaper per message than `zmq.asyncio`.
+
+`zmq.asyncio` starts and stops watching the socket around every receive and
+wraps each one in futures and event-flag checks: measured here, ~270 µs of CPU
+per received message against ~170 µs for this and ~80 µs for a plain blocking
+receive. On a machine whose cores the worker already fills, that CPU comes out
+of the decode. `LoopSocket` watches the socket's file descriptor once, for its
+whole life, and each wakeup drains every queued frame.
+
+ZeroMQ's descriptor signals that the socket's events *may* have changed, and any
+operation on the socket (a send too) can consume that signal: so the queue is
+drained until empty on every wakeup and after every send.
+"""
+
+import asyncio
+from collections import deque
+
+import zmq
+
+
+class LoopSocket:
+    """Wraps a plain (not `zmq.asyncio`) socket; use it from one event loop only."""
+
+    def __init__(self, sock: zmq.Socket, multipart: bool = False):
+        self.sock = sock
+        self._recv = sock.recv_multipart if multipart else sock.recv
+        self._receives = sock.type not in (zmq.PUSH, zmq.PUB)
+        self._frames: deque = deque()
+        self._readable: asyncio.Future | None = None
+        self._writable: asyncio.Future | None = None
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._on_event)
+
+    async def recv(self):
+        """The next frame (a list of frames with `multipart`)."""
+        while not self._frames:
+            self._drain()
+            if self._frames:
+                break
+            self._readable = self._loop.create_future()
+            try:
+                await self._readable
+            finally:
+                self._readable = None
+        return self._frames.popleft()
+
+    async def send(self, frame: bytes) -> None:
+        await self._send(self.sock.send, frame)
+
+    async def send_multipart(self, frames: list[bytes]) -> None:
+        await self._send(self.sock.send_multipart, frames)
+
+    def close(self, linger: int | None = None) -> None:
+        if not self.sock.closed:
+            self._loop.remove_reader(self._fd)
+            self.sock.close(linger)
+
+    # ---- internals ----------------------------------------------------------
+
+    async def _send(self, send, data) -> None:
+        while True:
+            try:
+                send(data, zmq.NOBLOCK)
+                break
+            except zmq.Again:   # at the high-water mark: wait until it can take more
+                self._writable = self._loop.create_future()
+                try:
+                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                        await self._writable
+                finally:
+                    self._writable = None
+        self._drain()   # the send may have taken the descriptor's signal
+
+    def _on_event(self) -> None:
+        self._drain()
+        if self._writable is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            _wake(self._writable)
+
+    def _drain(self) -> None:
+        while self._receives:
+            try:
+                self._frames.append(self._recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        if self._frames and self._readable is not None:
+            _wake(self._readable)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
