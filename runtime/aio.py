@@ -19,7 +19,8 @@ import zmq
 
 
 class LoopSocket:
-    """Wraps a plain (not `zmq.asyncio`) socket; use it from one event loop only."""
+    """Wraps a plain (not `zmq.asyncio`) socket; use it from one event loop only, with
+    one coroutine receiving (any number may send)."""
 
     def __init__(self, sock: zmq.Socket, multipart: bool = False):
         self.sock = sock
@@ -27,7 +28,7 @@ class LoopSocket:
         self._receives = sock.type not in (zmq.PUSH, zmq.PUB)
         self._frames: deque = deque()
         self._readable: asyncio.Future | None = None
-        self._writable: asyncio.Future | None = None
+        self._writable: list[asyncio.Future] = []   # senders waiting at the high-water mark
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._on_event)
@@ -64,18 +65,20 @@ class LoopSocket:
                 send(data, zmq.NOBLOCK)
                 break
             except zmq.Again:   # at the high-water mark: wait until it can take more
-                self._writable = self._loop.create_future()
+                waiter = self._loop.create_future()
+                self._writable.append(waiter)
                 try:
                     if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                        await self._writable
+                        await waiter
                 finally:
-                    self._writable = None
+                    self._writable.remove(waiter)
         self._drain()   # the send may have taken the descriptor's signal
 
     def _on_event(self) -> None:
         self._drain()
-        if self._writable is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-            _wake(self._writable)
+        if self._writable and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            for waiter in self._writable:
+                _wake(waiter)
 
     def _drain(self) -> None:
         while self._receives:

@@ -80,24 +80,24 @@ def test_ping_pong_on_sockets_that_send_and_receive_loses_no_wakeup(ctx):
     run(main())
 
 
-def test_a_send_at_the_high_water_mark_waits_until_a_peer_takes_it(ctx):
+def test_sends_at_the_high_water_mark_wait_until_a_peer_takes_them(ctx):
     async def main():
         push = zmq.Socket(ctx, zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.bind("inproc://aio-hwm")   # no peer yet: a send cannot go anywhere
         outbox = LoopSocket(push)
-        sending = asyncio.ensure_future(outbox.send(b"x"))
+        sending = [asyncio.ensure_future(outbox.send(b"%d" % i)) for i in range(3)]
         await asyncio.sleep(0.2)
-        assert not sending.done()
+        assert not any(s.done() for s in sending)
         pull = zmq.Socket(ctx, zmq.PULL)
         pull.connect("inproc://aio-hwm")
         inbox = LoopSocket(pull)
-        await sending
-        got = await inbox.recv()
+        await asyncio.gather(*sending)   # every waiting sender is woken
+        got = sorted([await inbox.recv() for _ in range(3)])
         outbox.close(0)
         inbox.close(0)
         return got
-    assert run(main()) == b"x"
+    assert run(main()) == [b"0", b"1", b"2"]
 
 
 def test_close_stops_watching_the_socket(ctx):
