@@ -15,6 +15,7 @@ the other processes' work costs by itself, whatever the server does.
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,9 +25,9 @@ from common import ROOT, MlxdServer, bench_model, blas_env, machine_summary, now
 
 
 BURNER = """
-import sys, time
-busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
-while True:
+import os, sys, time
+busy, period, parent = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3, int(sys.argv[3])
+while os.getppid() == parent:   # ends with the process that started it, however that ends
     start = time.perf_counter()
     while time.perf_counter() - start < busy:
         pass
@@ -45,9 +46,11 @@ def run_in_process(model_path: str, prompt: list[int], gen_len: int,
     model, tokenizer = load_model(model_path, resolve_dequantize("auto"))
     for _ in stream_generate(model, tokenizer, prompt[:8], max_tokens=4):
         pass
-    burners = [subprocess.Popen([sys.executable, "-c", BURNER, str(ms), str(period_ms)])
-               for ms in load_ms]
+    burners = []
     try:
+        for ms in load_ms:
+            burners.append(subprocess.Popen(
+                [sys.executable, "-c", BURNER, str(ms), str(period_ms), str(os.getpid())]))
         last = None
         for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_len):
             pass

@@ -8,8 +8,9 @@ of the decode. `LoopSocket` watches the socket's file descriptor once, for its
 whole life, and each wakeup drains every queued frame.
 
 ZeroMQ's descriptor signals that the socket's events *may* have changed, and any
-operation on the socket (a send too) can consume that signal: so the queue is
-drained until empty on every wakeup and after every send.
+operation on the socket (a send, a failed send, reading its events) can consume
+that signal: so after every wakeup and every operation the socket's events are
+read again until it reports no frame waiting, and whoever can go on is woken.
 """
 
 import asyncio
@@ -20,7 +21,7 @@ import zmq
 
 class LoopSocket:
     """Wraps a plain (not `zmq.asyncio`) socket; use it from one event loop only, with
-    one coroutine receiving (any number may send)."""
+    one coroutine receiving (any number may send). `close()` cancels every waiter."""
 
     def __init__(self, sock: zmq.Socket, multipart: bool = False):
         self.sock = sock
@@ -30,13 +31,15 @@ class LoopSocket:
         self._readable: asyncio.Future | None = None
         self._writable: list[asyncio.Future] = []   # senders waiting at the high-water mark
         self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd: int | None = sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._on_event)
 
     async def recv(self):
         """The next frame (a list of frames with `multipart`)."""
+        if not self._receives:
+            raise TypeError(f"a {self.sock.type.name} socket does not receive")
         while not self._frames:
-            self._drain()
+            self._service()
             if self._frames:
                 break
             self._readable = self._loop.create_future()
@@ -53,8 +56,8 @@ class LoopSocket:
         await self._send(self.sock.send_multipart, frames)
 
     def close(self, linger: int | None = None) -> None:
+        self._stop_watching()
         if not self.sock.closed:
-            self._loop.remove_reader(self._fd)
             self.sock.close(linger)
 
     # ---- internals ----------------------------------------------------------
@@ -68,26 +71,48 @@ class LoopSocket:
                 waiter = self._loop.create_future()
                 self._writable.append(waiter)
                 try:
-                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                    if not self._service() & zmq.POLLOUT:
                         await waiter
                 finally:
                     self._writable.remove(waiter)
-        self._drain()   # the send may have taken the descriptor's signal
+        self._service()
 
     def _on_event(self) -> None:
-        self._drain()
-        if self._writable and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-            for waiter in self._writable:
-                _wake(waiter)
+        try:
+            self._service()
+        except zmq.ZMQError:   # the socket or its context is gone: nothing more comes
+            self._stop_watching()
 
-    def _drain(self) -> None:
-        while self._receives:
-            try:
-                self._frames.append(self._recv(zmq.NOBLOCK))
-            except zmq.Again:
+    def _service(self) -> int:
+        """After any operation on the socket (each may consume the descriptor's
+        signal): receive every queued frame until the socket reports none, wake the
+        receiver if there are frames and the senders if it can take more. The
+        socket's last events."""
+        if self.sock.closed:
+            return 0
+        while True:
+            events = self.sock.getsockopt(zmq.EVENTS)
+            if not (self._receives and events & zmq.POLLIN):
                 break
+            while True:
+                try:
+                    self._frames.append(self._recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
         if self._frames and self._readable is not None:
             _wake(self._readable)
+        if events & zmq.POLLOUT:
+            for waiter in self._writable:
+                _wake(waiter)
+        return events
+
+    def _stop_watching(self) -> None:
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
+        for waiter in [self._readable, *self._writable]:
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
 
 
 def _wake(waiter: asyncio.Future) -> None:

@@ -314,13 +314,19 @@ class Scheduler:
 
     def _waiting_order(self) -> list[tuple[Request, int | None]]:
         """Longest cached prefix first (ties: arrival order), with each request's
-        cached length, but requests overtaken LPM_OVERTAKE_LIMIT times first; FCFS
-        for long queues (lengths not computed: None)."""
+        cached length, but requests overtaken LPM_OVERTAKE_LIMIT times first, oldest
+        first; FCFS for long queues (lengths not computed: None)."""
         if not self.kv.tree or len(self.waiting) > LPM_QUEUE_LIMIT:
             return [(req, None) for req in self.waiting]
         ranked = [(req, self._cached_len(req)) for req in self.waiting]
-        return sorted(ranked, key=lambda pair: (pair[0].overtaken < LPM_OVERTAKE_LIMIT,
-                                                -pair[1]))
+        return sorted(ranked, key=self._rank)
+
+    @staticmethod
+    def _rank(pair: tuple[Request, int]) -> tuple:
+        req, cached = pair
+        if req.overtaken >= LPM_OVERTAKE_LIMIT:   # waited long enough: oldest first
+            return (0, req.arrival)
+        return (1, -cached)
 
     def _should_wait(self, req: Request, cached: int | None,
                      prefills: list[PrefillInput]) -> bool:

@@ -2,6 +2,7 @@
 per-process CPU accounting and the in-process run under the other processes' load."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -78,3 +79,26 @@ def test_overhead_bench_runs_and_reports_every_figure(tiny_model, tmp_path):
     # no server, in-process child or burner is left behind
     assert wait_until(lambda: not processes_using(tiny_model), 10), processes_using(tiny_model)
     assert wait_until(lambda: not processes_using(BURNER_MARK), 10), processes_using(BURNER_MARK)
+
+
+def test_a_burner_ends_when_the_process_that_started_it_is_killed():
+    from overhead import BURNER
+    from support import pid_alive
+
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import os, subprocess, sys, time
+burner = subprocess.Popen([sys.executable, "-c", {BURNER!r}, "0.5", "5", str(os.getpid())])
+print(burner.pid, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        burner = int(parent.stdout.readline())
+        assert pid_alive(burner)
+    finally:
+        parent.kill()
+        parent.wait()
+    try:
+        assert wait_until(lambda: not pid_alive(burner), 5)
+    finally:
+        if pid_alive(burner):   # do not leave it spinning if the test fails
+            os.kill(burner, signal.SIGKILL)

@@ -121,6 +121,26 @@ def test_pool_writes_skip_released_rows(llama_model, overlap):
         assert_pool_holds_mlx_lm_kv(d, rid, ids[rid])
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+def test_pool_writes_survive_compactions_and_joins(llama_model, overlap):
+    """Releases that compact the caches between a chained decode's launch and its
+    commit, a join in the same step, a dead row, then another compaction."""
+    d = Driver(llama_model)
+    d.runner.overlap = overlap
+    ids = [encode(llama_model, p) for p in PROMPTS] + [encode(llama_model, PROMPTS[1] + " a")]
+    d.step([d.prefill(r, ids[r]) for r in range(8)])
+    d.step()
+    d.step([d.prefill(8, ids[8])], releases=[2, 6])   # 2 of 8 dead: compacted; 8 joins
+    assert None not in d.runner.batch.row_rids
+    d.step(releases=[0])          # 1 dead row stays
+    d.step(releases=[3, 5])       # 3 of 7 dead: compacted
+    for _ in range(4):
+        d.step()
+    d.runner.close()
+    for rid in (1, 4, 7, 8):
+        assert_pool_holds_mlx_lm_kv(d, rid, ids[rid])
+
+
 def test_seeded_sampling_ignores_batch_neighbours(llama_model):
     ids = encode(llama_model, PROMPTS[0])
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
