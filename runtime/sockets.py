@@ -29,12 +29,9 @@ def close_all(ctx: zmq.Context, *sockets: zmq.Socket) -> None:
     ctx.term()
 
 
-
 def waking_receiver(sock: zmq.Socket, wakeup) -> Callable[[], bytes]:
     """A blocking `recv()` for `sock` that also wakes when a signal arrives (see
     runtime.lifecycle.install_signal_handlers), so the signal's handler runs."""
-    from runtime.lifecycle import drain
-
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(wakeup, zmq.POLLIN)

@@ -155,15 +155,16 @@ class TokenizerServer:
             if any(not 0 <= t < vocab for t in req.input_ids):
                 raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
             ids = req.input_ids
-        elif req.messages is not None:
-            ids = self.codec.encode_chat(_checked_messages(req.messages))
         else:
-            ids = self.codec.encode_prompt(req.prompt) if req.prompt else []
+            if req.messages is not None:
+                ids = self.codec.encode_chat(_checked_messages(req.messages))
+            else:
+                ids = self.codec.encode_prompt(req.prompt) if req.prompt else []
+            if ids and max(ids) >= vocab:   # a token the model has no embedding for
+                raise InvalidRequest(f"the prompt encodes to token id {max(ids)}; the "
+                                     f"model's vocabulary is [0, {vocab})")
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        if max(ids) >= vocab:   # the tokenizer knows tokens the model has no embedding for
-            raise InvalidRequest(f"the prompt encodes to token id {max(ids)}; the model's "
-                                 f"vocabulary is [0, {vocab})")
         return ids
 
     @property

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from .memory import cache_width
 from .sampling import RowState
-
-CACHE_STEP = 256   # mlx_lm's KV caches grow in steps of this many positions
 
 
 class DecodeKVCache(BatchKVCache):
@@ -139,7 +138,7 @@ def merge(parts: list[tuple[BatchKVCache, mx.array | None]]) -> DecodeKVCache:
     ref = next(c for c, *_ in pieces if c.keys is not None)
     _, heads, _, k_dim = ref.keys.shape
     n_rows = sum(offset.shape[0] for _, _, _, offset, _ in pieces)
-    width = -(-(end + 2) // CACHE_STEP) * CACHE_STEP
+    width = cache_width(end + 2)
     keys = mx.zeros((n_rows, heads, width, k_dim), ref.keys.dtype)
     values = mx.zeros((n_rows, heads, width, ref.values.shape[3]), ref.values.dtype)
     row, lefts, offsets = 0, [], []

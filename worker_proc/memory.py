@@ -7,7 +7,7 @@ import mlx.core as mx
 
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
-DECODE_CACHE_STEP = 256   # mlx_lm's batched caches grow in steps of 256 tokens
+CACHE_STEP = 256   # mlx_lm's KV caches grow in steps of this many positions
 
 
 def machine_memory_bytes() -> int:
@@ -38,12 +38,12 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
     which need twice their size while a join copies them: C + 2D fits. D is at
     least a full batch of short rows (max_running x 256). An explicit `capacity`
     sizes only the pool."""
-    min_decode = max_running * DECODE_CACHE_STEP
+    min_decode = max_running * CACHE_STEP
     if capacity:
-        return KVBudget(capacity, max(_round_up(capacity + 1), min_decode))
+        return KVBudget(capacity, max(cache_width(capacity + 1), min_decode))
     tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
-    pool = min((tokens - 2 * DECODE_CACHE_STEP) // 3, ceiling)
-    if pool + 2 * max(_round_up(pool + 1), min_decode) > tokens:
+    pool = min((tokens - 2 * CACHE_STEP) // 3, ceiling)
+    if pool + 2 * max(cache_width(pool + 1), min_decode) > tokens:
         # small memory: a full batch of short rows comes first
         pool = min(tokens - 2 * min_decode, min_decode - 1, ceiling)
     if pool < 64:
@@ -51,8 +51,9 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
             f"memory limit of {limit_bytes / 1024**3:.2f} GiB leaves no room for a KV cache "
             f"(weights take {weights_bytes / 1024**3:.2f} GiB); raise --mem-fraction or "
             "--mem-limit-gb, or set --kv-capacity")
-    return KVBudget(int(pool), int(max(_round_up(pool + 1), min_decode)))
+    return KVBudget(int(pool), int(max(cache_width(pool + 1), min_decode)))
 
 
-def _round_up(n: int) -> int:
-    return -(-n // DECODE_CACHE_STEP) * DECODE_CACHE_STEP
+def cache_width(n: int) -> int:
+    """Positions a KV cache holding `n` has: `n` rounded up to the cache step."""
+    return -(-n // CACHE_STEP) * CACHE_STEP

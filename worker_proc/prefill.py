@@ -12,9 +12,9 @@ from mlx_lm.models.cache import BatchKVCache
 from protocol import PrefillInput
 
 from .kv_pool import KVPool
+from .memory import cache_width
 
 PAD_TOKEN = 0
-CACHE_STEP = 256   # mlx_lm's KV caches grow in steps of this many positions
 
 
 def plan_groups(prefills: list[PrefillInput], max_tokens: int) -> list[list[PrefillInput]]:
@@ -69,7 +69,7 @@ class GroupPrefill:
         the forward writes in place and nothing is copied twice."""
         width = max(len(p.prefix_slot_ids) for p in self.group)
         new = max(len(p.input_ids) for p in self.group)
-        room = -(-(width + new) // CACHE_STEP) * CACHE_STEP - width
+        room = cache_width(width + new) - width
         slots = mx.array([[0] * (width - len(p.prefix_slot_ids)) + p.prefix_slot_ids
                           + [0] * room for p in self.group])
         for layer, cache in enumerate(self.caches):
