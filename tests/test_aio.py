@@ -211,3 +211,17 @@ def test_close_cancels_whoever_waits(ctx):
         return [t.cancelled() for t in done], pending
     cancelled, pending = run(main())
     assert not pending and cancelled == [True, True, True]
+
+
+def test_socket_cpu_bench_reports_every_way():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "bench" / "socket_cpu.py"), "--messages", "20",
+                          "--period-ms", "1", "--repeats", "1"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if "us CPU per received message" in line]
+    assert [line.split()[0] for line in lines] == ["zmq.asyncio", "LoopSocket", "blocking"]
