@@ -10,8 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from launch import read_ready_address  # noqa: E402
-from model_store.tiny import TinySpec, build_tiny_model, default_cache_dir  # noqa: E402
+from mlxd.launcher import read_ready_address  # noqa: E402
+from mlxd.model_store.tiny import TinySpec, build_tiny_model, default_cache_dir  # noqa: E402
 
 # ~40M parameters: hidden 512, 8 layers, vocab 32000, tied embeddings.
 BENCH_SPEC = TinySpec(arch="llama", hidden_size=512, num_layers=8, num_heads=8,
@@ -23,7 +23,7 @@ def bench_model(path: str | None) -> str:
     """A model folder: the given one, "smollm2" (the server's default model), or
     the ~40M random-weight bench model."""
     if path == "smollm2":
-        from model_store.default_model import ensure_default_model
+        from mlxd.model_store.default_model import ensure_default_model
 
         return str(ensure_default_model(default_cache_dir()))
     if path:
@@ -44,7 +44,7 @@ def tokenizer_vocab(model_path: str) -> int:
 
 def blas_env() -> dict:
     """The environment the launcher gives its worker: the same BLAS for every system."""
-    from launch import find_blas
+    from mlxd.launcher import find_blas
 
     env = dict(os.environ)
     blas = find_blas("auto")
@@ -97,7 +97,7 @@ def process_cpu_seconds(launcher_pid: int) -> dict[str, float] | None:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        module = argv[argv.index("-m") + 1] if "-m" in argv else argv[0]
+        module = argv[argv.index("-m") + 1].removeprefix("mlxd.") if "-m" in argv else argv[0]
         out[module] = (int(fields[11]) + int(fields[12])) / ticks   # utime + stime
     return out
 

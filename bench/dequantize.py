@@ -34,7 +34,7 @@ def main() -> None:
     env = blas_env()
     if env.get("LD_PRELOAD") and os.environ.get("LD_PRELOAD") != env["LD_PRELOAD"]:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    from worker_proc.loading import load_model
+    from mlxd.worker_proc.loading import load_model
 
     path = bench_model(args.model)
     prompt = random_prompts(1, args.prompt_len, tokenizer_vocab(path))[0]

@@ -41,7 +41,7 @@ def run_in_process(model_path: str, prompt: list[int], gen_len: int,
     with one burner process per entry of `load_ms` (ms of CPU every `period_ms`)."""
     from mlx_lm import stream_generate
 
-    from worker_proc.loading import load_model, resolve_dequantize
+    from mlxd.worker_proc.loading import load_model, resolve_dequantize
 
     model, tokenizer = load_model(model_path, resolve_dequantize("auto"))
     for _ in stream_generate(model, tokenizer, prompt[:8], max_tokens=4):
@@ -64,7 +64,7 @@ def run_in_process(model_path: str, prompt: list[int], gen_len: int,
 async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[float, dict, dict]:
     """Decode tok/s of one stream, the server's step timing (p50s) over its steps, and
     the CPU ms per output token of each process (empty without /proc)."""
-    from client import AsyncClient
+    from mlxd.client import AsyncClient
 
     async with AsyncClient(server.address, timeout=600) as c:
         await c.generate(input_ids=prompt[:8], max_tokens=4, ignore_eos=True)

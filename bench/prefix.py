@@ -17,7 +17,7 @@ from common import MlxdServer, bench_model, machine_summary, now, random_prompts
 
 
 async def _drive(address: str, prompts, gen_len: int) -> dict:
-    from client import AsyncClient
+    from mlxd.client import AsyncClient
 
     async with AsyncClient(address, timeout=900) as c:
         await c.generate(input_ids=prompts[0][-8:], max_tokens=2, ignore_eos=True)   # warm up

@@ -88,7 +88,7 @@ def default_model() -> str:
     """The bench model with an 8192-token context (same weights as bench/common.py's,
     whose 2048 is too short for the long prompts), its tokenizer padded to one token
     per model id (see pad_tokenizer)."""
-    from model_store.tiny import build_tiny_model, default_cache_dir
+    from mlxd.model_store.tiny import build_tiny_model, default_cache_dir
 
     spec = dataclasses.replace(BENCH_SPEC, max_position_embeddings=8192)
     path = build_tiny_model(default_cache_dir() / "bench-llama-h512-l8-v32000-ctx8k-padded", spec)

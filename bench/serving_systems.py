@@ -59,7 +59,7 @@ class PromptCodecs:
     def __init__(self, model: str):
         from mlx_lm.utils import load_config, load_tokenizer
 
-        from tokenizer_proc.text import TextCodec
+        from mlxd.tokenizer_proc.text import TextCodec
 
         self.mlxd = TextCodec(model)
         config = load_config(Path(model))
@@ -87,7 +87,7 @@ class MlxdDriver:
     name = "mlxd"
 
     def __init__(self, address: str, timeout: float):
-        from client import AsyncClient
+        from mlxd.client import AsyncClient
 
         self.client = AsyncClient(address, timeout=timeout)
 

@@ -41,7 +41,7 @@ def _sender(addr: str, n: int, period_ms: float) -> subprocess.Popen:
 
 
 async def _async_receive(addr: str, n: int, period_ms: float, loop_socket: bool) -> float:
-    from runtime.aio import LoopSocket
+    from mlxd.runtime.aio import LoopSocket
 
     ctx = zmq.asyncio.Context()
     raw = zmq.Socket(ctx, zmq.PULL) if loop_socket else ctx.socket(zmq.PULL)

@@ -31,7 +31,7 @@ def run_batch_generator(model_path: str, prompts: list[list[int]], gen_len: int)
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from worker_proc.loading import load_model, resolve_dequantize
+    from mlxd.worker_proc.loading import load_model, resolve_dequantize
 
     model, _ = load_model(model_path, resolve_dequantize("auto"))
     warm = BatchGenerator(model, max_tokens=4)
@@ -53,7 +53,7 @@ def run_batch_generator(model_path: str, prompts: list[list[int]], gen_len: int)
 
 
 async def _drive_mlxd(address: str, prompts, gen_len: int) -> float:
-    from client import AsyncClient
+    from mlxd.client import AsyncClient
 
     async with AsyncClient(address, timeout=600) as c:
         await c.generate(input_ids=prompts[0][:8], max_tokens=4, ignore_eos=True)

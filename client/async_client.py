@@ -13,11 +13,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol import (
+from mlxd.protocol import (
     AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StatsReply,
     StatsRequest, StreamChunk, encode,
 )
-from runtime.aio import LoopSocket
+from mlxd.runtime.aio import LoopSocket
 
 from .types import Chunk, MlxdError, Result
 

@@ -4,7 +4,7 @@ from typing import Callable
 
 import zmq
 
-from runtime.lifecycle import drain
+from mlxd.runtime.lifecycle import drain
 
 
 def bind_pull(ctx: zmq.Context, address: str) -> zmq.Socket:

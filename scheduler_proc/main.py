@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocol import (
+from mlxd.protocol import (
     Abort, Decoder, GetStats, ProtocolError, Ready, Stats, StepResult, TokenBatch,
     TokenizedRequest, WorkerError, encode,
 )
-from runtime.config import parse_config
-from runtime.lifecycle import (
+from mlxd.runtime.config import parse_config
+from mlxd.runtime.lifecycle import (
     Shutdown, die_with_parent, drain, install_signal_handlers, setup_logging,
 )
-from runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
+from mlxd.runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
 
 from .scheduler import Scheduler, SchedulerLimits
 from .step_timing import StepTimings

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from protocol import SamplingParams, TokenizedRequest
+from mlxd.protocol import SamplingParams, TokenizedRequest
 
 
 class Status(enum.Enum):

@@ -14,7 +14,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
+from mlxd.protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
 
 from .kv_book import KVBook
 from .radix_cache import common_prefix_len

@@ -1,6 +1,6 @@
 import pytest
 
-from model_store.tiny import TinySpec, build_tiny_model
+from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import Server
 
 LLAMA = TinySpec(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

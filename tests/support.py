@@ -9,7 +9,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from launch import read_ready_address
+from mlxd.launcher import read_ready_address
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,7 +131,7 @@ class Server:
     def child(self, name: str) -> int:
         for pid in self.child_pids:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            if f"-m {name}".encode() in cmdline:
+            if f"-m mlxd.{name}".encode() in cmdline:
                 return pid
         raise LookupError(name)
 

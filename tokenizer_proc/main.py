@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from protocol import (
+from mlxd.protocol import (
     Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ProtocolError,
     Ready, Stats, StatsReply, StatsRequest, TokenBatch, TokenizedRequest, encode,
 )
-from runtime.aio import LoopSocket
-from runtime.config import parse_config
-from runtime.lifecycle import die_with_parent, setup_logging
+from mlxd.runtime.aio import LoopSocket
+from mlxd.runtime.config import parse_config
+from mlxd.runtime.lifecycle import die_with_parent, setup_logging
 
 from .detokenizer import IncrementalDetokenizer
 from .params import InvalidRequest, parse_params

@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
-from protocol import SamplingParams
+from mlxd.protocol import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16

@@ -4,7 +4,7 @@ Text that could be the start of a stop string is held back until it is known
 not to be one, so a stop string never reaches the client, even in a stream.
 """
 
-from protocol import StreamChunk, TokenEntry
+from mlxd.protocol import StreamChunk, TokenEntry
 
 from .detokenizer import IncrementalDetokenizer
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import zmq
 
-from protocol import Decoder, ProtocolError, Ready, Step, WorkerError, encode
-from runtime.config import parse_config
-from runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
-from runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
+from mlxd.protocol import Decoder, ProtocolError, Ready, Step, WorkerError, encode
+from mlxd.runtime.config import parse_config
+from mlxd.runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
+from mlxd.runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
 
 log = logging.getLogger("mlxd.worker")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from protocol import PrefillInput, Step, StepResult
+from mlxd.protocol import PrefillInput, Step, StepResult
 
 from .background import BackgroundJob
 from .decode_batch import DecodeBatch, JoinGroup

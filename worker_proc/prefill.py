@@ -9,7 +9,7 @@ samples from — the same split mlx_lm's generate makes.
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from protocol import PrefillInput
+from mlxd.protocol import PrefillInput
 
 from .kv_pool import KVPool
 from .memory import cache_width

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from protocol import SamplingParams
+from mlxd.protocol import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

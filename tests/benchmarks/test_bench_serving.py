@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from model_store.tiny import TinySpec, build_tiny_model
+from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import processes_using, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from serving_metrics import (  # noqa: E402

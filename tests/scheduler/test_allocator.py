@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from scheduler_proc.allocator import OutOfSlots, SlotAllocator
+from mlxd.scheduler_proc.allocator import OutOfSlots, SlotAllocator
 
 
 def test_fresh_allocator():

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from protocol import SamplingParams
-from worker_proc.sampling import RowState, sample, top_lists
+from mlxd.protocol import SamplingParams
+from mlxd.worker_proc.sampling import RowState, sample, top_lists
 
 VOCAB = 64
 

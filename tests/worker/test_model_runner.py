@@ -7,10 +7,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from protocol import PrefillInput, SamplingParams, Step
+from mlxd.protocol import PrefillInput, SamplingParams, Step
 from support import PROMPTS, encode, load_reference, reference_tokens
-from worker_proc.kv_pool import KVPool
-from worker_proc.model_runner import ModelRunner, probe_geometry
+from mlxd.worker_proc.kv_pool import KVPool
+from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
 
 MAX_TOKENS = 20
 
@@ -192,7 +192,7 @@ def test_memory_stays_flat_over_many_decode_steps(llama_model, overlap):
 def test_prefix_prefills_of_different_lengths_share_one_group(llama_model):
     """Rows with cached prefixes of 5, 12 and 20 tokens and 6 new tokens each run
     in one left-padded forward; each matches mlx_lm on its full prompt."""
-    from worker_proc.prefill import plan_groups
+    from mlxd.worker_proc.prefill import plan_groups
 
     d = Driver(llama_model)
     base = encode(llama_model, PROMPTS[6])

@@ -17,8 +17,8 @@ import msgpack
 import pytest
 import zmq
 
-from client import AsyncClient, Client, MlxdError
-from protocol import (
+from mlxd.client import AsyncClient, Client, MlxdError
+from mlxd.protocol import (
     Abort, Decoder, ErrorReply, GenerateRequest, Ready, SamplingParams,
     StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, encode,
 )
@@ -61,7 +61,7 @@ class TokenizerProc(ProcHarness):
         self.launcher = self._socket(zmq.PULL, bind=self.ipc("ready"))
         self.batches = self._socket(zmq.PUSH, connect=self.ipc("input"))
         self.client_addr = f"tcp://127.0.0.1:{free_port()}"
-        self.start_child("-m", "tokenizer_proc", "--model", self.model_path,
+        self.start_child("-m", "mlxd.tokenizer_proc", "--model", self.model_path,
                          "--client-addr", self.client_addr, "--input-addr", self.ipc("input"),
                          "--scheduler-input-addr", self.ipc("sched"),
                          "--ready-addr", self.ipc("ready"),

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from client import AsyncClient, Client
+from mlxd.client import AsyncClient, Client
 from support import Server, reference_tokens
 
 MAX_TOKENS = 16

@@ -6,7 +6,7 @@ import threading
 import pytest
 import zmq
 
-from client import AsyncClient, Client, MlxdError
+from mlxd.client import AsyncClient, Client, MlxdError
 from support import PROMPTS, Server, encode, load_reference, reference_tokens
 
 MAX_TOKENS = 24

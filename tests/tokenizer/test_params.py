@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from protocol import SamplingParams
-from tokenizer_proc.params import (
+from mlxd.protocol import SamplingParams
+from mlxd.tokenizer_proc.params import (
     KNOWN, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, InvalidRequest, parse_params,
 )
 

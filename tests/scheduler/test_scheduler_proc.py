@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import (
+from mlxd.protocol import (
     Abort, Decoder, Ready, SamplingParams, Step, StepResult, TokenBatch, TokenEntry,
     TokenizedRequest, WorkerError, encode,
 )
@@ -49,7 +49,7 @@ class Harness(ProcHarness):
         self.batch_decoder = Decoder(TokenBatch, Ready)
 
     def argv(self, *extra: str) -> list[str]:
-        return ["-m", "scheduler_proc", "--input-addr", self.addr["input"],
+        return ["-m", "mlxd.scheduler_proc", "--input-addr", self.addr["input"],
                 "--output-addr", self.addr["output"],
                 "--worker-input-addr", self.addr["worker_in"],
                 "--worker-output-addr", self.addr["worker_out"],

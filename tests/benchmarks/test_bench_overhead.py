@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from model_store.tiny import TinySpec, build_tiny_model
+from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import processes_using, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import MlxdServer, process_cpu_seconds  # noqa: E402
@@ -35,7 +35,7 @@ def test_server_cpu_seconds_name_every_process_and_grow(tiny_model):
     try:
         first = server.cpu_seconds()
         assert set(first) == {"worker_proc", "scheduler_proc", "tokenizer_proc"}
-        from client import Client
+        from mlxd.client import Client
 
         with Client(server.address, timeout=60) as c:
             c.generate(input_ids=[5, 6, 7], max_tokens=40, ignore_eos=True)

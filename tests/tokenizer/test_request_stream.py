@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from model_store.tiny import training_corpus
-from protocol import TokenEntry
-from tokenizer_proc.detokenizer import IncrementalDetokenizer
-from tokenizer_proc.request_stream import RequestStream
+from mlxd.model_store.tiny import training_corpus
+from mlxd.protocol import TokenEntry
+from mlxd.tokenizer_proc.detokenizer import IncrementalDetokenizer
+from mlxd.tokenizer_proc.request_stream import RequestStream
 from tokenizer_support import decode, tokenizer  # noqa: F401  (fixtures)
 
 RID = 7

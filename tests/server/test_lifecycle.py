@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, MlxdError
+from mlxd.client import Client, MlxdError
 from support import ROOT, Server, children_of, pid_alive, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),

@@ -7,7 +7,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from runtime.aio import LoopSocket
+from mlxd.runtime.aio import LoopSocket
 
 TIMEOUT = 10.0
 
@@ -218,7 +218,7 @@ def test_socket_cpu_bench_reports_every_way():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "bench" / "socket_cpu.py"), "--messages", "20",
                           "--period-ms", "1", "--repeats", "1"],
                          cwd=root, capture_output=True, text=True, timeout=120)

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from client import AsyncClient
-from model_store.tiny import TinySpec, build_tiny_model
+from mlxd.client import AsyncClient
+from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import PROMPTS, Server
 
 LIMITS = [1, 2, 5, 9, 14, 20, 24, 24]   # max_tokens per prompt: finishes at different steps

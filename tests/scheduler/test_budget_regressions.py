@@ -3,10 +3,10 @@ the longest prompt the tokenizer and scheduler accept."""
 
 from types import SimpleNamespace
 
-from scheduler_proc.scheduler import Scheduler, SchedulerLimits, round_up
+from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits, round_up
 from test_scheduler import Harness, make_request
-from tokenizer_proc.main import TokenizerServer
-from tokenizer_proc.params import InvalidRequest
+from mlxd.tokenizer_proc.main import TokenizerServer
+from mlxd.tokenizer_proc.params import InvalidRequest
 
 
 def _worker_decode_width(h: Harness) -> int:
@@ -57,10 +57,10 @@ def test_overlap_decode_caches_stay_within_the_width_budget(llama_model):
     """With overlap the worker appends the *next* decode position to its batched
     caches at the end of every step; the scheduler's width budget counts that
     position, so the real caches never span more than decode_cache_tokens."""
-    from protocol import SamplingParams, TokenizedRequest
+    from mlxd.protocol import SamplingParams, TokenizedRequest
     from support import load_reference
-    from worker_proc.kv_pool import KVPool
-    from worker_proc.model_runner import ModelRunner, probe_geometry
+    from mlxd.worker_proc.kv_pool import KVPool
+    from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
 
     model, _ = load_reference(llama_model)
     spans = {}
@@ -90,7 +90,7 @@ def test_overlap_decode_caches_stay_within_the_width_budget(llama_model):
 def test_kv_budget_keeps_pool_plus_twice_the_decode_caches_within_memory():
     """memory.kv_budget: the pool C and the decode caches D (rounded up to 256) satisfy
     C + 2D <= the tokens left after weights and the activation reserve."""
-    from worker_proc.memory import ACTIVATION_RESERVE_BYTES, kv_budget
+    from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, kv_budget
 
     bytes_per_token = 1000
     tokens = 100_000

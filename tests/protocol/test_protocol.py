@@ -6,12 +6,12 @@ import random
 import msgpack
 import pytest
 
-from protocol import (
+from mlxd.protocol import (
     Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, PrefillInput, ProtocolError,
     Ready, SamplingParams, Step, StepResult, StreamChunk, TokenBatch, TokenEntry,
     TokenizedRequest, WorkerError, encode,
 )
-from protocol.codec import MAX_FRAME_BYTES
+from mlxd.protocol.codec import MAX_FRAME_BYTES
 
 TAGGED = [Ready, GenerateRequest, AbortRequest, StreamChunk, ErrorReply, TokenizedRequest,
           Abort, TokenBatch, Step, StepResult, WorkerError]

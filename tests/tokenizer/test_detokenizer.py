@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from model_store.tiny import training_corpus
-from tokenizer_proc.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from mlxd.model_store.tiny import training_corpus
+from mlxd.tokenizer_proc.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from tokenizer_support import decode, tokenizer  # noqa: F401  (fixtures)
 
 TEXTS = [

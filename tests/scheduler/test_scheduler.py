@@ -20,9 +20,9 @@ from collections import defaultdict
 
 import pytest
 
-from protocol import SamplingParams, Step, StepResult, TokenizedRequest, WorkerError
-from scheduler_proc.request import Request, Status
-from scheduler_proc.scheduler import (
+from mlxd.protocol import SamplingParams, Step, StepResult, TokenizedRequest, WorkerError
+from mlxd.scheduler_proc.request import Request, Status
+from mlxd.scheduler_proc.scheduler import (
     LPM_OVERTAKE_LIMIT, LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT, Scheduler, SchedulerLimits, round_up,
 )
 

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from scheduler_proc.allocator import SlotAllocator
-from scheduler_proc.radix_cache import RadixCache
+from mlxd.scheduler_proc.allocator import SlotAllocator
+from mlxd.scheduler_proc.radix_cache import RadixCache
 
 
 # ---- helpers ------------------------------------------------------------------------

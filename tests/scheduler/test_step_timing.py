@@ -2,9 +2,9 @@
 
 import pytest
 
-from protocol import SamplingParams, TokenizedRequest
-from scheduler_proc.scheduler import Scheduler, SchedulerLimits
-from scheduler_proc.step_timing import StepTimings
+from mlxd.protocol import SamplingParams, TokenizedRequest
+from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
+from mlxd.scheduler_proc.step_timing import StepTimings
 
 
 def test_summary_of_a_window():

@@ -7,7 +7,7 @@ from typing import Optional
 
 import pytest
 
-from runtime.config import add_config_arguments, parse_config, to_argv
+from mlxd.runtime.config import add_config_arguments, parse_config, to_argv
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ def test_help_texts_and_defaults_in_help():
 
 
 def test_real_process_configs_round_trip():
-    from scheduler_proc.main import SchedulerConfig
-    from tokenizer_proc.main import TokenizerConfig
+    from mlxd.scheduler_proc.main import SchedulerConfig
+    from mlxd.tokenizer_proc.main import TokenizerConfig
 
     sched = SchedulerConfig("ipc:///a", "ipc:///b", "ipc:///c", "ipc:///d",
                             max_running_requests=3, parent_pid=123, log_level="debug")

@@ -14,10 +14,10 @@ from mlx.utils import tree_flatten
 from transformers import AutoTokenizer
 
 from gguf_writer import write_gguf
-from model_store.gguf import GGUFError, cached_conversion, convert, permute_rows, unpermute_rows
-from model_store.tiny import TinySpec, build_tiny_model
+from mlxd.model_store.gguf import GGUFError, cached_conversion, convert, permute_rows, unpermute_rows
+from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import ROOT, PROMPTS, Server
-from worker_proc.loading import load_model
+from mlxd.worker_proc.loading import load_model
 
 HF_TO_GGUF = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
@@ -181,7 +181,7 @@ def test_unsupported_inputs_are_clear_errors(tiny_folders, tmp_path):
 
 def test_cli_converts_and_reports_errors(tiny_folders, tmp_path):
     write_model_gguf(tiny_folders[False], tmp_path / "m.gguf", "Q4_1")
-    cmd = [sys.executable, "-m", "model_store.gguf"]
+    cmd = [sys.executable, "-m", "mlxd.model_store.gguf"]
     ok = subprocess.run(cmd + [str(tmp_path / "m.gguf"), str(tmp_path / "cli")], cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
@@ -210,7 +210,7 @@ def test_the_server_serves_a_gguf_file_like_mlx_lm(tiny_folders, tmp_path):
                     "--log-level", "warning", env=env)
     try:
         folder = cached_conversion(gguf, tmp_path / "cache")   # the launcher's folder
-        from client import Client
+        from mlxd.client import Client
 
         model, tokenizer = load_dequantized(folder)
         with Client(server.address, timeout=60) as c:

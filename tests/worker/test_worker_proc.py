@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import (
+from mlxd.protocol import (
     Decoder, PrefillInput, Ready, SamplingParams, Step, StepResult, WorkerError, encode,
 )
 from proc_support import ProcHarness
@@ -45,7 +45,7 @@ class WorkerProc(ProcHarness):
             Path(self.dir, name).unlink(missing_ok=True)
         self.results = self._socket(zmq.PULL, bind=self.ipc("out"))
         self.steps = self._socket(zmq.PUSH, connect=self.ipc("in"))
-        self.start_child("-m", "worker_proc", "--model", self.model_path,
+        self.start_child("-m", "mlxd.worker_proc", "--model", self.model_path,
                          "--kv-capacity", str(KV_CAPACITY), "--input-addr", self.ipc("in"),
                          "--output-addr", self.ipc("out"), *self.extra)
         msg = self.recv(READY_TIMEOUT, "Ready")

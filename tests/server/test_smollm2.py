@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from client import AsyncClient, Client
-from model_store.default_model import DefaultModelError, ensure_default_model
-from model_store.tiny import default_cache_dir
+from mlxd.client import AsyncClient, Client
+from mlxd.model_store.default_model import DefaultModelError, ensure_default_model
+from mlxd.model_store.tiny import default_cache_dir
 from support import ROOT, Server
-from worker_proc.loading import load_model
+from mlxd.worker_proc.loading import load_model
 
 pytestmark = pytest.mark.registry
 

