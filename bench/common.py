@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from mlxd.launcher import read_ready_address  # noqa: E402
-from mlxd.model_store.tiny import TinySpec, build_tiny_model, default_cache_dir  # noqa: E402
+from mlxd.launcher import read_ready_address
+from mlxd.model_store.tiny import TinySpec, build_tiny_model, default_cache_dir
 
 # ~40M parameters: hidden 512, 8 layers, vocab 32000, tied embeddings.
 BENCH_SPEC = TinySpec(arch="llama", hidden_size=512, num_layers=8, num_heads=8,

@@ -1,7 +1,7 @@
 """Single-stream prefill and decode speed with quantized vs dequantized weights.
 
-    python bench/dequantize.py                   # the default model (SmolLM2-135M, Q4_1)
-    python bench/dequantize.py --model PATH
+    python -m bench.dequantize                   # the default model (SmolLM2-135M, Q4_1)
+    python -m bench.dequantize --model PATH
 
 Runs in one process with the worker's BLAS (re-executes itself with LD_PRELOAD
 on Linux), alternating the two variants; prints medians and the ratio.
@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 
-from common import bench_model, blas_env, random_prompts, tokenizer_vocab
+from bench.common import bench_model, blas_env, random_prompts, tokenizer_vocab
 
 
 def measure(model, tokenizer, prompt, gen_len):
@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     env = blas_env()
     if env.get("LD_PRELOAD") and os.environ.get("LD_PRELOAD") != env["LD_PRELOAD"]:
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], env)
     from mlxd.worker_proc.loading import load_model
 
     path = bench_model(args.model)

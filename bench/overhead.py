@@ -1,8 +1,8 @@
 """Serving overhead: one stream of G output tokens through the server vs the same
 model in-process with mlx_lm's stream_generate, overlap on and off, in one run.
 
-    python bench/overhead.py                  # ~40M random-weight model, G=256
-    python bench/overhead.py --model PATH --gen-len 256
+    python -m bench.overhead                  # ~40M random-weight model, G=256
+    python -m bench.overhead --model PATH --gen-len 256
 
 Where /proc exists it also reports the CPU time per output token of each process
 (worker, scheduler, tokenizer, and this client), and runs stream_generate once more
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from common import ROOT, MlxdServer, bench_model, blas_env, machine_summary, now, random_prompts, tokenizer_vocab
+from bench.common import ROOT, MlxdServer, bench_model, blas_env, machine_summary, now, random_prompts, tokenizer_vocab
 
 
 BURNER = """
@@ -88,7 +88,7 @@ async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[f
 
 
 def in_child(args, prompt_seed: int, load_ms: list[float] = (), period_ms: float = 0.0) -> float:
-    cmd = [sys.executable, __file__, "--model", args.model, "--prompt-len", str(args.prompt_len),
+    cmd = [sys.executable, "-m", __spec__.name, "--model", args.model, "--prompt-len", str(args.prompt_len),
            "--gen-len", str(args.gen_len), "--seed", str(prompt_seed), "--in-process-only",
            "--load", ",".join(f"{ms:.3f}" for ms in load_ms), "--load-period", str(period_ms)]
     out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True, check=True)

@@ -4,8 +4,8 @@
 question, 32 output tokens each (ignore_eos), all sent at once through the async
 SDK. Reports time to first token (p50, p90) and output throughput per setting.
 
-    python bench/prefix.py                 # ~40M random-weight model
-    python bench/prefix.py --model PATH --n 64 --shared 1024 --question 32 --gen-len 32
+    python -m bench.prefix                 # ~40M random-weight model
+    python -m bench.prefix --model PATH --n 64 --shared 1024 --question 32 --gen-len 32
 """
 
 import argparse
@@ -13,7 +13,7 @@ import asyncio
 import json
 import statistics
 
-from common import MlxdServer, bench_model, machine_summary, now, random_prompts, tokenizer_vocab
+from bench.common import MlxdServer, bench_model, machine_summary, now, random_prompts, tokenizer_vocab
 
 
 async def _drive(address: str, prompts, gen_len: int) -> dict:

@@ -5,8 +5,8 @@ A sender process pushes small frames at a steady rate over ipc://, as the schedu
 sends a token batch per step; the receiver's CPU time (all its threads, ZeroMQ's I/O
 thread included) is divided by the messages received.
 
-    python bench/socket_cpu.py
-    python bench/socket_cpu.py --messages 1000 --period-ms 5 --repeats 5
+    python -m bench.socket_cpu
+    python -m bench.socket_cpu --messages 1000 --period-ms 5 --repeats 5
 """
 
 import argparse
@@ -20,7 +20,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from common import ROOT, machine_summary
+from bench.common import ROOT, machine_summary
 
 SENDER = """
 import sys, time, zmq
@@ -83,7 +83,6 @@ def main() -> None:
     ap.add_argument("--period-ms", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     try:
         import uvloop
         run = uvloop.run   # as the tokenizer runs

@@ -5,9 +5,9 @@ workload in-process with mlx_lm's BatchGenerator, on the same model with the sam
 BLAS, alternating runs. Every repeat uses fresh random prompts, so mlxd's prefix
 cache never helps.
 
-    python bench/throughput.py                 # ~40M random-weight model
-    python bench/throughput.py --model smollm2   # the default model, SmolLM2-135M
-    python bench/throughput.py --model PATH --n 64 --prompt-len 128 --gen-len 64
+    python -m bench.throughput                 # ~40M random-weight model
+    python -m bench.throughput --model smollm2   # the default model, SmolLM2-135M
+    python -m bench.throughput --model PATH --n 64 --prompt-len 128 --gen-len 64
 
 Both systems load the weights the same way (the worker's load_model: quantized
 models are dequantized on the CPU backend, as `--dequantize auto` does).
@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-from common import (
+from bench.common import (
     ROOT, MlxdServer, bench_model, blas_env, machine_summary, now, random_prompts,
     tokenizer_vocab,
 )
@@ -71,7 +71,7 @@ def run_mlxd(address: str, prompts, gen_len: int) -> float:
 
 
 def baseline_in_child(args, seed: int) -> float:
-    cmd = [sys.executable, __file__, "--model", args.model, "--n", str(args.n),
+    cmd = [sys.executable, "-m", __spec__.name, "--model", args.model, "--n", str(args.n),
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
            "--seed", str(seed), "--baseline-only"]
     out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True,

@@ -14,9 +14,7 @@ from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import processes_using, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import MlxdServer, process_cpu_seconds  # noqa: E402
+from bench.common import MlxdServer, process_cpu_seconds
 
 TINY = TinySpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                 intermediate_size=128, vocab_size=512, max_position_embeddings=1024)
@@ -50,7 +48,7 @@ def test_server_cpu_seconds_name_every_process_and_grow(tiny_model):
 def test_overhead_bench_runs_and_reports_every_figure(tiny_model, tmp_path):
     out = tmp_path / "overhead.json"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "overhead.py"), "--model", tiny_model,
+        [sys.executable, "-m", "bench.overhead", "--model", tiny_model,
          "--gen-len", "24", "--prompt-len", "8", "--repeats", "1", "--json", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -82,7 +80,7 @@ def test_overhead_bench_runs_and_reports_every_figure(tiny_model, tmp_path):
 
 
 def test_a_burner_ends_when_the_process_that_started_it_is_killed():
-    from overhead import BURNER
+    from bench.overhead import BURNER
     from support import pid_alive
 
     parent = subprocess.Popen([sys.executable, "-c", f"""

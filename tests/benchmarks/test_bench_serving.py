@@ -1,4 +1,4 @@
-"""bench/serving.py: its pure parts (traces, metrics) and a small run against mlxd."""
+"""bench/serving/ (python -m bench.serving): its pure parts (traces, metrics) and a small run against mlxd."""
 
 import importlib.util
 import json
@@ -14,12 +14,10 @@ from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import processes_using, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serving_metrics import (  # noqa: E402
+from bench.serving.metrics import (
     METRIC_KEYS, RequestRecord, itl_samples, percentile, ratios, summarize,
 )
-from serving_traces import (  # noqa: E402
+from bench.serving.traces import (
     KINDS, LengthDist, TraceParams, WordText, generate_trace, load_trace, save_trace,
 )
 
@@ -200,14 +198,14 @@ def test_ratios_are_mlxd_over_mlx_lm():
 
 
 def run_bench(args: list[str], timeout: float = 150.0) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serving.py"), *args],
+    proc = subprocess.Popen([sys.executable, "-m", "bench.serving", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)     # the bench stops its servers on SIGTERM
         out, err = proc.communicate(timeout=30)
-        pytest.fail(f"bench/serving.py timed out:\n{err[-3000:]}")
+        pytest.fail(f"bench.serving timed out:\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -219,7 +219,7 @@ def test_socket_cpu_bench_reports_every_way():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "bench" / "socket_cpu.py"), "--messages", "20",
+    out = subprocess.run([sys.executable, "-m", "bench.socket_cpu", "--messages", "20",
                           "--period-ms", "1", "--repeats", "1"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

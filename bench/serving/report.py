@@ -1,4 +1,4 @@
-"""The report of bench/serving.py: one table on stdout, and PNG plots (TTFT and
+"""The report of bench/serving/: one table on stdout, and PNG plots (TTFT and
 ITL CDFs per trace, output throughput vs offered load over the Poisson rates).
 
 Everything here reads the results dict that serving.py also saves as
@@ -8,7 +8,7 @@ results.json, so the plots can be redrawn from a saved run.
 import sys
 from pathlib import Path
 
-from serving_metrics import METRICS, itl_samples, winner
+from bench.serving.metrics import METRICS, itl_samples, winner
 
 LABELS = {"mlxd": "mlxd", "mlx_lm": "mlx_lm.server", "tie": "tie"}
 

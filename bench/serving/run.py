@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from serving_metrics import RequestRecord
-from serving_systems import Final, PromptCodecs
-from serving_traces import Trace, TraceRequest
+from bench.serving.metrics import RequestRecord
+from bench.serving.systems import Final, PromptCodecs
+from bench.serving.traces import Trace, TraceRequest
 
 now = time.perf_counter
 

@@ -1,4 +1,4 @@
-"""Per-request timing records and the metrics bench/serving.py reports.
+"""Per-request timing records and the metrics bench/serving/ reports.
 
 Times are seconds since the trace started. A record keeps the arrival time of
 every streamed chunk that carried tokens and how many it carried (None when the

@@ -1,4 +1,4 @@
-"""The two systems of bench/serving.py: their server processes, their clients,
+"""The two systems of bench/serving/: their server processes, their clients,
 and their own tokenizer code (to check that both see the same prompt tokens).
 
 mlxd is driven through its async SDK; mlx_lm.server through its OpenAI-style
@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import MlxdServer, blas_env
+from bench.common import MlxdServer, blas_env
 
 EOS_BIAS = -1e9
 CONNECT_RETRIES = 8

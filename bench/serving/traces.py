@@ -1,4 +1,4 @@
-"""Request traces for bench/serving.py: drawn from a seed, saved and replayed as JSONL.
+"""Request traces for bench/serving/: drawn from a seed, saved and replayed as JSONL.
 
 A trace is a header (kind, seed, parameters, how EOS is ignored) and a list of
 requests. Lengths count tokens of the served model's tokenizer: prompts are

@@ -1,9 +1,9 @@
 """Serving benchmark: mlxd vs mlx_lm.server, same model, same traffic.
 
-    python bench/serving.py                               # both systems, all traces (~15-25 min)
-    python bench/serving.py --systems mlxd --traces burst --num-requests 8
-    python bench/serving.py --trace DIR/trace-burst.jsonl # replay saved traces
-    python bench/serving.py --model smollm2 --out bench/results/serving-smollm2
+    python -m bench.serving                               # both systems, all traces (~15-25 min)
+    python -m bench.serving --systems mlxd --traces burst --num-requests 8
+    python -m bench.serving --trace DIR/trace-burst.jsonl # replay saved traces
+    python -m bench.serving --model smollm2 --out bench/results/serving-smollm2
 
 The two servers run one after the other on the same model (default: the ~40M
 random-weight bench model of bench/common.py, in a variant with an 8192-token
@@ -14,7 +14,7 @@ SDK; mlx_lm.server (`python -m mlx_lm.server`, `--mlx-lm-args` appended) through
 its OpenAI-style HTTP endpoints with `"stream": true`. Every process started
 here is stopped on exit, errors and Ctrl-C included.
 
-Traffic (bench/serving_traces.py), drawn from `--seed` and saved as JSONL in
+Traffic (bench/serving/traces.py), drawn from `--seed` and saved as JSONL in
 `--out`, replayable with `--trace`:
   burst      --num-requests at t=0
   poisson    --num-requests arriving at --rate req/s, and again at each of
@@ -71,15 +71,15 @@ import signal
 import sys
 from pathlib import Path
 
-from common import BENCH_SPEC, ROOT, bench_model, machine_summary
+from bench.common import BENCH_SPEC, ROOT, bench_model, machine_summary
 
-from serving_metrics import ratios, summarize
-from serving_report import LABELS, format_notes, format_table, format_verdict, write_plots
-from serving_run import RunContext, run_trace, warm_up
-from serving_systems import (
+from bench.serving.metrics import ratios, summarize
+from bench.serving.report import LABELS, format_notes, format_table, format_verdict, write_plots
+from bench.serving.run import RunContext, run_trace, warm_up
+from bench.serving.systems import (
     EOS_BIAS, SYSTEMS, MlxdProcess, MlxLmProcess, PromptCodecs, blas_note, http_client,
 )
-from serving_traces import (
+from bench.serving.traces import (
     KINDS, LengthDist, Trace, TraceParams, WordText, generate_trace, load_trace, save_trace,
 )
 
