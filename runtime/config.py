@@ -2,12 +2,17 @@
 
 Every process has one frozen config dataclass. Its fields become `--flag-name`
 options whose defaults are the dataclass defaults, and `to_argv` turns a config
-back into the flags, so launch.py composes configs and hands them to children.
+back into the flags, so the launcher composes configs and hands them to children.
+A field whose type is itself a dataclass (`flags: ServerFlags`) is flattened: its
+fields become options too, but only those the config's `PROCESS` reads (see
+runtime/flags.py); help texts come from the fields' metadata.
 """
 
 import argparse
 import dataclasses
 import typing
+
+from .flags import flag_help, used_by
 
 
 def _flag(name: str) -> str:
@@ -20,13 +25,28 @@ def _base_type(tp):
     return args[0] if args else tp
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> None:
-    helps = helps or {}
+def _options(cls):
+    """(field, type, holder) for each option of `cls`: holder is None for its own
+    fields, or the name of the dataclass field whose fields (those `cls.PROCESS`
+    reads) are flattened into options."""
+    process = getattr(cls, "PROCESS", None)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = _base_type(hints[f.name])
+        if not dataclasses.is_dataclass(tp):
+            yield f, tp, None
+            continue
+        inner = typing.get_type_hints(tp)
+        for g in dataclasses.fields(tp):
+            if used_by(g, process):
+                yield g, _base_type(inner[g.name]), f.name
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> None:
+    helps = helps or {}
+    for f, tp, _ in _options(cls):
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = helps.get(f.name, "")
+        help_text = helps.get(f.name) or flag_help(f)
         if tp is bool:
             parser.add_argument(
                 _flag(f.name), action=argparse.BooleanOptionalAction, default=default,
@@ -39,13 +59,21 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> No
 
 
 def config_from_args(cls, namespace: argparse.Namespace):
-    return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+    own: dict = {}
+    nested: dict[str, dict] = {}
+    for f, _, holder in _options(cls):
+        target = own if holder is None else nested.setdefault(holder, {})
+        target[f.name] = getattr(namespace, f.name)
+    hints = typing.get_type_hints(cls)
+    for holder, values in nested.items():   # fields the process does not read: defaults
+        own[holder] = _base_type(hints[holder])(**values)
+    return cls(**own)
 
 
 def to_argv(config) -> list[str]:
     argv = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
+    for f, _, holder in _options(type(config)):
+        value = getattr(config if holder is None else getattr(config, holder), f.name)
         if value is None:
             continue
         if isinstance(value, bool):

@@ -10,7 +10,8 @@ Sockets (each process binds what it receives on):
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import zmq
 
@@ -19,6 +20,7 @@ from mlxd.protocol import (
     TokenizedRequest, WorkerError, encode,
 )
 from mlxd.runtime.config import parse_config
+from mlxd.runtime.flags import SCHEDULER, ServerFlags
 from mlxd.runtime.lifecycle import (
     Shutdown, die_with_parent, drain, install_signal_handlers, setup_logging,
 )
@@ -34,17 +36,14 @@ MEMORY_KEYS = ("active_memory", "peak_memory")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    PROCESS: ClassVar[str] = SCHEDULER
     input_addr: str
     output_addr: str
     worker_input_addr: str
     worker_output_addr: str
     ready_addr: str = ""
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 4096
-    chunked_prefill_size: int = 512
-    disable_radix_cache: bool = False
+    flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the scheduler
     parent_pid: int = 0
-    log_level: str = "info"
 
 
 class SchedulerLoop:
@@ -82,14 +81,14 @@ class SchedulerLoop:
         self.worker_info = dict(info)
         self.scheduler = Scheduler(SchedulerLimits(
             kv_capacity=info["kv_capacity"], max_context=info["max_context"],
-            max_running_requests=self.cfg.max_running_requests,
-            max_prefill_tokens=self.cfg.max_prefill_tokens,
-            chunked_prefill_size=self.cfg.chunked_prefill_size,
-            enable_radix_cache=not self.cfg.disable_radix_cache,
+            max_running_requests=self.cfg.flags.max_running_requests,
+            max_prefill_tokens=self.cfg.flags.max_prefill_tokens,
+            chunked_prefill_size=self.cfg.flags.chunked_prefill_size,
+            enable_radix_cache=not self.cfg.flags.disable_radix_cache,
             decode_cache_tokens=info.get("decode_cache_tokens", 0),
             vocab_size=info.get("vocab_size", 0)))
         ready = encode(Ready("scheduler", {**info, "max_running_requests":
-                                           self.cfg.max_running_requests}))
+                                           self.cfg.flags.max_running_requests}))
         self.to_tokenizer.send(ready)
         if self.to_launcher:
             self.to_launcher.send(ready)
@@ -191,7 +190,7 @@ def _usable_worker_info(info: dict) -> bool:
 
 def main(argv=None) -> None:
     cfg = parse_config(SchedulerConfig, "mlxd scheduler process", argv)
-    setup_logging("scheduler", cfg.log_level)
+    setup_logging("scheduler", cfg.flags.log_level)
     die_with_parent(cfg.parent_pid)
     wakeup = install_signal_handlers()
     ctx = zmq.Context()

