@@ -124,6 +124,11 @@ def width(cache: LayerCache) -> int:
     return 0 if cache.keys is None else cache.keys.shape[2]
 
 
+def is_full(cache: LayerCache) -> bool:
+    """The next decode position does not fit: writing it grows (copies) the buffer."""
+    return size(cache) >= width(cache)
+
+
 def span(cache: LayerCache) -> int:
     """Tokens the cache's buffer spans: rows x width (what the decode budget counts)."""
     return cache.offset.shape[0] * width(cache)

@@ -28,9 +28,10 @@ class JoinGroup:
 
 class DecodeBatch:
     """Rows in cache order. A released row stays in the caches as a dead row (rid
-    None) until the next join, whose copy leaves it out, or until more than
-    1/DEAD_SHARE of the rows are dead: releasing a row alone would copy the whole
-    batch's KV, and requests finish one at a time."""
+    None) until the next join, whose copy leaves it out, until more than
+    1/DEAD_SHARE of the rows are dead, or until a decode would grow the caches:
+    releasing a row alone would copy the whole batch's KV, and requests finish one
+    at a time."""
 
     DEAD_SHARE = 8
 
@@ -81,12 +82,13 @@ class DecodeBatch:
             self.compact()
 
     def compact(self) -> None:
-        """Drop the dead rows from the caches (a copy of the live rows)."""
+        """Drop the dead rows from the caches (a copy of the live rows, laid out as
+        after a join: mlx_lm's in-place filter leaves a buffer width the rule does
+        not count, and the next growth overshoots the budget)."""
         live = self._live_index()
         if live is None:
             return
-        for cache in self.caches:
-            batch_cache.keep_rows(cache, live)
+        self.caches = [batch_cache.merge([(cache, live)]) for cache in self.caches]
         self.tokens = self.tokens[live]
         self._forget_dead_rows()
 
@@ -99,7 +101,11 @@ class DecodeBatch:
         self.row_rids, self.rows, self.caches, self.tokens = [], [], None, None
 
     def forward(self, model) -> mx.array:
-        """Logits `[rows, V]` for the next token of every row, dead ones too (lazy)."""
+        """Logits `[rows, V]` for the next token of every row, dead ones too (lazy).
+        A decode that would grow the caches drops the dead rows first: the scheduler
+        no longer counts them, and growing copies every row anyway."""
+        if None in self.row_rids and batch_cache.is_full(self.caches[0]):
+            self.compact()
         return model(self.tokens[:, None], cache=self.caches)[:, -1, :]
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:

@@ -94,6 +94,17 @@ def test_a_decode_writes_the_next_position_and_keeps_its_kv():
     assert batch_cache.width(merged) == row_width(5)   # the position fit the room
 
 
+def test_a_cache_is_full_when_the_next_position_would_grow_it():
+    merged = batch_cache.merge([(_prefilled([2, 5]), None)])
+    new = mx.zeros((2, HEADS, 1, DIM))
+    for _ in range(batch_cache.width(merged) - 5):
+        assert not batch_cache.is_full(merged)
+        merged.update_and_fetch(new, new)
+    assert batch_cache.is_full(merged)
+    merged.update_and_fetch(new, new)
+    assert batch_cache.width(merged) == 2 * row_width(5) and not batch_cache.is_full(merged)
+
+
 def test_a_loaded_prefix_is_extended_in_place():
     """Rows with prefixes of 2 and 4 positions (right-aligned) and room for 3 new ones."""
     [cache] = batch_cache.prefill_caches(1, [2, 0])

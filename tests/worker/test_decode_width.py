@@ -50,8 +50,10 @@ class Driver:
         self.dead: list[int] = []   # released rows' lengths, while the caches hold them
         self.spans: list[tuple[int, int]] = []   # (worker's span, the rule's) per step
 
-    def step(self, joins: dict[int, tuple[int, int]] = {}, releases: tuple = ()) -> None:
+    def step(self, joins: dict[int, tuple[int, int]] | None = None,
+             releases: tuple = ()) -> None:
         """`joins`: rid -> (new tokens, cached prefix tokens)."""
+        joins = joins or {}
         self.dead += [self.lengths[rid] for rid in releases]
         self.running = [rid for rid in self.running if rid not in releases]
         decode_slots = [next(self.slots) for _ in self.running]
@@ -114,6 +116,34 @@ def test_joins_with_cached_prefixes_of_different_lengths(overlap):
     d.decode(4)
 
 
+@OVERLAP
+def test_decode_with_dead_rows_stays_within_what_the_scheduler_last_counted(overlap):
+    """A released row stays in the caches (dead) until a join or a compaction; the
+    caches must not outgrow what the scheduler counted with that row still running."""
+    d = Driver(overlap)
+    d.step({rid: (250 if rid == 0 else 20 + rid, 0) for rid in range(10)})
+    d.decode(2)
+    d.step(releases=(0,))   # the longest row: 1 of 10 dead, kept
+    assert d.runner.batch.row_rids.count(None) == 1
+    d.decode(8)   # the dead row would have crossed 254 positions
+    d.step(releases=(1, 2))   # a compaction
+    d.decode(3)
+    d.step({20: (3, 0)}, releases=(3,))
+    d.decode(2)
+
+
+@OVERLAP
+def test_a_compaction_lays_the_rows_out_as_the_rule_says(overlap):
+    """Dropping the longest rows must not leave a buffer that later grows past what
+    the scheduler counts for the rows left."""
+    d = Driver(overlap)
+    d.step({rid: (500 if rid < 2 else 255, 0) for rid in range(9)})
+    d.step(releases=(0, 1))   # 2 of 9 dead: compacted
+    assert None not in d.runner.batch.row_rids
+    assert d.spans[-1][0] == d.spans[-1][1]
+    d.decode(16)
+
+
 def test_the_scheduler_budgets_with_the_shared_rule():
     """The scheduler's width check admits rows exactly up to kv_layout's rule, and its
     default budget is the rule's."""
@@ -141,3 +171,29 @@ def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running):
     assert budget.capacity + 2 * budget.decode_cache_tokens <= tokens
     fixed = kv_budget(0, 0, 100, max_running=max_running, ceiling=10**9, capacity=3000)
     assert fixed.decode_cache_tokens == decode_cache_budget(3000, max_running)
+
+
+@OVERLAP
+def test_a_decode_that_would_grow_the_caches_drops_the_dead_rows_first(llama_model, overlap):
+    """With a dead row in a batch whose longest row reaches the buffer's end, the
+    decode compacts instead of growing a buffer the scheduler no longer counts; every
+    live row's tokens and pool KV stay mlx_lm's."""
+    from test_model_runner import Driver as ModelDriver
+    from test_model_runner import assert_matches_reference, assert_pool_holds_mlx_lm_kv
+
+    d = ModelDriver(llama_model)
+    d.runner.overlap = overlap
+    ids = [[(7 * i + r) % 500 + 3 for i in range(240 if r == 0 else 20 + r)]
+           for r in range(9)]
+    d.step([d.prefill(r, ids[r]) for r in range(9)])
+    d.step(releases=[4])   # 1 of 9 dead: kept
+    d.runner.close()
+    caches_before = d.runner.batch.caches
+    assert d.runner.batch.row_rids.count(None) == 1
+    for _ in range(19):   # rid 0 passes 256 positions
+        d.step()
+    d.runner.close()
+    assert None not in d.runner.batch.row_rids and d.runner.batch.caches is not caches_before
+    for rid in (0, 3, 5, 8):
+        assert_matches_reference(llama_model, ids[rid], d.out[rid])
+        assert_pool_holds_mlx_lm_kv(d, rid, ids[rid])
