@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from mlxd.protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
+from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
+from mlxd.runtime.kv_layout import cache_width as round_up  # noqa: F401  (re-exported)
 
 from .kv_book import KVBook
 from .radix_cache import common_prefix_len
@@ -23,16 +25,6 @@ from .request import Request, Status
 LPM_QUEUE_LIMIT = 128      # longer waiting queues fall back to FCFS
 LPM_OVERTAKE_LIMIT = 32    # a request overtaken this often by later arrivals goes first
 SHARED_PREFIX_WAIT = 32    # defer a request that would soon reuse this many more tokens
-
-
-def round_up(n: int, step: int = 256) -> int:
-    return -(-n // step) * step
-
-
-def decode_cache_budget(kv_capacity: int, max_running: int) -> int:
-    """Tokens the padded decode caches may span: a row as long as the pool allows
-    (rounded to the caches' 256-token steps), or a full batch of short rows."""
-    return max(round_up(kv_capacity + 1), 256 * max_running)
 
 
 @dataclass(frozen=True)
@@ -166,13 +158,10 @@ class Scheduler:
         return decoding
 
     def _width_fits(self, rows: list[Request], *extra_lens: int) -> bool:
-        """The worker's decode caches are padded to the longest row, in 256-token
-        steps; `extra_lens` are lengths of rows about to join. A row holds its KV,
-        the next input's position and, with overlap, one chained position."""
+        """The worker's padded decode caches (kv_layout's rule) fit the budget with
+        `rows` and rows of `extra_lens` about to join."""
         lengths = [len(r.slot_ids) for r in rows] + [n for n in extra_lens if n]
-        if not lengths:
-            return True
-        return len(lengths) * round_up(max(lengths) + 2) <= self.decode_cache_tokens
+        return batch_tokens(lengths) <= self.decode_cache_tokens
 
     def _retraction_victim(self) -> Request:
         """The running request with the least progress (then: holding the most KV)."""
@@ -196,7 +185,8 @@ class Scheduler:
         if need > self.limits.kv_capacity:
             return (f"the request needs {need} KV slots; the pool holds "
                     f"{self.limits.kv_capacity}")
-        return (f"the request needs a decode cache {round_up(need + 1)} tokens wide; the "
+        width = row_width(len(req.slot_ids))
+        return (f"the request needs a decode cache {width} tokens wide; the "
                 f"decode caches may span {self.decode_cache_tokens} tokens")
 
     # ---- prefill: chunks, then admissions -----------------------------------------

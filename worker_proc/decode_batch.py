@@ -1,35 +1,19 @@
 """The running requests' decode state: one batched KV cache, one row per request.
 
-Rows live in left-padded `BatchKVCache`s from mlx_lm (one per layer). Prefilled
+Rows live in one left-padded batch cache per layer (batch_cache). Prefilled
 groups join after their prefill and rows leave when released; `forward` decodes
-every row at once.
-
-Joining rewrites the batch's caches (rows are right-aligned at the longest row's
-end): `merge` copies every row once into a buffer with room for the next
-position. mlx_lm's `BatchKVCache.extend` pads each part, then concatenates, and
-the next decode then often grows the full buffer: three copies of the whole
-batch's KV for every join, which dominated serving time under steady arrivals.
+every row at once. Joining rewrites the batch's caches: `batch_cache.merge`
+copies every row once, right-aligned at the longest row's end, into a buffer as
+wide as kv_layout's rule (the one the scheduler budgets with) says.
 """
 
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
-from .memory import cache_width
+from . import batch_cache
+from .batch_cache import LayerCache
 from .sampling import RowState
-
-
-class DecodeKVCache(BatchKVCache):
-    """mlx_lm's batch cache that also keeps the keys/values of the latest update:
-    the decoded positions' KV, for the pool, without reading the cache buffer
-    (a pending read of it would stop the next update from reusing the buffer)."""
-
-    newest: tuple[mx.array, mx.array] | None = None
-
-    def update_and_fetch(self, keys, values):
-        self.newest = (keys, values)
-        return super().update_and_fetch(keys, values)
 
 
 @dataclass
@@ -38,22 +22,23 @@ class JoinGroup:
 
     rids: list[int]
     rows: list[RowState]
-    caches: list[BatchKVCache]
+    caches: list[LayerCache]
     first_tokens: mx.array   # [B], lazy
 
 
 class DecodeBatch:
     """Rows in cache order. A released row stays in the caches as a dead row (rid
-    None) until the next join, whose copy leaves it out, or until more than
-    1/DEAD_SHARE of the rows are dead: releasing a row alone would copy the whole
-    batch's KV, and requests finish one at a time."""
+    None) until the next join, whose copy leaves it out, until more than
+    1/DEAD_SHARE of the rows are dead, or until a decode would grow the caches:
+    releasing a row alone would copy the whole batch's KV, and requests finish one
+    at a time."""
 
     DEAD_SHARE = 8
 
     def __init__(self):
         self.row_rids: list[int | None] = []   # per row; None: released, not yet dropped
         self.rows: list[RowState] = []
-        self.caches: list[DecodeKVCache] | None = None
+        self.caches: list[LayerCache] | None = None
         self.tokens: mx.array | None = None   # [rows] next input token of each row
 
     @property
@@ -63,6 +48,12 @@ class DecodeBatch:
 
     def __len__(self) -> int:
         return len(self.row_rids) - self.row_rids.count(None)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens one layer's cache spans (rows, dead ones too, x width): what the
+        scheduler's decode budget counts."""
+        return 0 if self.caches is None else batch_cache.span(self.caches[0])
 
     def add(self, groups: list[JoinGroup]) -> None:
         """Join all of a step's new rows with one copy of the running batch (which
@@ -74,7 +65,8 @@ class DecodeBatch:
             tokens.append(self.tokens if live is None else self.tokens[live])
             self._forget_dead_rows()
         parts += [[(cache, None) for cache in g.caches] for g in groups]
-        self.caches = [merge([part[layer] for part in parts]) for layer in range(len(parts[0]))]
+        self.caches = [batch_cache.merge([part[layer] for part in parts])
+                       for layer in range(len(parts[0]))]
         self.tokens = mx.concatenate(tokens + [g.first_tokens for g in groups])
         for group in groups:
             self.row_rids += group.rids
@@ -90,12 +82,13 @@ class DecodeBatch:
             self.compact()
 
     def compact(self) -> None:
-        """Drop the dead rows from the caches (a copy of the live rows)."""
+        """Drop the dead rows from the caches (a copy of the live rows, laid out as
+        after a join: mlx_lm's in-place filter leaves a buffer width the rule does
+        not count, and the next growth overshoots the budget)."""
         live = self._live_index()
         if live is None:
             return
-        for cache in self.caches:
-            cache.filter(live)
+        self.caches = [batch_cache.merge([(cache, live)]) for cache in self.caches]
         self.tokens = self.tokens[live]
         self._forget_dead_rows()
 
@@ -108,13 +101,17 @@ class DecodeBatch:
         self.row_rids, self.rows, self.caches, self.tokens = [], [], None, None
 
     def forward(self, model) -> mx.array:
-        """Logits `[rows, V]` for the next token of every row, dead ones too (lazy)."""
+        """Logits `[rows, V]` for the next token of every row, dead ones too (lazy).
+        A decode that would grow the caches drops the dead rows first: the scheduler
+        no longer counts them, and growing copies every row anyway."""
+        if None in self.row_rids and batch_cache.is_full(self.caches[0]):
+            self.compact()
         return model(self.tokens[:, None], cache=self.caches)[:, -1, :]
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per layer, keys/values `[rows, heads, dim]` (every row, dead ones too) of
         the position the last forward wrote."""
-        return [(c.newest[0][:, :, -1, :], c.newest[1][:, :, -1, :]) for c in self.caches]
+        return [batch_cache.newest_kv(c) for c in self.caches]
 
     def _live_index(self) -> mx.array | None:
         """Positions of the live rows; None when every row is live."""
@@ -122,38 +119,3 @@ class DecodeBatch:
             return None
         return mx.array([i for i, rid in enumerate(self.row_rids) if rid is not None])
 
-
-def merge(parts: list[tuple[BatchKVCache, mx.array | None]]) -> DecodeKVCache:
-    """One cache with the rows of the parts (a cache, and which of its rows to take:
-    None for all), in order, right-aligned at the longest row's end, in a buffer with
-    room for at least one more position (the width the scheduler's decode budget
-    counts: the end + 2, rounded up to 256). Every row is copied once."""
-    pieces = []
-    for cache, rows in parts:
-        left = cache.left_padding if rows is None else cache.left_padding[rows]
-        offset = cache.offset if rows is None else cache.offset[rows]
-        start = int(mx.min(left).item()) if cache.keys is not None else cache._idx
-        pieces.append((cache, rows, left, offset, start))
-    end = max(c._idx - start for c, _, _, _, start in pieces)
-    ref = next(c for c, *_ in pieces if c.keys is not None)
-    _, heads, _, k_dim = ref.keys.shape
-    n_rows = sum(offset.shape[0] for _, _, _, offset, _ in pieces)
-    width = cache_width(end + 2)
-    keys = mx.zeros((n_rows, heads, width, k_dim), ref.keys.dtype)
-    values = mx.zeros((n_rows, heads, width, ref.values.shape[3]), ref.values.dtype)
-    row, lefts, offsets = 0, [], []
-    for cache, rows, left, offset, start in pieces:
-        n, length = offset.shape[0], cache._idx - start
-        if length:
-            k, v = cache.keys[..., start:cache._idx, :], cache.values[..., start:cache._idx, :]
-            if rows is not None:
-                k, v = k[rows], v[rows]
-            keys[row:row + n, :, end - length:end, :] = k
-            values[row:row + n, :, end - length:end, :] = v
-        lefts.append(left + (end - length - start))
-        offsets.append(offset)
-        row += n
-    merged = DecodeKVCache([0] * n_rows)
-    merged.keys, merged.values, merged._idx = keys, values, end
-    merged.offset, merged.left_padding = mx.concatenate(offsets), mx.concatenate(lefts)
-    return merged

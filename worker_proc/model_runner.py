@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.protocol import PrefillInput, Step, StepResult
 
+from . import batch_cache
 from .background import BackgroundJob
 from .decode_batch import DecodeBatch, JoinGroup
 from .kv_pool import KVGeometry, KVPool
@@ -30,15 +30,13 @@ class UnsupportedModel(ValueError):
 
 def probe_geometry(model) -> KVGeometry:
     """Run one token through the model to learn its KV layout and dtype."""
-    cache = make_prompt_cache(model)
-    kinds = {type(c).__name__ for c in cache if type(c) is not KVCache}
+    kinds = batch_cache.unsupported_layer_caches(model)
     if kinds:
         raise UnsupportedModel(
             f"mlxd serves models whose layers all use plain KV caches; this one uses {kinds}")
-    model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    k, v = cache[0].keys, cache[0].values
-    return KVGeometry(len(cache), k.shape[1], k.shape[3], v.shape[3], k.dtype)
+    layers = batch_cache.one_token_kv(model)
+    k, v = layers[0]
+    return KVGeometry(len(layers), k.shape[1], k.shape[3], v.shape[3], k.dtype)
 
 
 def probe_vocab_size(model) -> int:

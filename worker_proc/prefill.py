@@ -7,12 +7,12 @@ samples from — the same split mlx_lm's generate makes.
 """
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.protocol import PrefillInput
+from mlxd.runtime.kv_layout import cache_width
 
+from . import batch_cache
 from .kv_pool import KVPool
-from .memory import cache_width
 
 PAD_TOKEN = 0
 
@@ -54,7 +54,7 @@ class GroupPrefill:
         self.group = group
         width = max(len(p.prefix_slot_ids) + len(p.input_ids) for p in group)
         pads = [width - len(p.prefix_slot_ids) - len(p.input_ids) for p in group]
-        self.caches = [BatchKVCache(pads) for _ in range(pool.geometry.num_layers)]
+        self.caches = batch_cache.prefill_caches(pool.geometry.num_layers, pads)
         if group[0].prefix_slot_ids:   # all rows have one, and equally many new tokens
             self._load_prefixes(pool)
         new = max(len(p.input_ids) for p in group)
@@ -74,7 +74,7 @@ class GroupPrefill:
                           + [0] * room for p in self.group])
         for layer, cache in enumerate(self.caches):
             keys, values = (mx.contiguous(x.swapaxes(1, 2)) for x in pool.read(layer, slots))
-            cache.state = (keys, values, cache.offset + width, cache.left_padding, width)
+            batch_cache.load_prefix(cache, keys, values, width)
 
     def _forward(self, tokens: mx.array, chunk: int) -> mx.array:
         body_model = getattr(self.model, "model", self.model)
@@ -82,19 +82,17 @@ class GroupPrefill:
         for start in range(0, body.shape[1], chunk):
             body_model(body[:, start:start + chunk], cache=self.caches)
             if start + chunk < body.shape[1]:   # bound memory on long prompts
-                mx.eval([c.state for c in self.caches])
+                mx.eval(batch_cache.cache_arrays(self.caches))
         return self.model(tokens[:, -1:], cache=self.caches)[:, -1, :]
 
     def _write_pool(self, pool: KVPool) -> None:
         """Every row's new tokens sit right-aligned in the last `n_max` columns."""
-        end = self.caches[0].size()
         n_max = max(len(p.input_ids) for p in self.group)
         flat = mx.array([i * n_max + n_max - len(p.input_ids) + j
                          for i, p in enumerate(self.group) for j in range(len(p.input_ids))])
         slots = mx.array([s for p in self.group for s in p.new_slot_ids])
         for layer, cache in enumerate(self.caches):
-            keys = cache.keys[:, :, end - n_max:end, :]
-            values = cache.values[:, :, end - n_max:end, :]
+            keys, values = batch_cache.last_positions(cache, n_max)
             pool.write(layer, slots, _rows(keys, flat), _rows(values, flat))
 
 

@@ -1,0 +1,150 @@
+"""The batched KV caches: the worker's one module that touches mlx_lm's cache objects.
+
+A batch's KV lives in one cache per layer, rows left-padded so that every row
+ends at the same column (mlx_lm's `BatchKVCache`; its private `_idx`,
+`left_padding` and `offset` are read and written here only). The rest of the
+worker speaks this interface: prefill caches for given left pads, prefixes
+loaded into them, rows of several caches merged into one decode cache with room,
+the newest position's KV, size and width. Sliding-window, recurrent-state and
+unpadded caches plug in here.
+
+Merging copies every row once into a buffer as wide as kv_layout's rule says. mlx_lm's
+`BatchKVCache.extend` pads each part, then concatenates, and the next decode then
+often grows the full buffer: three copies of the whole batch's KV for every join,
+which dominated serving time under steady arrivals.
+"""
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from mlxd.runtime.kv_layout import CACHE_STEP, row_width
+
+LayerCache = BatchKVCache   # one layer's cache of a batch of rows
+
+
+class DecodeKVCache(BatchKVCache):
+    """mlx_lm's batch cache that also keeps the keys/values of the latest update:
+    the decoded positions' KV, for the pool, without reading the cache buffer
+    (a pending read of it would stop the next update from reusing the buffer)."""
+
+    step = CACHE_STEP   # a decode grows the buffer as kv_layout's rule counts
+    newest: tuple[mx.array, mx.array] | None = None
+
+    def update_and_fetch(self, keys, values):
+        self.newest = (keys, values)
+        return super().update_and_fetch(keys, values)
+
+
+# ---- prefill --------------------------------------------------------------
+
+def prefill_caches(num_layers: int, left_pads: list[int]) -> list[LayerCache]:
+    """Empty caches, one per layer, for rows whose tokens start after `left_pads[i]`
+    padding positions (every row's tokens end at the same column)."""
+    return [BatchKVCache(left_pads) for _ in range(num_layers)]
+
+
+def load_prefix(cache: LayerCache, keys: mx.array, values: mx.array, prefix_len: int) -> None:
+    """Give an empty prefill cache its rows' cached prefixes: `keys`/`values`
+    `[rows, heads, width, dim]` hold every row's prefix right-aligned to column
+    `prefix_len` (after its left padding), then room for the new tokens. The cache
+    takes the buffers as its own: the forward writes the new tokens in place."""
+    cache.state = (keys, values, cache.offset + prefix_len, cache.left_padding, prefix_len)
+
+
+def last_positions(cache: LayerCache, n: int) -> tuple[mx.array, mx.array]:
+    """Keys/values `[rows, heads, n, dim]` of the `n` columns before the rows' end."""
+    end = cache.size()
+    return cache.keys[:, :, end - n:end, :], cache.values[:, :, end - n:end, :]
+
+
+def cache_arrays(caches: list[LayerCache]) -> list:
+    """What to evaluate to compute everything written into `caches`."""
+    return [c.state for c in caches]
+
+
+# ---- decode ---------------------------------------------------------------
+
+def merge(parts: list[tuple[LayerCache, mx.array | None]]) -> DecodeKVCache:
+    """One decode cache with the rows of the parts (a cache, and which of its rows
+    to take: None for all), in order, right-aligned at the longest row's end, in a
+    buffer `kv_layout.row_width(longest row)` wide: room for the next position and
+    a chained one. Every row is copied once."""
+    pieces = [_piece(cache, rows) for cache, rows in parts]
+    end = max(c._idx - start for c, _, _, _, start in pieces)
+    ref = next(c for c, *_ in pieces if c.keys is not None)
+    _, heads, _, k_dim = ref.keys.shape
+    n_rows = sum(offset.shape[0] for _, _, _, offset, _ in pieces)
+    width = row_width(end)
+    keys = mx.zeros((n_rows, heads, width, k_dim), ref.keys.dtype)
+    values = mx.zeros((n_rows, heads, width, ref.values.shape[3]), ref.values.dtype)
+    row, lefts, offsets = 0, [], []
+    for cache, rows, left, offset, start in pieces:
+        n, length = offset.shape[0], cache._idx - start
+        if length:
+            k, v = cache.keys[..., start:cache._idx, :], cache.values[..., start:cache._idx, :]
+            if rows is not None:
+                k, v = k[rows], v[rows]
+            keys[row:row + n, :, end - length:end, :] = k
+            values[row:row + n, :, end - length:end, :] = v
+        lefts.append(left + (end - length - start))
+        offsets.append(offset)
+        row += n
+    merged = DecodeKVCache([0] * n_rows)
+    merged.keys, merged.values, merged._idx = keys, values, end
+    merged.offset, merged.left_padding = mx.concatenate(offsets), mx.concatenate(lefts)
+    return merged
+
+
+def _piece(cache: LayerCache, rows: mx.array | None) -> tuple:
+    """(cache, rows, their left padding, their offsets, the first column they use)."""
+    left = cache.left_padding if rows is None else cache.left_padding[rows]
+    offset = cache.offset if rows is None else cache.offset[rows]
+    start = int(mx.min(left).item()) if cache.keys is not None else cache._idx
+    return cache, rows, left, offset, start
+
+
+def keep_rows(cache: LayerCache, rows: mx.array) -> None:
+    """Drop every row of the cache but `rows` (in place; a copy of those rows)."""
+    cache.filter(rows)
+
+
+def newest_kv(cache: DecodeKVCache) -> tuple[mx.array, mx.array]:
+    """Keys/values `[rows, heads, dim]` of the position the last forward wrote."""
+    keys, values = cache.newest
+    return keys[:, :, -1, :], values[:, :, -1, :]
+
+
+def size(cache: LayerCache) -> int:
+    """Positions the rows' common end is at: the longest row's KV length."""
+    return cache.size()
+
+
+def width(cache: LayerCache) -> int:
+    """Positions the cache's buffer has (0 while empty)."""
+    return 0 if cache.keys is None else cache.keys.shape[2]
+
+
+def is_full(cache: LayerCache) -> bool:
+    """The next decode position does not fit: writing it grows (copies) the buffer."""
+    return size(cache) >= width(cache)
+
+
+def span(cache: LayerCache) -> int:
+    """Tokens the cache's buffer spans: rows x width (what the decode budget counts)."""
+    return cache.offset.shape[0] * width(cache)
+
+
+# ---- the model's caches ---------------------------------------------------
+
+def unsupported_layer_caches(model) -> set[str]:
+    """Names of the cache classes the model's layers use other than plain KV caches."""
+    return {type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache}
+
+
+def one_token_kv(model) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, keys/values `[1, heads, positions, dim]` of one token run through
+    the model (evaluated)."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return [(c.keys, c.values) for c in cache]
