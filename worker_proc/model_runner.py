@@ -228,7 +228,7 @@ class ModelRunner:
         if len(keep) < len(group):
             idx = mx.array(keep)
             for cache in caches:
-                cache.filter(idx)
+                batch_cache.keep_rows(cache, idx)
             logits = logits[idx]
         rows = [RowState(group[i].sampling, self._seed(group[i].sampling),
                          group[i].num_generated) for i in keep]

@@ -15,7 +15,7 @@ HEADS, DIM = 2, 4
 # mlx_lm's cache classes and factory, and the private state batch_cache manages
 MLX_LM_CACHE_INTERNALS = re.compile(
     r"mlx_lm\.models\.cache|mlx_lm\.models import cache|\w*KVCache\b|make_prompt_cache"
-    r"|\._idx\b|\bleft_padding\b|\.state\s*=(?!=)")
+    r"|\._idx\b|\bleft_padding\b|\.state\s*=(?!=)|\.filter\(")
 
 
 def test_no_other_worker_module_touches_mlx_lm_cache_internals():
