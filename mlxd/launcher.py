@@ -69,19 +69,21 @@ def resolve_model(model: str) -> str:
     return model
 
 
-def find_blas(choice: str) -> str | None:
-    """An optimized BLAS to preload into the worker (Linux CPU backend only)."""
+def find_blas(choice: str, system_lib: str = "/usr/lib") -> str | None:
+    """An optimized BLAS to preload into the worker (Linux CPU backend only): a system
+    OpenBLAS (Debian's `libopenblas0-pthread`) first, else MKL from the `mkl` wheel,
+    which `pip install` brings on Linux x86_64. mlx calls only `cblas_sgemm`."""
     if not sys.platform.startswith("linux") or choice == "off":
         return None
     if choice != "auto":
         return choice
+    prefixes = dict.fromkeys([sysconfig.get_config_var("LIBDIR") or "",
+                              os.path.join(sys.prefix, "lib")])
     candidates = [
-        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-        "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
-        *glob.glob("/usr/lib/*-linux-gnu/libopenblas.so.0"),
-        *glob.glob(os.path.join(sysconfig.get_config_var("LIBDIR") or sys.prefix,
-                                "libmkl_rt.so*")),
-        *glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")),
+        *sorted(glob.glob(os.path.join(system_lib, "*-linux-gnu/openblas-pthread/libblas.so.3"))),
+        *sorted(glob.glob(os.path.join(system_lib, "*-linux-gnu/libopenblas.so.0"))),
+        *(m for prefix in prefixes if prefix
+          for m in sorted(glob.glob(os.path.join(prefix, "libmkl_rt.so*")))),
     ]
     return next((c for c in candidates if os.path.exists(c)), None)
 
