@@ -176,7 +176,7 @@ class Launcher:
                 log.error("bad READY frame: %s", exc)
                 continue
             pending.discard(msg.process)
-            address = msg.info.get("address", address)
+            address = msg.address or address
         return address
 
     def watch(self) -> None:

@@ -3,15 +3,20 @@
 from .codec import Decoder, ProtocolError, encode
 from .control import Ready
 from .to_client import ErrorReply, StatsReply, StreamChunk
-from .to_scheduler import Abort, GetStats, StepResult, TokenizedRequest, WorkerError
+from .to_scheduler import (
+    Abort, GetStats, StepResult, StepTiming, TokenizedRequest, WorkerError, WorkerLimits,
+    WorkerReady,
+)
 from .to_tokenizer import (
-    AbortRequest, GenerateRequest, Stats, StatsRequest, TokenBatch, TokenEntry,
+    AbortRequest, GenerateRequest, SchedulerReady, Stats, StatsRequest, TokenBatch,
+    TokenEntry, Usage,
 )
 from .to_worker import PrefillInput, SamplingParams, Step
 
 __all__ = [
     "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "PrefillInput", "ProtocolError", "Ready", "SamplingParams", "Stats", "StatsReply",
-    "StatsRequest", "Step", "StepResult", "StreamChunk", "TokenBatch", "TokenEntry",
-    "TokenizedRequest", "WorkerError", "encode",
+    "PrefillInput", "ProtocolError", "Ready", "SamplingParams", "SchedulerReady", "Stats",
+    "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
+    "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",
+    "WorkerReady", "encode",
 ]

@@ -1,8 +1,9 @@
 """The one codec: msgpack frames `[TAG, field, field, ...]`.
 
-Each message class declares an integer TAG and explicit `to_wire()` /
-`from_wire()`; a `Decoder` per socket accepts only the classes that socket
-may carry, so bad input fails here, at the boundary, as a ProtocolError.
+Each message class declares an integer TAG and its fields (protocol/message.py
+derives `to_wire()` / `from_wire()` from them); a `Decoder` per socket accepts
+only the classes that socket may carry, so bad input fails here, at the
+boundary, as a ProtocolError.
 """
 
 import msgpack
@@ -39,68 +40,3 @@ class Decoder:
         if cls is None:
             raise ProtocolError(f"unexpected message tag {obj[0]}")
         return cls.from_wire(obj[1:])
-
-
-# ---- field validation helpers, used by from_wire() -------------------------
-
-def expect_len(fields: list, n: int, name: str) -> None:
-    if len(fields) != n:
-        raise ProtocolError(f"{name}: expected {n} fields, got {len(fields)}")
-
-
-def expect_int(value, name: str, minimum: int | None = None) -> int:
-    if type(value) is not int:
-        raise ProtocolError(f"{name} must be an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ProtocolError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def expect_float(value, name: str) -> float:
-    if type(value) not in (int, float):
-        raise ProtocolError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-def expect_str(value, name: str) -> str:
-    if type(value) is not str:
-        raise ProtocolError(f"{name} must be a string, got {type(value).__name__}")
-    return value
-
-
-def expect_bool(value, name: str) -> bool:
-    if type(value) is not bool:
-        raise ProtocolError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def expect_list(value, name: str) -> list:
-    if type(value) is not list:
-        raise ProtocolError(f"{name} must be a list, got {type(value).__name__}")
-    return value
-
-
-def expect_dict(value, name: str) -> dict:
-    if type(value) is not dict:
-        raise ProtocolError(f"{name} must be a map, got {type(value).__name__}")
-    return value
-
-
-def expect_int_list(value, name: str) -> list[int]:
-    expect_list(value, name)
-    for x in value:
-        if type(x) is not int:
-            raise ProtocolError(f"{name} must hold ints only")
-    return value
-
-
-def expect_float_list(value, name: str) -> list[float]:
-    expect_list(value, name)
-    for x in value:
-        if type(x) not in (int, float):
-            raise ProtocolError(f"{name} must hold numbers only")
-    return value
-
-
-def optional(check, value, name: str):
-    return None if value is None else check(value, name)

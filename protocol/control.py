@@ -1,22 +1,13 @@
 """Control messages between the launcher and its children."""
 
-from dataclasses import dataclass, field
+from .fields import Opt, Str, wire
+from .message import message
 
-from .codec import expect_dict, expect_len, expect_str
 
-
-@dataclass(slots=True)
+@message
 class Ready:
-    """A process is up. `info` carries what its peers need (e.g. kv_capacity)."""
+    """A process is up (to the launcher). The tokenizer's carries its client address."""
 
     TAG = 1
-    process: str
-    info: dict = field(default_factory=dict)
-
-    def to_wire(self):
-        return [self.process, self.info]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 2, "Ready")
-        return cls(expect_str(f[0], "process"), expect_dict(f[1], "info"))
+    process: str = wire(Str())
+    address: str | None = wire(Opt(Str()), default=None)

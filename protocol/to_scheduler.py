@@ -1,110 +1,105 @@
 """Messages the scheduler receives: requests from the tokenizer, results from the worker."""
 
-from dataclasses import dataclass, field
-
-from .codec import (
-    ProtocolError, expect_dict, expect_float_list, expect_int, expect_int_list,
-    expect_len, expect_list, expect_str,
-)
+from .codec import ProtocolError
+from .fields import Bool, Float, Int, List, Opt, Str, Struct, wire
+from .message import message
 from .to_worker import SamplingParams
 
 
-@dataclass(slots=True)
+@message
 class TokenizedRequest:
     """A validated request. `stop_token_ids` already includes EOS unless ignored."""
 
     TAG = 30
-    rid: int
-    input_ids: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def to_wire(self):
-        return [self.rid, self.input_ids, self.sampling.to_wire(), self.max_new_tokens,
-                self.stop_token_ids]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 5, "TokenizedRequest")
-        return cls(expect_int(f[0], "rid"), expect_int_list(f[1], "input_ids"),
-                   SamplingParams.from_wire(f[2]), expect_int(f[3], "max_new_tokens", 1),
-                   expect_int_list(f[4], "stop_token_ids"))
+    rid: int = wire(Int())
+    input_ids: list[int] = wire(List(Int()))
+    sampling: SamplingParams = wire(Struct(SamplingParams))
+    max_new_tokens: int = wire(Int(minimum=1))
+    stop_token_ids: list[int] = wire(List(Int()), default_factory=list)
 
 
-@dataclass(slots=True)
+@message
 class Abort:
     TAG = 31
-    rid: int
-
-    def to_wire(self):
-        return [self.rid]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 1, "Abort")
-        return cls(expect_int(f[0], "rid"))
+    rid: int = wire(Int())
 
 
-@dataclass(slots=True)
+@message
 class GetStats:
     """The tokenizer relays a client's StatsRequest; answered with Stats(query_id)."""
 
     TAG = 32
-    query_id: int
-
-    def to_wire(self):
-        return [self.query_id]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 1, "GetStats")
-        return cls(expect_int(f[0], "query_id"))
+    query_id: int = wire(Int())
 
 
-@dataclass(slots=True)
+@message
+class StepTiming:
+    """The worker's measurements of one step (ms; see ModelRunner). `wait_ms` and
+    `idle_ms` are None after a step that left nothing running: the wait that
+    followed was for work, not a round trip. Memory figures are bytes."""
+
+    compute_ms: float = wire(Float(), default=0.0)
+    wait_ms: float | None = wire(Opt(Float()), default=None)
+    idle_ms: float | None = wire(Opt(Float()), default=None)
+    ahead_wait_ms: float = wire(Float(), default=0.0)
+    chained: bool = wire(Bool(), default=False)
+    active_memory: int = wire(Int(minimum=0), default=0)
+    peak_memory: int = wire(Int(minimum=0), default=0)
+
+
+@message
 class StepResult:
     """The tokens of one Step, aligned with `rids`. `top_logprobs[i]` is
-    `[ids, logprobs]` or None; `timing` holds per-step measurements (ms)."""
+    `[ids, logprobs]` or None."""
 
     TAG = 60
-    step_id: int
-    rids: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    top_logprobs: list | None = None
-    timing: dict = field(default_factory=dict)
+    step_id: int = wire(Int())
+    rids: list[int] = wire(List(Int()))
+    tokens: list[int] = wire(List(Int()))
+    logprobs: list[float] = wire(List(Float()))
+    top_logprobs: list | None = wire(Opt(List()), default=None)
+    timing: StepTiming = wire(Struct(StepTiming), default_factory=StepTiming)
 
-    def to_wire(self):
-        return [self.step_id, self.rids, self.tokens, self.logprobs, self.top_logprobs,
-                self.timing]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 6, "StepResult")
-        result = cls(expect_int(f[0], "step_id"), expect_int_list(f[1], "rids"),
-                     expect_int_list(f[2], "tokens"), expect_float_list(f[3], "logprobs"),
-                     None if f[4] is None else expect_list(f[4], "top_logprobs"),
-                     expect_dict(f[5], "timing"))
-        n = len(result.rids)
-        if len(result.tokens) != n or len(result.logprobs) != n or (
-                result.top_logprobs is not None and len(result.top_logprobs) != n):
+    def check(self):
+        n = len(self.rids)
+        if len(self.tokens) != n or len(self.logprobs) != n or (
+                self.top_logprobs is not None and len(self.top_logprobs) != n):
             raise ProtocolError("StepResult fields are not aligned with rids")
-        return result
 
 
-@dataclass(slots=True)
+@message
 class WorkerError:
     """Step `step_id` failed; the worker has dropped all request state."""
 
     TAG = 61
-    step_id: int
-    message: str
+    step_id: int = wire(Int())
+    message: str = wire(Str())
 
-    def to_wire(self):
-        return [self.step_id, self.message]
 
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 2, "WorkerError")
-        return cls(expect_int(f[0], "step_id"), expect_str(f[1], "message"))
+@message
+class WorkerLimits:
+    """What the worker holds and runs on, reported once in WorkerReady: the
+    scheduler books KV against it, the tokenizer checks prompts against it."""
+
+    kv_capacity: int = wire(Int(minimum=1))          # KV pool slots
+    decode_cache_tokens: int = wire(Int(minimum=1))  # padded width budget of the decode caches
+    max_context: int = wire(Int(minimum=1))
+    vocab_size: int = wire(Int(minimum=1))           # token ids the model embeds: [0, vocab_size)
+    bytes_per_token: int = wire(Int(minimum=1))      # KV of one token, all layers
+    kv_pool_bytes: int = wire(Int(minimum=1))
+    weights_bytes: int = wire(Int(minimum=0))
+    buffer_cache_bytes: int = wire(Int(minimum=0))   # MLX's buffer cache limit
+    kv_dtype: str = wire(Str())
+    device: str = wire(Str())
+    blas: str = wire(Str())
+    quantized: bool = wire(Bool())
+    dequantize: bool = wire(Bool())
+    overlap: bool = wire(Bool())
+
+
+@message
+class WorkerReady:
+    """The worker has loaded the model; sent once, before any StepResult."""
+
+    TAG = 62
+    limits: WorkerLimits = wire(Struct(WorkerLimits))

@@ -1,133 +1,91 @@
 """Messages the tokenizer process receives: from clients and from the scheduler."""
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 
-from .codec import (
-    ProtocolError, expect_bool, expect_dict, expect_float_list, expect_int,
-    expect_int_list, expect_len, expect_list, expect_str, optional,
-)
+from .fields import Bool, Float, Int, List, Map, Opt, Str, Struct, wire
+from .message import message
+from .to_scheduler import WorkerLimits
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-@dataclass(slots=True)
+@message(rid_in_errors=True)
 class GenerateRequest:
     """A client request. Exactly one of prompt / messages / input_ids is set;
     `params` are OpenAI-style names, validated by the tokenizer process."""
 
     TAG = 10
-    rid: str
-    prompt: str | None = None
-    messages: list | None = None
-    input_ids: list[int] | None = None
-    params: dict = field(default_factory=dict)
-    stream: bool = False
-
-    def to_wire(self):
-        return [self.rid, self.prompt, self.messages, self.input_ids, self.params,
-                self.stream]
-
-    @classmethod
-    def from_wire(cls, f):
-        rid = expect_str(f[0], "rid") if f else None
-        try:
-            expect_len(f, 6, "GenerateRequest")
-            return cls(rid, optional(expect_str, f[1], "prompt"),
-                       optional(expect_list, f[2], "messages"),
-                       optional(expect_int_list, f[3], "input_ids"),
-                       expect_dict(f[4], "params"), expect_bool(f[5], "stream"))
-        except ProtocolError as exc:
-            raise ProtocolError(str(exc), rid=rid) from None
+    rid: str = wire(Str())
+    prompt: str | None = wire(Opt(Str()), default=None)
+    messages: list | None = wire(Opt(List()), default=None)
+    input_ids: list[int] | None = wire(Opt(List(Int())), default=None)
+    params: dict = wire(Map(), default_factory=dict)
+    stream: bool = wire(Bool(), default=False)
 
 
-@dataclass(slots=True)
+@message
 class AbortRequest:
     TAG = 11
-    rid: str
-
-    def to_wire(self):
-        return [self.rid]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 1, "AbortRequest")
-        return cls(expect_str(f[0], "rid"))
+    rid: str = wire(Str())
 
 
-@dataclass(slots=True)
+@message
 class StatsRequest:
     """A client asks for the server's counters; answered with StatsReply(rid)."""
 
     TAG = 12
-    rid: str
-
-    def to_wire(self):
-        return [self.rid]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 1, "StatsRequest")
-        return cls(expect_str(f[0], "rid"))
+    rid: str = wire(Str())
 
 
-@dataclass(slots=True)
+@message
 class Stats:
     """The scheduler's answer to GetStats(query_id)."""
 
     TAG = 41
-    query_id: int
-    stats: dict
-
-    def to_wire(self):
-        return [self.query_id, self.stats]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 2, "Stats")
-        return cls(expect_int(f[0], "query_id"), expect_dict(f[1], "stats"))
+    query_id: int = wire(Int())
+    stats: dict = wire(Map())
 
 
-@dataclass(slots=True)
+@message
+class SchedulerReady:
+    """The scheduler is up: the worker's limits, and how many requests run at once."""
+
+    TAG = 42
+    limits: WorkerLimits = wire(Struct(WorkerLimits))
+    max_running_requests: int = wire(Int(minimum=1))
+
+
+@message
+class Usage:
+    """Token counts of one request, counted by the scheduler."""
+
+    prompt_tokens: int = wire(Int(minimum=0))
+    completion_tokens: int = wire(Int(minimum=0))
+    cached_tokens: int = wire(Int(minimum=0))   # prompt tokens whose KV was reused
+
+    def with_completion_tokens(self, n: int) -> "Usage":
+        """The same request's usage with `n` tokens generated (the tokenizer's count
+        when it ends a request on a stop string before the scheduler does)."""
+        return replace(self, completion_tokens=n)
+
+
+@message
 class TokenEntry:
-    """New tokens of one request in one step; `usage` and `finish_reason` on the last."""
+    """New tokens of one request in one step. `finish_reason` and `usage` on the
+    last; `usage` on the first token's too (cached_tokens is known then)."""
 
-    rid: int
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list | None = None
-    finish_reason: str | None = None
-    usage: dict | None = None
-    error: str | None = None
-
-    def to_wire(self):
-        return [self.rid, self.token_ids, self.logprobs, self.top_logprobs,
-                self.finish_reason, self.usage, self.error]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_list(f, "entry")
-        expect_len(f, 7, "TokenEntry")
-        entry = cls(expect_int(f[0], "rid"), expect_int_list(f[1], "token_ids"),
-                    expect_float_list(f[2], "logprobs"),
-                    optional(expect_list, f[3], "top_logprobs"),
-                    optional(expect_str, f[4], "finish_reason"),
-                    optional(expect_dict, f[5], "usage"), optional(expect_str, f[6], "error"))
-        if entry.finish_reason is not None and entry.finish_reason not in FINISH_REASONS:
-            raise ProtocolError(f"unknown finish_reason {entry.finish_reason!r}")
-        return entry
+    rid: int = wire(Int())
+    token_ids: list[int] = wire(List(Int()))
+    logprobs: list[float] = wire(List(Float()))
+    top_logprobs: list | None = wire(Opt(List()), default=None)
+    finish_reason: str | None = wire(Opt(Str(choices=FINISH_REASONS)), default=None)
+    usage: Usage | None = wire(Opt(Struct(Usage)), default=None)
+    error: str | None = wire(Opt(Str()), default=None)
 
 
-@dataclass(slots=True)
+@message
 class TokenBatch:
     """Everything the scheduler has for the tokenizer after one step."""
 
     TAG = 40
-    entries: list[TokenEntry]
-
-    def to_wire(self):
-        return [[e.to_wire() for e in self.entries]]
-
-    @classmethod
-    def from_wire(cls, f):
-        expect_len(f, 1, "TokenBatch")
-        return cls([TokenEntry.from_wire(e) for e in expect_list(f[0], "entries")])
+    entries: list[TokenEntry] = wire(List(Struct(TokenEntry)))

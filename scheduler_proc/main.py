@@ -2,8 +2,8 @@
 
 Sockets (each process binds what it receives on):
   input_addr          PULL  TokenizedRequest / Abort from the tokenizer
-  worker_output_addr  PULL  Ready / StepResult / WorkerError from the worker
-  output_addr         PUSH  Ready, then one TokenBatch per step, to the tokenizer
+  worker_output_addr  PULL  WorkerReady, then StepResult / WorkerError from the worker
+  output_addr         PUSH  SchedulerReady, then one TokenBatch per step, to the tokenizer
   worker_input_addr   PUSH  one Step at a time to the worker
   ready_addr          PUSH  Ready to the launcher (optional)
 """
@@ -16,8 +16,8 @@ from typing import ClassVar
 import zmq
 
 from mlxd.protocol import (
-    Abort, Decoder, GetStats, ProtocolError, Ready, Stats, StepResult, TokenBatch,
-    TokenizedRequest, WorkerError, encode,
+    Abort, Decoder, GetStats, ProtocolError, Ready, SchedulerReady, Stats, StepResult,
+    StepTiming, TokenBatch, TokenizedRequest, WorkerError, WorkerLimits, WorkerReady, encode,
 )
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import SCHEDULER, ServerFlags
@@ -30,8 +30,6 @@ from .scheduler import Scheduler, SchedulerLimits
 from .step_timing import StepTimings
 
 log = logging.getLogger("mlxd.scheduler")
-
-MEMORY_KEYS = ("active_memory", "peak_memory")
 
 
 @dataclass(frozen=True)
@@ -56,12 +54,13 @@ class SchedulerLoop:
         self.to_worker = connect_push(ctx, cfg.worker_input_addr)
         self.to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
         self.request_decoder = Decoder(TokenizedRequest, Abort, GetStats)
-        self.worker_decoder = Decoder(StepResult, WorkerError, Ready)
+        self.worker_decoder = Decoder(StepResult, WorkerError, WorkerReady)
         self.scheduler: Scheduler | None = None
         self.in_flight: int | None = None   # step_id sent and not yet answered
-        self.worker_info: dict = {}         # READY info, then the latest step's memory
+        self.worker_limits: WorkerLimits | None = None
+        self.worker_memory: dict = {}       # the latest step's memory figures
         self.timings = StepTimings()
-        self._answered: tuple[float, dict] | None = None   # (received at, worker timing)
+        self._answered: tuple[float, StepTiming] | None = None   # (received at, worker's)
 
     @property
     def sockets(self):
@@ -69,31 +68,23 @@ class SchedulerLoop:
                 self.to_launcher]
 
     def start(self) -> None:
-        """Wait for the worker's Ready, then announce ourselves."""
+        """Wait for the worker's WorkerReady, then announce ourselves: its limits to
+        the tokenizer (SchedulerReady), and Ready to the launcher."""
         recv = (waking_receiver(self.from_worker, self.wakeup) if self.wakeup
                 else self.from_worker.recv)
         while True:
             msg = self._decode(self.worker_decoder, recv(), "worker")
-            if isinstance(msg, Ready) and _usable_worker_info(msg.info):
+            if isinstance(msg, WorkerReady):
                 break
             log.error("waiting for the worker's Ready; ignored %r", msg)
-        info = msg.info
-        self.worker_info = dict(info)
-        self.scheduler = Scheduler(SchedulerLimits(
-            kv_capacity=info["kv_capacity"], max_context=info["max_context"],
-            max_running_requests=self.cfg.flags.max_running_requests,
-            max_prefill_tokens=self.cfg.flags.max_prefill_tokens,
-            chunked_prefill_size=self.cfg.flags.chunked_prefill_size,
-            enable_radix_cache=not self.cfg.flags.disable_radix_cache,
-            decode_cache_tokens=info.get("decode_cache_tokens", 0),
-            vocab_size=info.get("vocab_size", 0)))
-        ready = encode(Ready("scheduler", {**info, "max_running_requests":
-                                           self.cfg.flags.max_running_requests}))
-        self.to_tokenizer.send(ready)
+        self.worker_limits = msg.limits
+        self.scheduler = Scheduler(scheduler_limits(self.cfg.flags, self.worker_limits))
+        self.to_tokenizer.send(encode(SchedulerReady(self.worker_limits,
+                                                     self.cfg.flags.max_running_requests)))
         if self.to_launcher:
-            self.to_launcher.send(ready)
-        log.info("ready: kv_capacity=%d max_context=%d", info["kv_capacity"],
-                 info["max_context"])
+            self.to_launcher.send(encode(Ready("scheduler")))
+        log.info("ready: kv_capacity=%d max_context=%d", self.worker_limits.kv_capacity,
+                 self.worker_limits.max_context)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -138,7 +129,8 @@ class SchedulerLoop:
             elif isinstance(msg, Abort):
                 self.scheduler.abort(msg.rid)
             elif isinstance(msg, GetStats):
-                stats = {**self.scheduler.stats(), "worker": self.worker_info,
+                stats = {**self.scheduler.stats(),
+                         "worker": {**self.worker_limits.as_dict(), **self.worker_memory},
                          "timing": self.timings.summary()}
                 self.to_tokenizer.send(encode(Stats(msg.query_id, stats)))
 
@@ -153,8 +145,8 @@ class SchedulerLoop:
                 self.in_flight = None
                 if isinstance(msg, StepResult):
                     self._answered = (polled_at, msg.timing)
-                    self.worker_info.update({key: msg.timing[key] for key in MEMORY_KEYS
-                                             if key in msg.timing})
+                    self.worker_memory = {"active_memory": msg.timing.active_memory,
+                                          "peak_memory": msg.timing.peak_memory}
                     self.scheduler.process_result(msg)
                 else:
                     log.error("worker failed step %d: %s", msg.step_id, msg.message)
@@ -183,9 +175,15 @@ class SchedulerLoop:
             return None
 
 
-def _usable_worker_info(info: dict) -> bool:
-    return all(type(info.get(key)) is int and info[key] > 0
-               for key in ("kv_capacity", "max_context"))
+def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimits:
+    """The scheduler's limits: the worker's memory and model, the user's flags."""
+    return SchedulerLimits(
+        kv_capacity=worker.kv_capacity, max_context=worker.max_context,
+        max_running_requests=flags.max_running_requests,
+        max_prefill_tokens=flags.max_prefill_tokens,
+        chunked_prefill_size=flags.chunked_prefill_size,
+        enable_radix_cache=not flags.disable_radix_cache,
+        decode_cache_tokens=worker.decode_cache_tokens, vocab_size=worker.vocab_size)
 
 
 def main(argv=None) -> None:

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from mlxd.protocol import SamplingParams, TokenizedRequest
+from mlxd.protocol import SamplingParams, TokenizedRequest, Usage
 
 
 class Status(enum.Enum):
@@ -56,7 +56,6 @@ class Request:
             return "length"
         return None
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_ids),
-                "completion_tokens": len(self.output_ids),
-                "cached_tokens": self.cached_tokens or 0}
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
+                     cached_tokens=self.cached_tokens or 0)

@@ -9,8 +9,9 @@ left out of that figure's statistics.
 
 from collections import deque
 
-WORKER_METRICS = ("compute_ms", "wait_ms", "idle_ms", "ahead_wait_ms")
-METRICS = WORKER_METRICS + ("scheduler_ms",)
+from mlxd.protocol import StepTiming
+
+METRICS = ("compute_ms", "wait_ms", "idle_ms", "ahead_wait_ms", "scheduler_ms")
 WINDOW = 256
 
 
@@ -20,11 +21,11 @@ class StepTimings:
         self.chained = 0
         self._recent: deque[tuple[float, ...]] = deque(maxlen=window)
 
-    def record(self, worker_timing: dict, scheduler_ms: float) -> None:
+    def record(self, worker: StepTiming, scheduler_ms: float) -> None:
         self.steps += 1
-        self.chained += bool(worker_timing.get("chained"))
-        values = [_ms(worker_timing.get(key)) for key in WORKER_METRICS]
-        self._recent.append((*values, scheduler_ms))
+        self.chained += worker.chained
+        self._recent.append((worker.compute_ms, worker.wait_ms, worker.idle_ms,
+                             worker.ahead_wait_ms, scheduler_ms))
 
     def summary(self) -> dict:
         """Totals, plus mean / p50 / p90 of each metric over the recent window, and
@@ -42,15 +43,9 @@ class StepTimings:
         # over the steps that followed a round trip (those with a wait)
         steps = [(w, c, i) for w, c, i in zip(columns["wait_ms"], columns["compute_ms"],
                                               columns["idle_ms"]) if w is not None]
-        cycle = sum(w + (c or 0.0) for w, c, _ in steps)
+        cycle = sum(w + c for w, c, _ in steps)
         out["idle_fraction"] = sum(i or 0.0 for _, _, i in steps) / cycle if cycle else 0.0
         return out
-
-
-def _ms(value) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
 
 
 def _quantile(ordered: list[float], q: float) -> float:

@@ -1,7 +1,7 @@
 """The tokenizer process: an asyncio (uvloop) loop between clients and the scheduler.
 
   client_addr            ROUTER  GenerateRequest / AbortRequest in; StreamChunk / ErrorReply out
-  input_addr             PULL    Ready, then TokenBatch, from the scheduler
+  input_addr             PULL    SchedulerReady, then TokenBatch, from the scheduler
   scheduler_input_addr   PUSH    TokenizedRequest / Abort to the scheduler
   ready_addr             PUSH    Ready to the launcher (optional)
 """
@@ -18,7 +18,8 @@ import zmq.asyncio
 
 from mlxd.protocol import (
     Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ProtocolError,
-    Ready, Stats, StatsReply, StatsRequest, TokenBatch, TokenizedRequest, encode,
+    Ready, SchedulerReady, Stats, StatsReply, StatsRequest, TokenBatch, TokenizedRequest,
+    WorkerLimits, encode,
 )
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.config import parse_config
@@ -62,9 +63,9 @@ class TokenizerServer:
         if self.to_launcher:
             self.to_launcher.connect(cfg.ready_addr)
         self.client_decoder = Decoder(GenerateRequest, AbortRequest, StatsRequest)
-        self.scheduler_decoder = Decoder(TokenBatch, Ready, Stats)
+        self.scheduler_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
         self.stats_queries: dict[int, tuple[bytes, str]] = {}
-        self.limits: dict = {}
+        self.limits: WorkerLimits | None = None   # from SchedulerReady
         self.streams: dict[int, RequestStream] = {}
         self.by_client: dict[tuple[bytes, str], int] = {}
         self._next_rid = itertools.count(1)
@@ -86,11 +87,11 @@ class TokenizerServer:
         while True:
             msg = self._decode(self.scheduler_decoder, await self.from_scheduler.recv(),
                                "scheduler")
-            if isinstance(msg, Ready):
+            if isinstance(msg, SchedulerReady):
                 break
-        self.limits = msg.info
+        self.limits = msg.limits
         if self.to_launcher:
-            await self.to_launcher.send(encode(Ready("tokenizer", {"address": self.address})))
+            await self.to_launcher.send(encode(Ready("tokenizer", self.address)))
         log.info("ready: serving clients on %s", self.address)
 
     # ---- clients -----------------------------------------------------------
@@ -142,7 +143,7 @@ class TokenizerServer:
             stop_ids += self.codec.eos_token_ids
         self.streams[rid] = RequestStream(
             client, req.rid, rid, IncrementalDetokenizer(self.codec.decode), params.stop,
-            req.stream, params.logprobs, len(input_ids))
+            req.stream, params.logprobs)
         self.by_client[(client, req.rid)] = rid
         await self.to_scheduler.send(encode(TokenizedRequest(
             rid, input_ids, params.sampling, params.max_tokens, stop_ids)))
@@ -172,11 +173,11 @@ class TokenizerServer:
     def vocab_size(self) -> int:
         """Token ids the model takes: the worker's figure once known (a tokenizer may
         hold added tokens the model has no embedding for), else the tokenizer's."""
-        return self.limits.get("vocab_size") or self.codec.vocab_size
+        return self.limits.vocab_size if self.limits else self.codec.vocab_size
 
     def _check_length(self, n: int) -> None:
-        max_context = self.limits.get("max_context")
-        kv_capacity = self.limits.get("kv_capacity")
+        max_context = self.limits.max_context
+        kv_capacity = self.limits.kv_capacity
         if max_context and n >= max_context:
             raise InvalidRequest(f"the prompt has {n} tokens; the model's context is "
                                  f"{max_context} tokens")

@@ -4,15 +4,14 @@ Text that could be the start of a stop string is held back until it is known
 not to be one, so a stop string never reaches the client, even in a stream.
 """
 
-from mlxd.protocol import StreamChunk, TokenEntry
+from mlxd.protocol import StreamChunk, TokenEntry, Usage
 
 from .detokenizer import IncrementalDetokenizer
 
 
 class RequestStream:
     def __init__(self, client: bytes, client_rid: str, rid: int, detokenizer:
-                 IncrementalDetokenizer, stop: list[str], stream: bool,
-                 logprobs: bool, prompt_tokens: int):
+                 IncrementalDetokenizer, stop: list[str], stream: bool, logprobs: bool):
         self.client = client
         self.client_rid = client_rid
         self.rid = rid
@@ -20,13 +19,12 @@ class RequestStream:
         self.stop = stop
         self.stream = stream
         self.want_logprobs = logprobs
-        self.prompt_tokens = prompt_tokens
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list = []
         self.finish_reason: str | None = None
-        self.cached_tokens = 0   # from the scheduler's usage, sent with the first token
+        self.usage: Usage | None = None   # the scheduler's latest (sent with the first token)
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._searched = 0      # text before this was checked for stop strings
         self._sent_text = 0     # chunk cursors
@@ -40,8 +38,8 @@ class RequestStream:
         """Take the scheduler's new tokens; return a chunk to send, if any.
         After a stop-string hit `finish_reason` is "stop" and the scheduler
         still has to be told to abort the request."""
-        if entry.usage:
-            self.cached_tokens = entry.usage.get("cached_tokens", 0)
+        if entry.usage is not None:
+            self.usage = entry.usage
         self.token_ids += entry.token_ids
         self.logprobs += entry.logprobs
         self.top_logprobs += entry.top_logprobs or [None] * len(entry.token_ids)
@@ -80,12 +78,18 @@ class RequestStream:
         self._sent_text, self._sent_tokens = end, len(self.token_ids)
         if self.finished:
             chunk.finish_reason = self.finish_reason
-            chunk.usage = self.usage()
+            usage = self._final_usage(entry)
+            chunk.usage = None if usage is None else usage.as_dict()
             chunk.error = entry.error
         elif not chunk.text and not chunk.token_ids:
             return None
         return chunk
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(self.token_ids), "cached_tokens": self.cached_tokens}
+    def _final_usage(self, entry: TokenEntry) -> Usage | None:
+        """The scheduler's, when it finished the request; after a stop string, its
+        latest with the tokens passed on here."""
+        if entry.finish_reason:
+            return entry.usage
+        if self.usage is None:
+            return None
+        return self.usage.with_completion_tokens(len(self.token_ids))

@@ -1,7 +1,7 @@
 """The worker process: a thin socket loop around the ModelRunner.
 
   input_addr   PULL  Step from the scheduler
-  output_addr  PUSH  Ready, then one StepResult (or WorkerError) per Step
+  output_addr  PUSH  WorkerReady, then one StepResult (or WorkerError) per Step
 """
 
 import json
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import zmq
 
-from mlxd.protocol import Decoder, ProtocolError, Ready, Step, WorkerError, encode
+from mlxd.protocol import (
+    Decoder, ProtocolError, Step, WorkerError, WorkerLimits, WorkerReady, encode,
+)
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import WORKER, ServerFlags
 from mlxd.runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
@@ -84,36 +86,32 @@ def build_runner(cfg: WorkerConfig):
     # second copy is budgeted already (memory.kv_budget); this is that room.
     cache_bytes = budget.decode_cache_tokens * geometry.bytes_per_token
     mx.set_cache_limit(cache_bytes)
-    info = {
-        "kv_capacity": budget.capacity, "decode_cache_tokens": budget.decode_cache_tokens,
-        "max_context": max_context,
-        "kv_pool_bytes": pool.nbytes, "weights_bytes": weights_bytes,
-        "buffer_cache_bytes": cache_bytes,
-        "bytes_per_token": geometry.bytes_per_token, "blas": loaded_blas(),
-        "quantized": is_quantized(model), "dequantize": dequantize,
-        "kv_dtype": str(geometry.dtype),
-        "device": str(mx.default_device()),
-    }
-    info["overlap"] = not flags.disable_overlap
     runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap)
-    info["vocab_size"] = runner.vocab_size   # token ids the model can embed: [0, vocab_size)
-    return runner, info
+    limits = WorkerLimits(
+        kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
+        max_context=max_context, vocab_size=runner.vocab_size,
+        bytes_per_token=geometry.bytes_per_token, kv_pool_bytes=pool.nbytes,
+        weights_bytes=weights_bytes, buffer_cache_bytes=cache_bytes,
+        kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
+        quantized=is_quantized(model), dequantize=dequantize,
+        overlap=not flags.disable_overlap)
+    return runner, limits
 
 
 def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
     steps_in = bind_pull(ctx, cfg.input_addr)
     results_out = connect_push(ctx, cfg.output_addr)
     sockets += [steps_in, results_out]
-    runner, info = build_runner(cfg)
+    runner, limits = build_runner(cfg)
     try:
-        _serve_steps(runner, info, waking_receiver(steps_in, wakeup), results_out)
+        _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out)
     finally:
         runner.close()   # never exit while the helper thread is inside MLX
 
 
-def _serve_steps(runner, info: dict, recv, results_out: zmq.Socket) -> None:
-    log.info("ready: %s", info)
-    results_out.send(encode(Ready("worker", info)))
+def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket) -> None:
+    log.info("ready: %s", limits.as_dict())
+    results_out.send(encode(WorkerReady(limits)))
     decoder = Decoder(Step)
     while True:
         frame = recv()
@@ -127,7 +125,7 @@ def _serve_steps(runner, info: dict, recv, results_out: zmq.Socket) -> None:
             reply = runner.run(step, arrived_at)
             log.debug("step %d: %d decode, %d prefill, %.1f ms compute, %.1f ms idle before",
                       step.step_id, len(step.decode_rids), len(step.prefills),
-                      reply.timing["compute_ms"], reply.timing.get("idle_ms", 0.0))
+                      reply.timing.compute_ms, reply.timing.idle_ms or 0.0)
         except Exception as exc:  # a failed step must not kill the worker
             log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
             runner.reset()

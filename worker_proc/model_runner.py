@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxd.protocol import PrefillInput, Step, StepResult
+from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
 
 from . import batch_cache
 from .background import BackgroundJob
@@ -86,19 +86,19 @@ class ModelRunner:
         arrived_at = start if arrived_at is None else arrived_at
         chained = self.speculating
         busy_until = self._background.wait() if chained else 0.0
-        timing = self._wait_timing(arrived_at, busy_until)
-        timing["ahead_wait_ms"] = (time.perf_counter() - start) * 1e3 if chained else 0.0
+        timing = StepTiming(chained=chained)
+        timing.wait_ms, timing.idle_ms = self._wait_timing(arrived_at, busy_until)
+        timing.ahead_wait_ms = (time.perf_counter() - start) * 1e3 if chained else 0.0
         with mx.stream(self.stream):
             result = self._execute(step)
-            timing["active_memory"] = mx.get_active_memory()
-            timing["peak_memory"] = mx.get_peak_memory()
+            timing.active_memory = mx.get_active_memory()
+            timing.peak_memory = mx.get_peak_memory()
         if self._chains_next:   # step k+1, chained on step k
             self._background.start(self._compute_ahead)
         # A wait for the next Step is a round trip only while requests run.
         self._returned_at = time.perf_counter() if len(self.batch) else None
-        timing["chained"] = chained
-        timing["compute_ms"] = (time.perf_counter() - arrived_at) * 1e3
-        result.timing.update(timing)
+        timing.compute_ms = (time.perf_counter() - arrived_at) * 1e3
+        result.timing = timing
         return result
 
     def _execute(self, step: Step) -> StepResult:
@@ -140,13 +140,14 @@ class ModelRunner:
         except Exception:
             pass
 
-    def _wait_timing(self, arrived_at: float, busy_until: float) -> dict:
-        """Absent after a step that left no request running (the wait was for work)."""
+    def _wait_timing(self, arrived_at: float, busy_until: float) -> tuple:
+        """(wait_ms, idle_ms); None after a step that left no request running (the
+        wait was for work)."""
         if self._returned_at is None:
-            return {}
+            return None, None
         wait = max(0.0, arrived_at - self._returned_at)
         idle = max(0.0, arrived_at - max(self._returned_at, busy_until))
-        return {"wait_ms": wait * 1e3, "idle_ms": idle * 1e3}
+        return wait * 1e3, idle * 1e3
 
     # ---- decode -----------------------------------------------------------
 

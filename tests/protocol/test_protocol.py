@@ -6,15 +6,16 @@ import random
 import msgpack
 import pytest
 
+from mlxd import protocol
 from mlxd.protocol import (
-    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, PrefillInput, ProtocolError,
-    Ready, SamplingParams, Step, StepResult, StreamChunk, TokenBatch, TokenEntry,
-    TokenizedRequest, WorkerError, encode,
+    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, PrefillInput,
+    ProtocolError, Ready, SamplingParams, SchedulerReady, Stats, StatsReply, StatsRequest,
+    Step, StepResult, StepTiming, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
+    Usage, WorkerError, WorkerLimits, WorkerReady, encode,
 )
 from mlxd.protocol.codec import MAX_FRAME_BYTES
 
-TAGGED = [Ready, GenerateRequest, AbortRequest, StreamChunk, ErrorReply, TokenizedRequest,
-          Abort, TokenBatch, Step, StepResult, WorkerError]
+TAGGED = [cls for cls in vars(protocol).values() if isinstance(cls, type) and hasattr(cls, "TAG")]
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63 - 1,
                           top_logprobs=5)
@@ -25,19 +26,32 @@ RESUMED = PrefillInput(rid=4, input_ids=[5, 6, 7, 8, 9], prefix_slot_ids=[],
                        needs_logits=True, num_generated=2**40)
 ENTRY = TokenEntry(rid=9, token_ids=[1, 2], logprobs=[-0.5, -1.25],
                    top_logprobs=[[[1, 4], [-0.5, -2.0]], None], finish_reason="length",
-                   usage={"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0},
+                   usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=0),
                    error=None)
+LIMITS = WorkerLimits(kv_capacity=4096, decode_cache_tokens=16384, max_context=2048,
+                      vocab_size=32000, bytes_per_token=2**14, kv_pool_bytes=4097 * 2**14,
+                      weights_bytes=2**28, buffer_cache_bytes=0, kv_dtype="mlx.core.float16",
+                      device="Device(cpu, 0)", blas="/usr/lib/libopenblas.so.0",
+                      quantized=True, dequantize=False, overlap=True)
+TIMING = StepTiming(compute_ms=12.25, wait_ms=0.5, idle_ms=0.0, ahead_wait_ms=0.75,
+                    chained=True, active_memory=2**33, peak_memory=2**34)
 
 # Several instances per class: defaults, every optional field set, unicode, edge values.
 SAMPLES = [
-    Ready("worker"),
-    Ready("scheduler", {"kv_capacity": 4096, "max_context": 2048, "name": "x", "f": 0.5}),
+    Ready("scheduler"),
+    Ready("tokenizer", "tcp://127.0.0.1:5555"),
+    WorkerReady(LIMITS),
+    SchedulerReady(LIMITS, max_running_requests=64),
     GenerateRequest("r1"),
     GenerateRequest("r2", prompt="Hello, 日本語 😀", params={"temperature": 0.5, "stop": ["\n"]},
                     stream=True),
     GenerateRequest("r3", messages=[{"role": "user", "content": "hi"}]),
     GenerateRequest("", input_ids=[0, 1, 2**31]),
     AbortRequest("r1"),
+    StatsRequest("s1"),
+    StatsReply("s1", {"running": 2, "worker": {"kv_capacity": 4096}, "timing": {}}),
+    GetStats(7),
+    Stats(7, {"waiting": 0}),
     StreamChunk("r1", "", []),
     StreamChunk("r1", "text é", [1, 2], logprobs=[-0.1, -2], top_logprobs=[[[1], [-0.1]], None],
                 finish_reason="stop", usage={"prompt_tokens": 1}, error="boom"),
@@ -56,7 +70,8 @@ SAMPLES = [
     Step(8, prefills=[PREFILL, RESUMED, PrefillInput(5, [1], [7], [8], SamplingParams())]),
     StepResult(1, [], [], []),
     StepResult(2, [1, 2], [5, 6], [-0.25, -3.5], top_logprobs=[None, [[6, 5], [-3.5, -4.0]]],
-               timing={"compute_ms": 1.5}),
+               timing=StepTiming(compute_ms=1.5)),
+    StepResult(3, [4], [5], [-0.5], timing=TIMING),
     WorkerError(3, "RuntimeError: out of memory"),
 ]
 
@@ -89,7 +104,8 @@ def test_decoder_with_all_classes_round_trips_everything():
         assert type(decoded) is type(msg) and decoded == msg
 
 
-NESTED = [SAMPLING, SamplingParams(), PREFILL, RESUMED, ENTRY]
+NESTED = [SAMPLING, SamplingParams(), PREFILL, RESUMED, ENTRY, LIMITS, TIMING, StepTiming(),
+          Usage(0, 0, 0)]
 
 
 @pytest.mark.parametrize("nested", NESTED, ids=ids(NESTED))
@@ -207,6 +223,10 @@ def good_entry():
     return [9, [1], [-0.5], None, None, None, None]
 
 
+def good_timing():
+    return [1.5, None, None, 0.0, False, 0, 0]
+
+
 def replace(values, index, value):
     values = list(values)
     values[index] = value
@@ -215,10 +235,13 @@ def replace(values, index, value):
 
 # (class, good wire fields, index, bad value)
 WRONG_TYPES = [
-    (Ready, ["worker", {}], 0, 5),
-    (Ready, ["worker", {}], 0, None),
-    (Ready, ["worker", {}], 1, [1, 2]),
-    (Ready, ["worker", {}], 1, None),
+    (Ready, ["tokenizer", "tcp://h:1"], 0, 5),
+    (Ready, ["tokenizer", "tcp://h:1"], 0, None),
+    (Ready, ["tokenizer", "tcp://h:1"], 1, [1, 2]),
+    (Ready, ["tokenizer", "tcp://h:1"], 1, {"address": "tcp://h:1"}),
+    (SchedulerReady, [LIMITS.to_wire(), 64], 1, 0),
+    (SchedulerReady, [LIMITS.to_wire(), 64], 1, None),
+    (SchedulerReady, [LIMITS.to_wire(), 64], 0, LIMITS.as_dict()),
     (GenerateRequest, ["r", "p", None, None, {}, False], 1, 5),
     (GenerateRequest, ["r", None, [{"role": "user"}], None, {}, False], 2, {"role": "user"}),
     (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, "1 2"),
@@ -273,6 +296,7 @@ WRONG_TYPES = [
     (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 4, "done")]),
     (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 4, 1)]),
     (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, [1])]),
+    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, {"prompt_tokens": 1})]),
     (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 6, 0)]),
     (Step, [1, [1], [2], [], []], 0, "1"),
     (Step, [1, [1], [2], [], []], 0, None),
@@ -298,17 +322,19 @@ WRONG_TYPES = [
     (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, [2])]),
     (Step, [1, [1], [2], [], []], 4, None),
     (Step, [1, [1], [2], [], []], 4, [1.0]),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 0, 1.0),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 1, "1"),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 1, [None]),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 2, [2.0]),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 2, [False]),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 3, ["-0.5"]),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 3, [None]),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 3, -0.5),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 4, {"a": 1}),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 5, None),
-    (StepResult, [1, [1], [2], [-0.5], None, {}], 5, []),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 0, 1.0),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 1, "1"),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 1, [None]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 2, [2.0]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 2, [False]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 3, ["-0.5"]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 3, [None]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 3, -0.5),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 4, {"a": 1}),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 5, None),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 5, []),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 5, {}),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 5, good_timing()[:6]),
     (WorkerError, [1, "m"], 0, "1"),
     (WorkerError, [1, "m"], 1, None),
     (WorkerError, [1, "m"], 1, 7),
@@ -322,6 +348,20 @@ WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, []], 2,
 WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], []], 3,
                  [replace(good_prefill(), 4, replace(good_sampling(), i, v))])
                 for i, v in SAMPLING_FIELD_BAD]
+# the worker's step timing: figures of the wrong type are refused, not left out
+TIMING_FIELD_BAD = [(0, "fast"), (0, None), (1, True), (1, "1"), (2, [0.5]), (3, None),
+                    (4, 1), (4, None), (5, -1), (5, 1.5), (6, None)]
+WRONG_TYPES += [(StepResult, [1, [], [], [], None, good_timing()], 5,
+                 replace(good_timing(), i, v)) for i, v in TIMING_FIELD_BAD]
+# limits the scheduler and tokenizer size everything by: counts of at least 1
+LIMITS_FIELD_BAD = [(0, 0), (0, -5), (0, "many"), (0, None), (1, 0), (2, 0), (2, 4096.0),
+                    (3, 0), (4, 0), (5, 0), (6, -1), (7, -1), (8, None), (9, 1), (10, None),
+                    (11, 1), (12, "on"), (13, None)]
+WRONG_TYPES += [(WorkerReady, [LIMITS.to_wire()], 0, replace(LIMITS.to_wire(), i, v))
+                for i, v in LIMITS_FIELD_BAD]
+WRONG_TYPES += [(TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, usage)])
+                for usage in ([1, 0], [1, 0, 0, 0], [-1, 0, 0], [1, 0.5, 0], [1, 0, None],
+                              {"prompt_tokens": 1, "completion_tokens": 0, "cached_tokens": 0})]
 
 
 @pytest.mark.parametrize("cls,good,index,bad", WRONG_TYPES,
@@ -335,13 +375,13 @@ def test_wrong_field_types(cls, good, index, bad):
 # ---- cross-field checks --------------------------------------------------------------
 
 @pytest.mark.parametrize("fields", [
-    [1, [1, 2], [5], [-0.5, -0.5], None, {}],
-    [1, [1, 2], [5, 6], [-0.5], None, {}],
-    [1, [1], [5, 6], [-0.5, -0.5], None, {}],
-    [1, [1, 2], [5, 6], [-0.5, -0.5], [None], {}],
-    [1, [1], [5], [-0.5], [None, None], {}],
-    [1, [], [], [], [None], {}],
-    [1, [], [5], [], None, {}],
+    [1, [1, 2], [5], [-0.5, -0.5], None, good_timing()],
+    [1, [1, 2], [5, 6], [-0.5], None, good_timing()],
+    [1, [1], [5, 6], [-0.5, -0.5], None, good_timing()],
+    [1, [1, 2], [5, 6], [-0.5, -0.5], [None], good_timing()],
+    [1, [1], [5], [-0.5], [None, None], good_timing()],
+    [1, [], [], [], [None], good_timing()],
+    [1, [], [5], [], None, good_timing()],
 ])
 def test_misaligned_step_result(fields):
     with pytest.raises(ProtocolError, match="aligned"):
@@ -349,7 +389,8 @@ def test_misaligned_step_result(fields):
 
 
 def test_aligned_step_result_with_top_logprobs_is_accepted():
-    msg = decode_as(StepResult, [60, 4, [1, 2], [5, 6], [-1, -2.5], [None, [[6], [-2.5]]], {}])
+    msg = decode_as(StepResult, [60, 4, [1, 2], [5, 6], [-1, -2.5], [None, [[6], [-2.5]]],
+                                 good_timing()])
     assert msg.logprobs == [-1, -2.5] and msg.top_logprobs[0] is None
 
 

@@ -39,7 +39,7 @@ def test_tokenizer_and_scheduler_agree_on_the_longest_prompt():
     """Both reject a prompt of exactly kv_capacity tokens, so the client gets the
     documented ErrorReply(code="invalid_request"), never a late "error" chunk."""
     cap = 1000
-    fake = SimpleNamespace(limits={"kv_capacity": cap, "max_context": 4096})
+    fake = SimpleNamespace(limits=SimpleNamespace(kv_capacity=cap, max_context=4096))
     try:
         TokenizerServer._check_length(fake, cap)
         tokenizer_accepts = True

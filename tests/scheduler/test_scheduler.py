@@ -20,7 +20,9 @@ from collections import defaultdict
 
 import pytest
 
-from mlxd.protocol import SamplingParams, Step, StepResult, TokenizedRequest, WorkerError
+from mlxd.protocol import (
+    SamplingParams, Step, StepResult, TokenizedRequest, Usage, WorkerError,
+)
 from mlxd.scheduler_proc.request import Request, Status
 from mlxd.scheduler_proc.scheduler import (
     LPM_OVERTAKE_LIMIT, LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT, Scheduler, SchedulerLimits, round_up,
@@ -63,7 +65,7 @@ class Harness:
         self.prompts: dict[int, list[int]] = {}
         self.entries: dict[int, list] = defaultdict(list)
         self.final: dict = {}                     # rid -> the entry with a finish_reason
-        self.first_usage: dict[int, dict] = {}
+        self.first_usage: dict[int, Usage] = {}
         self.steps: list[Step] = []
         self.tokens = defaultdict(lambda: PLAIN)  # rid -> token the stub worker answers
         self.token_fn = lambda rid, pos: self.tokens[rid]
@@ -285,16 +287,16 @@ class Harness:
                     assert rejections_possible and entry.finish_reason == "error"
                     assert entry.token_ids == [] and had == 0
                     continue
-                assert entry.usage["prompt_tokens"] == n
-                assert entry.usage["completion_tokens"] == len(self.output(rid))
-                assert 0 <= entry.usage["cached_tokens"] < n
+                assert entry.usage.prompt_tokens == n
+                assert entry.usage.completion_tokens == len(self.output(rid))
+                assert 0 <= entry.usage.cached_tokens < n
                 if rid in self.first_usage:
-                    assert entry.usage["cached_tokens"] == self.first_usage[rid]["cached_tokens"]
+                    assert entry.usage.cached_tokens == self.first_usage[rid].cached_tokens
             elif had == 0:                         # the first token carries usage
                 assert entry.token_ids and entry.usage is not None
-                assert entry.usage["prompt_tokens"] == n
-                assert entry.usage["completion_tokens"] == 1
-                assert 0 <= entry.usage["cached_tokens"] < n
+                assert entry.usage.prompt_tokens == n
+                assert entry.usage.completion_tokens == 1
+                assert 0 <= entry.usage.cached_tokens < n
                 self.first_usage[rid] = entry.usage
             else:
                 assert entry.usage is None and entry.token_ids
@@ -343,9 +345,9 @@ def test_request_fill_len_prefilling_and_finish_reason():
     assert req.finish_reason_after(9) == "stop"
     req.output_ids.append(PLAIN)
     assert req.finish_reason_after(PLAIN) == "length"
-    assert req.usage() == {"prompt_tokens": 5, "completion_tokens": 3, "cached_tokens": 0}
+    assert req.usage() == Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=0)
     req.cached_tokens = 4
-    assert req.usage()["cached_tokens"] == 4
+    assert req.usage().cached_tokens == 4
 
 
 # ---- admission -----------------------------------------------------------------------
@@ -367,7 +369,7 @@ def test_single_request_runs_to_length():
     assert h.output(1) == [PLAIN] * 3
     final = h.final[1]
     assert final.finish_reason == "length" and final.error is None
-    assert final.usage == {"prompt_tokens": 4, "completion_tokens": 3, "cached_tokens": 0}
+    assert final.usage == Usage(prompt_tokens=4, completion_tokens=3, cached_tokens=0)
     assert [len(e.token_ids) for e in h.entries[1]] == [1, 1, 1]
     assert [e.logprobs for e in h.entries[1]] == [[-0.25]] * 3
     assert h.steps[-1].releases == [1] and h.steps[-1].decode_rids == []
@@ -381,9 +383,9 @@ def test_the_first_and_the_last_entry_carry_usage():
     h.add(make_request(1, n=5, max_new=4))
     h.run_until_idle()
     usages = [e.usage for e in h.entries[1]]
-    assert usages == [{"prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0},
+    assert usages == [Usage(prompt_tokens=5, completion_tokens=1, cached_tokens=0),
                       None, None,
-                      {"prompt_tokens": 5, "completion_tokens": 4, "cached_tokens": 0}]
+                      Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=0)]
 
 
 def test_fcfs_admission_order():
@@ -595,7 +597,7 @@ def test_stop_token():
     h.run_step()
     assert h.output(1) == [PLAIN, PLAIN, 50]
     assert h.final[1].finish_reason == "stop" and h.final[1].token_ids == [50]
-    assert h.final[1].usage["completion_tokens"] == 3
+    assert h.final[1].usage.completion_tokens == 3
     assert h.run_step().releases == [1]
 
 
@@ -605,7 +607,7 @@ def test_stop_token_on_the_first_token():
     h.add(make_request(1, n=3, max_new=10))
     h.run_step()
     assert h.final[1].finish_reason == "stop" and h.output(1) == [EOS]
-    assert h.final[1].usage == {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}
+    assert h.final[1].usage == Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0)
     assert len(h.entries[1]) == 1
     h.run_until_idle()
     h.assert_idle()
@@ -650,7 +652,7 @@ def test_a_request_that_outgrows_the_pool_alone_finishes_with_an_error():
     assert final.finish_reason == "error" and final.token_ids == []
     assert "KV" in final.error and "40" in final.error
     assert len(h.output(1)) == 37                 # 4 + 36 decodes fill the pool
-    assert final.usage == {"prompt_tokens": 4, "completion_tokens": 37, "cached_tokens": 0}
+    assert final.usage == Usage(prompt_tokens=4, completion_tokens=37, cached_tokens=0)
     assert h.s.kv.tree.evictable_size == 40       # what it computed stays cached
     h.assert_idle()
 
@@ -677,7 +679,7 @@ def test_abort_waiting_request():
     h.abort(2)
     entry = h.final[2]
     assert entry.finish_reason == "abort" and entry.token_ids == []
-    assert entry.usage == {"prompt_tokens": 6, "completion_tokens": 0, "cached_tokens": 0}
+    assert entry.usage == Usage(prompt_tokens=6, completion_tokens=0, cached_tokens=0)
     assert all(r.rid != 2 for r in h.s.waiting)
     h.run_until_idle()
     assert all(2 not in prefilled(s) for s in h.steps)
@@ -693,7 +695,7 @@ def test_abort_running_request():
     h.abort(1)
     entry = h.final[1]
     assert entry.finish_reason == "abort" and entry.token_ids == []
-    assert entry.usage == {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 0}
+    assert entry.usage == Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=0)
     # prompt 5 + one decode slot move to the tree, unlocked; rid 2's prompt stays locked
     tree = h.s.kv.tree
     assert h.s.kv.allocator.num_free == free
@@ -776,7 +778,7 @@ def test_fail_step_finishes_all_running_requests_with_the_error():
     h.fail(step, "RuntimeError: the GPU fell off")
     assert h.final[1].finish_reason == "error"
     assert h.final[1].error == "RuntimeError: the GPU fell off"
-    assert h.final[1].usage == {"prompt_tokens": 4, "completion_tokens": 1, "cached_tokens": 0}
+    assert h.final[1].usage == Usage(prompt_tokens=4, completion_tokens=1, cached_tokens=0)
     assert h.final[3].finish_reason == "error"   # admitted in the failed step
     assert h.final[2].finish_reason == "abort"
     assert not h.s.running and h.s.kv.allocator.num_free == 64   # the tree is emptied too
@@ -813,7 +815,7 @@ def test_fail_step_forgets_cached_prefixes():
     [p] = h.run_step().prefills
     assert p.prefix_slot_ids == [] and len(p.input_ids) == 10
     h.run_until_idle()
-    assert h.final[3].usage["cached_tokens"] == 0
+    assert h.final[3].usage.cached_tokens == 0
 
 
 # ---- rejections ----------------------------------------------------------------------
@@ -873,7 +875,7 @@ def test_a_finished_rid_may_be_reused():
     [p] = h.run_step().prefills
     assert p.rid == 1 and p.prefix_slot_ids == first.prefills[0].new_slot_ids[:3]
     h.run_until_idle()
-    assert len(h.output(1)) == 2 and h.final[1].usage["cached_tokens"] == 3
+    assert len(h.output(1)) == 2 and h.final[1].usage.cached_tokens == 3
 
 
 # ---- stats ---------------------------------------------------------------------------
@@ -913,13 +915,13 @@ def test_full_prefix_hit():
     # matched on all but the last input token: that one is computed for its logits
     assert p.prefix_slot_ids == cached[:7] and p.input_ids == [P[7]]
     assert len(p.new_slot_ids) == 1 and p.needs_logits
-    assert h.entries[2][0].usage == {"prompt_tokens": 8, "completion_tokens": 1,
-                                     "cached_tokens": 7}
+    assert h.entries[2][0].usage == Usage(prompt_tokens=8, completion_tokens=1,
+                                          cached_tokens=7)
     # the recomputed last token duplicates a cached slot: it is freed again
     assert h.s.running[2].slot_ids == cached and h.s.running[2].prefix_len == 8
     assert h.s.kv.allocator.num_free == 64 - 8
     h.run_until_idle()
-    assert h.final[2].usage == {"prompt_tokens": 8, "completion_tokens": 3, "cached_tokens": 7}
+    assert h.final[2].usage == Usage(prompt_tokens=8, completion_tokens=3, cached_tokens=7)
     h.assert_idle()
 
 
@@ -933,7 +935,7 @@ def test_partial_prefix_hit():
     [p] = h.run_step().prefills
     assert p.prefix_slot_ids == cached[:5] and p.input_ids == Q[5:]
     h.run_until_idle()
-    assert h.final[2].usage["cached_tokens"] == 5
+    assert h.final[2].usage.cached_tokens == 5
     # both continuations are cached below the shared 5 tokens
     assert h.s.kv.tree.total_size == 5 + (3 + 1) + (6 + 1)
     h.assert_idle()
@@ -946,7 +948,7 @@ def test_no_hit_for_a_different_first_token():
     [p] = h.run_step().prefills
     assert p.prefix_slot_ids == [] and len(p.input_ids) == 8
     h.run_until_idle()
-    assert h.final[2].usage["cached_tokens"] == 0
+    assert h.final[2].usage.cached_tokens == 0
 
 
 def test_prefix_hit_from_a_request_still_running():
@@ -963,9 +965,9 @@ def test_prefix_hit_from_a_request_still_running():
     tree = h.s.kv.tree
     assert tree.protected_size == 40 + 2 and tree.evictable_size == 0
     h.run_step()
-    assert h.final.get(2) is None and h.entries[2][0].usage["cached_tokens"] == 40
+    assert h.final.get(2) is None and h.entries[2][0].usage.cached_tokens == 40
     h.run_until_idle()
-    assert h.final[2].usage["cached_tokens"] == 40 and len(h.output(1)) == 10
+    assert h.final[2].usage.cached_tokens == 40 and len(h.output(1)) == 10
     h.assert_idle()
 
 
@@ -981,7 +983,7 @@ def test_a_finished_request_caches_its_outputs_too():
     assert len(p.prefix_slot_ids) == 6 + 3       # the last answer token has no KV
     assert p.input_ids == [answer[-1], 5, 6]
     h.run_until_idle()
-    assert h.final[2].usage["cached_tokens"] == 9
+    assert h.final[2].usage.cached_tokens == 9
 
 
 def test_a_prefix_is_shared_by_many_running_requests():
@@ -994,7 +996,7 @@ def test_a_prefix_is_shared_by_many_running_requests():
     assert all(p.prefix_slot_ids == h.steps[0].prefills[0].new_slot_ids for p in step.prefills)
     assert all(p.input_ids == [p.rid] for p in step.prefills)
     h.run_until_idle()
-    assert all(h.final[rid].usage["cached_tokens"] == 20 for rid in range(2, 7))
+    assert all(h.final[rid].usage.cached_tokens == 20 for rid in range(2, 7))
     h.assert_idle()
 
 
@@ -1006,7 +1008,7 @@ def test_radix_cache_disabled():
         h.add(make_request(rid, prompt=P, max_new=3))
         h.run_until_idle()
         assert h.s.kv.allocator.num_free == 64    # nothing is kept
-        assert h.final[rid].usage["cached_tokens"] == 0
+        assert h.final[rid].usage.cached_tokens == 0
     h.add(make_request(3, prompt=P, max_new=2), make_request(4, prompt=P, max_new=2))
     h.run_until_idle()
     assert all(p.prefix_slot_ids == [] for s in h.steps for p in s.prefills)
@@ -1071,14 +1073,14 @@ def test_a_request_sharing_a_long_prefix_with_a_prefill_waits_a_step(shared, def
     step = h.run_step()
     if not deferred:
         assert prefilled(step) == [1, 2, 3]
-        assert h.final.get(2) is None and h.entries[2][0].usage["cached_tokens"] == 0
+        assert h.final.get(2) is None and h.entries[2][0].usage.cached_tokens == 0
         return
     assert prefilled(step) == [1, 3]
     step = h.run_step()
     [p] = step.prefills
     assert p.rid == 2 and p.input_ids == [2, 2]
     assert p.prefix_slot_ids == h.steps[0].prefills[0].new_slot_ids[:shared]
-    assert h.entries[2][0].usage["cached_tokens"] == shared
+    assert h.entries[2][0].usage.cached_tokens == shared
     h.run_until_idle()
     h.assert_idle()
 
@@ -1110,8 +1112,8 @@ def test_lru_eviction_of_cached_prefixes_for_a_new_request():
     assert h.s.num_retractions == 0
     h.add(make_request(4, prompt=A, max_new=1), make_request(5, prompt=B, max_new=1))
     h.run_until_idle()
-    assert h.final[4].usage["cached_tokens"] == 0     # A, the least recently used, went
-    assert h.final[5].usage["cached_tokens"] == 19
+    assert h.final[4].usage.cached_tokens == 0     # A, the least recently used, went
+    assert h.final[5].usage.cached_tokens == 19
     assert len(h.prefills_of(5)[0].prefix_slot_ids) == 19
 
 
@@ -1158,7 +1160,7 @@ def test_chunked_prefill(size, n):
     assert h.run_step().decode_rids == [1, 2]
     h.run_until_idle()
     assert h.output(2) == [by_position(2, n + i) for i in range(3)]
-    assert h.final[2].usage == {"prompt_tokens": n, "completion_tokens": 3, "cached_tokens": 0}
+    assert h.final[2].usage == Usage(prompt_tokens=n, completion_tokens=3, cached_tokens=0)
     h.assert_idle()
 
 
@@ -1185,7 +1187,7 @@ def test_chunked_prefill_after_a_prefix_hit():
     assert [len(p.prefix_slot_ids) for p in chunks] == [20, 28, 36]
     assert [len(p.input_ids) for p in chunks] == [8, 8, 3]
     h.run_until_idle()
-    assert h.final[2].usage["cached_tokens"] == 20
+    assert h.final[2].usage.cached_tokens == 20
 
 
 def test_a_chunked_prompt_is_shared_while_it_is_still_being_prefilled():
@@ -1238,7 +1240,7 @@ def test_abort_in_the_middle_of_a_chunked_prefill():
     chunks = [h.run_step().prefills[0] for _ in range(2)]
     h.abort(1)
     assert h.final[1].finish_reason == "abort" and h.final[1].token_ids == []
-    assert h.final[1].usage == {"prompt_tokens": 30, "completion_tokens": 0, "cached_tokens": 0}
+    assert h.final[1].usage == Usage(prompt_tokens=30, completion_tokens=0, cached_tokens=0)
     step = h.run_step()
     assert step.releases == [1] and not step.prefills
     assert h.s.chunking is None and h.run_step() is None
@@ -1262,8 +1264,8 @@ def test_retraction_under_memory_pressure(radix):
     for rid in rids:                             # every request completes, seamlessly
         assert h.final[rid].finish_reason == "length"
         assert h.output(rid) == [by_position(rid, 4 + i) for i in range(40)]
-        assert h.final[rid].usage == {"prompt_tokens": 4, "completion_tokens": 40,
-                                      "cached_tokens": 0}
+        assert h.final[rid].usage == Usage(prompt_tokens=4, completion_tokens=40,
+                                           cached_tokens=0)
     for step_id, rid in h.retracted:             # released in the step that retracted it
         step = h.steps[step_id - 1]
         assert rid in step.releases and rid not in step.decode_rids
@@ -1315,7 +1317,7 @@ def test_a_retracted_request_resumes_from_its_cached_kv():
     assert resumed.num_generated == 6 and resumed.input_ids == [h.output(1)[5]]
     assert len(resumed.prefix_slot_ids) == had - 1
     assert resumed.prefix_slot_ids[:250] == first.new_slot_ids
-    assert h.final[1].usage["cached_tokens"] == 0     # the first admission's hit
+    assert h.final[1].usage.cached_tokens == 0     # the first admission's hit
 
 
 def test_a_retracted_request_that_fits_alone_is_resumed():
@@ -1369,7 +1371,7 @@ def test_abort_of_a_retracted_request():
     h.abort(2)
     final = h.final[2]
     assert final.finish_reason == "abort" and final.token_ids == []
-    assert final.usage["completion_tokens"] == len(h.output(2)) > 0
+    assert final.usage.completion_tokens == len(h.output(2)) > 0
     h.run_until_idle()
     assert h.prefills_of(2)[-1].num_generated == 0       # never resumed
     assert all(2 not in s.releases for s in h.steps[h.retracted[0][0]:])
@@ -1513,4 +1515,4 @@ def test_a_huge_cached_prefix_still_gets_admitted():
     run_to_finish(h, make_request(1, prompt=long, max_new=1))
     h.add(make_request(2, prompt=long + [5, 6], max_new=2))
     h.run_until_idle()
-    assert len(h.output(2)) == 2 and h.final[2].usage["cached_tokens"] >= 99
+    assert len(h.output(2)) == 2 and h.final[2].usage.cached_tokens >= 99

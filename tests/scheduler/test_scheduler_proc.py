@@ -2,8 +2,8 @@
 
 Sockets seen from the test (the scheduler binds what it receives on):
   steps     PULL bound at worker_input_addr    Step from the scheduler
-  results   PUSH -> worker_output_addr         Ready("worker"), StepResult, WorkerError
-  batches   PULL bound at output_addr          Ready("scheduler"), then TokenBatch
+  results   PUSH -> worker_output_addr         WorkerReady, StepResult, WorkerError
+  batches   PULL bound at output_addr          SchedulerReady, then TokenBatch
   requests  PUSH -> input_addr                 TokenizedRequest, Abort
   launcher  PULL bound at ready_addr           Ready("scheduler")
 """
@@ -18,9 +18,11 @@ import pytest
 import zmq
 
 from mlxd.protocol import (
-    Abort, Decoder, Ready, SamplingParams, Step, StepResult, TokenBatch, TokenEntry,
-    TokenizedRequest, WorkerError, encode,
+    Abort, Decoder, GetStats, Ready, SamplingParams, SchedulerReady, Stats, Step, StepResult,
+    StepTiming, TokenBatch, TokenEntry, TokenizedRequest, Usage, WorkerError, WorkerLimits,
+    WorkerReady, encode,
 )
+from mlxd.scheduler_proc.scheduler import decode_cache_budget
 from proc_support import ProcHarness
 from support import pid_alive, wait_until
 
@@ -32,6 +34,16 @@ GREEDY = SamplingParams()
 
 
 # ---- helpers ----------------------------------------------------------------
+
+def worker_limits(kv_capacity=KV_CAPACITY, max_context=MAX_CONTEXT) -> WorkerLimits:
+    """What a worker run with the default 64 requests would report."""
+    return WorkerLimits(
+        kv_capacity=kv_capacity, decode_cache_tokens=decode_cache_budget(kv_capacity, 64),
+        max_context=max_context, vocab_size=1000, bytes_per_token=64,
+        kv_pool_bytes=(kv_capacity + 1) * 64, weights_bytes=1024, buffer_cache_bytes=0,
+        kv_dtype="float16", device="cpu", blas="test", quantized=False, dequantize=False,
+        overlap=True)
+
 
 class Harness(ProcHarness):
     """Starts `python -m scheduler_proc` and plays every peer over real sockets."""
@@ -46,7 +58,7 @@ class Harness(ProcHarness):
         self.results = self._socket(zmq.PUSH, connect=self.addr["worker_out"])
         self.requests = self._socket(zmq.PUSH, connect=self.addr["input"])
         self.step_decoder = Decoder(Step)
-        self.batch_decoder = Decoder(TokenBatch, Ready)
+        self.batch_decoder = Decoder(TokenBatch, SchedulerReady)
 
     def argv(self, *extra: str) -> list[str]:
         return ["-m", "mlxd.scheduler_proc", "--input-addr", self.addr["input"],
@@ -58,14 +70,12 @@ class Harness(ProcHarness):
     def spawn(self, *extra: str) -> None:
         self.start_child(*self.argv(*extra))
 
-    def worker_ready(self, kv_capacity=KV_CAPACITY, max_context=MAX_CONTEXT) -> Ready:
+    def worker_ready(self, kv_capacity=KV_CAPACITY, max_context=MAX_CONTEXT) -> SchedulerReady:
         """Send the worker's Ready; return the scheduler's Ready to the tokenizer."""
         self.kv_capacity = kv_capacity
-        self.results.send(encode(Ready("worker", {"kv_capacity": kv_capacity,
-                                                  "max_context": max_context,
-                                                  "blas": "test"})))
+        self.results.send(encode(WorkerReady(worker_limits(kv_capacity, max_context))))
         ready = self._recv(self.batches, self.batch_decoder, "Ready on the tokenizer socket")
-        assert isinstance(ready, Ready)
+        assert isinstance(ready, SchedulerReady)
         return ready
 
     # ---- receiving with deadlines ------------------------------------------
@@ -97,7 +107,7 @@ class Harness(ProcHarness):
         rids = list(tokens)
         self.results.send(encode(StepResult(
             step.step_id, rids, [tokens[r] for r in rids], [logprob(r, tokens[r]) for r in rids],
-            top_logprobs, {"compute_ms": 1.0})))
+            top_logprobs, StepTiming(compute_ms=1.0))))
 
     def serve(self, scripts: dict[int, list[int]], max_steps: int = 50) -> dict:
         """Answer Steps with each rid's scripted tokens until every rid finished.
@@ -199,11 +209,10 @@ def test_ready_chain(harness):
     # Nothing is announced before the worker is ready.
     assert not harness.batches.poll(300) and not harness.launcher.poll(0)
     ready = harness.worker_ready(kv_capacity=100, max_context=50)
-    assert ready.process == "scheduler"
-    assert ready.info["kv_capacity"] == 100 and ready.info["max_context"] == 50
-    assert ready.info["max_running_requests"] == 7
+    assert ready.limits == worker_limits(kv_capacity=100, max_context=50)   # passed on whole
+    assert ready.max_running_requests == 7
     launcher_ready = harness._recv(harness.launcher, Decoder(Ready), "Ready to the launcher")
-    assert launcher_ready == ready
+    assert launcher_ready == Ready("scheduler")
     harness.assert_no_step()
 
 
@@ -211,22 +220,24 @@ def test_malformed_worker_ready_is_skipped(harness):
     harness.spawn()
     harness.results.send(b"\x00not msgpack")
     harness.results.send(msgpack.packb([1, "worker", "info is not a map"]))
+    harness.results.send(msgpack.packb([WorkerReady.TAG, "limits are not a list"]))
+    harness.results.send(encode(Ready("worker")))
     harness.results.send(encode(StepResult(1, [], [], [])))
     ready = harness.worker_ready()
-    assert ready.info["kv_capacity"] == KV_CAPACITY
+    assert ready.limits.kv_capacity == KV_CAPACITY
     assert harness.child.proc.poll() is None
 
 
-@pytest.mark.parametrize("info", [{"max_context": 64}, {"kv_capacity": "many",
-                                                         "max_context": 64}],
-                         ids=["kv_capacity missing", "kv_capacity not an int"])
-def test_worker_ready_with_bad_info_is_skipped(harness, info):
-    """A Ready whose info is unusable is a malformed message: logged and dropped,
+@pytest.mark.parametrize("kv_capacity", [[], ["many"], [0]],
+                         ids=["kv_capacity missing", "kv_capacity not an int", "kv_capacity 0"])
+def test_worker_ready_with_bad_limits_is_skipped(harness, kv_capacity):
+    """A Ready whose limits are unusable is a malformed message: logged and dropped,
     and the scheduler still takes the worker's next, valid Ready."""
     harness.spawn()
-    harness.results.send(encode(Ready("worker", info)))
+    limits = kv_capacity + worker_limits().to_wire()[1:]
+    harness.results.send(msgpack.packb([WorkerReady.TAG, limits]))
     ready = harness.worker_ready()
-    assert ready.info["kv_capacity"] == KV_CAPACITY
+    assert ready.limits.kv_capacity == KV_CAPACITY
     assert harness.child.proc.poll() is None
 
 
@@ -248,8 +259,8 @@ def test_request_prefill_decode_and_length_stop(sched):
     top = [[[100, 3], [-0.1, -2.5]]]
     sched.answer(s1, {1: 100}, top_logprobs=top)
     # the first token carries usage: the tokenizer learns cached_tokens early
-    assert sched.batch().entries == [TokenEntry(1, [100], [logprob(1, 100)], top, usage={
-        "prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0})]
+    assert sched.batch().entries == [TokenEntry(1, [100], [logprob(1, 100)], top, usage=Usage(
+        prompt_tokens=3, completion_tokens=1, cached_tokens=0))]
 
     last_step = s1.step_id
     for n, token in enumerate([101, 102], start=2):
@@ -265,7 +276,7 @@ def test_request_prefill_decode_and_length_stop(sched):
         if n < 3:
             assert entry.finish_reason is None and entry.usage is None
     assert entry.finish_reason == "length"
-    assert entry.usage == {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
+    assert entry.usage == Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=0)
     assert entry.error is None
 
     [release] = sched.finish_releases({1})
@@ -279,8 +290,7 @@ def test_stop_token_ids_finish_with_stop(sched):
     entries = out["entries"][1]
     assert [e.token_ids[0] for e in entries] == [7, 8, 2]
     assert [e.finish_reason for e in entries] == [None, None, "stop"]
-    assert entries[-1].usage == {"prompt_tokens": 2, "completion_tokens": 3,
-                                 "cached_tokens": 0}
+    assert entries[-1].usage == Usage(prompt_tokens=2, completion_tokens=3, cached_tokens=0)
     sched.finish_releases({1})
 
 
@@ -345,7 +355,7 @@ def test_abort_running_request(sched):
     sched.requests.send(encode(Abort(1)))    # while step 2 is in flight
     [entry] = sched.batch().entries
     assert entry.rid == 1 and entry.token_ids == [] and entry.finish_reason == "abort"
-    assert entry.usage["completion_tokens"] == 1
+    assert entry.usage.completion_tokens == 1
     sched.answer(s2, {1: 12})     # the token of an aborted request is dropped
     s3 = sched.step()
     assert s3.releases == [1] and s3.decode_rids == [] and not s3.prefills
@@ -365,7 +375,7 @@ def test_abort_waiting_and_unknown_requests(harness):
     harness.requests.send(encode(Abort(777)))   # unknown: ignored
     [entry] = harness.batch().entries
     assert entry.rid == 2 and entry.finish_reason == "abort" and entry.token_ids == []
-    assert entry.usage["completion_tokens"] == 0
+    assert entry.usage.completion_tokens == 0
     harness.answer(s1, {1: 5})
     harness.batch()
     out = harness.serve({1: [6, 7]})
@@ -374,6 +384,26 @@ def test_abort_waiting_and_unknown_requests(harness):
     assert all(p.rid != 2 for s in steps for p in s.prefills)
     assert all(2 not in s.releases for s in steps)
     harness.assert_no_batch()
+
+
+def test_stats_report_the_worker_limits_and_its_latest_memory(sched):
+    def stats(query_id):
+        sched.requests.send(encode(GetStats(query_id)))
+        reply = sched._recv(sched.batches, Decoder(Stats), "Stats")
+        assert reply.query_id == query_id
+        return reply.stats
+
+    assert stats(1)["worker"] == worker_limits().as_dict()
+    sched.request(1, [1, 2], max_new_tokens=1)
+    step = sched.step()
+    timing = StepTiming(compute_ms=2.5, active_memory=123, peak_memory=456)
+    sched.results.send(encode(StepResult(step.step_id, [1], [5], [-0.5], timing=timing)))
+    sched.batch()
+    after = stats(2)
+    assert after["worker"] == {**worker_limits().as_dict(), "active_memory": 123,
+                               "peak_memory": 456}
+    assert after["timing"]["steps"] == 1 and after["timing"]["compute_ms"]["mean"] == 2.5
+    sched.finish_releases({1})
 
 
 def test_step_result_for_a_step_not_in_flight_is_dropped(sched):
@@ -471,27 +501,32 @@ BAD_REQUEST_FRAMES = [
     msgpack.packb([31, 1, 2]),
     encode(Step(1, [1], [1])),                                  # right codec, wrong socket
     encode(StepResult(1, [1], [2], [0.0])),
-    encode(Ready("tokenizer", {})),
+    encode(Ready("tokenizer", "tcp://127.0.0.1:1")),
+    encode(WorkerReady(worker_limits())),
 ]
 
+TIMING = StepTiming().to_wire()
 BAD_WORKER_FRAMES = [
     b"",
     b"\xc1\xc1",
     msgpack.packb({"step_id": 1}),
     msgpack.packb([999]),
     msgpack.packb([60]),
-    msgpack.packb([60, "1", [1], [2], [0.0], None, {}]),
-    msgpack.packb([60, 1, [1], [2, 3], [0.0], None, {}]),     # not aligned with rids
-    msgpack.packb([60, 1, [1], [2], [0.0, 1.0], None, {}]),
-    msgpack.packb([60, 1, [1], [2], [0.0], [None, None], {}]),
-    msgpack.packb([60, 1, [1], ["2"], [0.0], None, {}]),
-    msgpack.packb([60, 1, [1], [2], ["x"], None, {}]),
-    msgpack.packb([60, 1, [1], [2], [0.0], "top", {}]),
+    msgpack.packb([60, "1", [1], [2], [0.0], None, TIMING]),
+    msgpack.packb([60, 1, [1], [2, 3], [0.0], None, TIMING]),   # not aligned with rids
+    msgpack.packb([60, 1, [1], [2], [0.0, 1.0], None, TIMING]),
+    msgpack.packb([60, 1, [1], [2], [0.0], [None, None], TIMING]),
+    msgpack.packb([60, 1, [1], ["2"], [0.0], None, TIMING]),
+    msgpack.packb([60, 1, [1], [2], ["x"], None, TIMING]),
+    msgpack.packb([60, 1, [1], [2], [0.0], "top", TIMING]),
     msgpack.packb([60, 1, [1], [2], [0.0], None, []]),
     msgpack.packb([61, "1", "boom"]),
     msgpack.packb([61, 1, 5]),
     msgpack.packb([61, 1]),
     msgpack.packb([1, "worker", 5]),
+    msgpack.packb([62, [0] + worker_limits().to_wire()[1:]]),   # kv_capacity < 1
+    msgpack.packb([60, 1, [1], [2], [0.0], None, {}]),          # timing is a map
+    msgpack.packb([60, 1, [1], [2], [0.0], None, ["fast", None, None, 0.0, False, 0, 0]]),
     encode(TokenBatch([])),
     encode(Step(1)),
 ]
@@ -556,8 +591,7 @@ def test_requests_too_long_or_empty_get_error_entries(harness):
     assert tokens == list(range(100, 123))     # 10 + 22 decodes fill the 32 slots
     assert entries[-1].finish_reason == "error" and entries[-1].token_ids == []
     assert "KV" in entries[-1].error
-    assert entries[-1].usage == {"prompt_tokens": 10, "completion_tokens": 23,
-                                 "cached_tokens": 0}
+    assert entries[-1].usage == Usage(prompt_tokens=10, completion_tokens=23, cached_tokens=0)
     check_step_slots(harness, steps)
     harness.finish_releases({5})
     harness.assert_no_batch()
@@ -584,9 +618,9 @@ def test_a_repeated_prompt_reuses_the_cached_prefix(harness, flags, hit):
     harness.answer(s1, {2: 60})
     [entry] = harness.batch().entries
     cached = 19 if hit else 0
-    assert entry.usage == {"prompt_tokens": 20, "completion_tokens": 1, "cached_tokens": cached}
+    assert entry.usage == Usage(prompt_tokens=20, completion_tokens=1, cached_tokens=cached)
     out = harness.serve({2: [61]})
-    assert out["entries"][2][-1].usage["cached_tokens"] == cached
+    assert out["entries"][2][-1].usage.cached_tokens == cached
     harness.finish_releases({2})
 
 
@@ -627,8 +661,8 @@ def test_exits_when_parent_dies(harness):
 
     try:
         assert wait_until(grandchild_pid, 10), harness.child.log()
-        ready = harness.worker_ready()       # the grandchild is up and serving
-        assert ready.process == "scheduler" and pid_alive(pid)
+        harness.worker_ready()               # the grandchild is up and serving
+        assert pid_alive(pid)
         harness.child.proc.kill()            # SIGKILL the intermediate parent
         harness.child.proc.wait(5)
         if not wait_until(lambda: not pid_alive(pid), 10):

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from mlxd.model_store.tiny import training_corpus
-from mlxd.protocol import TokenEntry
+from mlxd.protocol import TokenEntry, Usage
 from mlxd.tokenizer_proc.detokenizer import IncrementalDetokenizer
 from mlxd.tokenizer_proc.request_stream import RequestStream
 from tokenizer_support import decode, tokenizer  # noqa: F401  (fixtures)
@@ -18,13 +18,14 @@ def encode(tokenizer):
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
-def make_stream(decode, stop=(), stream=True, logprobs=False, prompt_tokens=5):
+def make_stream(decode, stop=(), stream=True, logprobs=False):
     return RequestStream(b"client", "req-1", RID, IncrementalDetokenizer(decode), list(stop),
-                         stream, logprobs, prompt_tokens)
+                         stream, logprobs)
 
 
-def entries_for(ids, finish="length", sizes=None, tops=None, usage=None):
-    """Scheduler-style entries: `sizes` tokens each, the finish reason on the last."""
+def entries_for(ids, finish="length", sizes=None, tops=None, prompt_tokens=5, cached=0):
+    """Scheduler-style entries: `sizes` tokens each; usage on the first, and with the
+    finish reason on the last."""
     sizes = sizes or [1] * len(ids)
     out, i = [], 0
     for size in sizes:
@@ -32,9 +33,10 @@ def entries_for(ids, finish="length", sizes=None, tops=None, usage=None):
         top = None if tops is None else tops[i:i + size]
         out.append(TokenEntry(RID, part, [-0.5 - j for j in range(i, i + size)], top))
         i += size
+    out[0].usage = Usage(prompt_tokens, len(out[0].token_ids), cached)
     out[-1].finish_reason = finish
-    out[-1].usage = usage or {"prompt_tokens": 5, "completion_tokens": len(ids),
-                              "cached_tokens": 0}
+    if finish:
+        out[-1].usage = Usage(prompt_tokens, len(ids), cached)
     return out
 
 
@@ -135,10 +137,10 @@ def test_finish_reason_is_passed_on(decode, encode, reason):
 
 
 def test_abort_without_tokens(decode):
-    rs = make_stream(decode, prompt_tokens=3)
+    rs = make_stream(decode)
     chunk = rs.on_entry(TokenEntry(RID, [], [], finish_reason="abort",
-                                   usage={"prompt_tokens": 3, "completion_tokens": 0,
-                                          "cached_tokens": 0}))
+                                   usage=Usage(prompt_tokens=3, completion_tokens=0,
+                                               cached_tokens=0)))
     assert rs.finished and chunk.finish_reason == "abort"
     assert chunk.text == "" and chunk.token_ids == []
     assert chunk.usage == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0}
@@ -149,21 +151,37 @@ def test_error_is_passed_on(decode, encode, stream):
     rs = make_stream(decode, stream=stream)
     rs.on_entry(TokenEntry(RID, encode("Hi"), [-1.0] * len(encode("Hi"))))
     chunk = rs.on_entry(TokenEntry(RID, [], [], finish_reason="error", error="worker died",
-                                   usage={"prompt_tokens": 5, "completion_tokens": 2}))
+                                   usage=Usage(prompt_tokens=5, completion_tokens=2,
+                                               cached_tokens=0)))
     assert chunk.finish_reason == "error" and chunk.error == "worker died"
     assert chunk.text == ("" if stream else "Hi")
 
 
 def test_usage(decode, encode):
     ids = encode("Hello world")
-    rs = make_stream(decode, prompt_tokens=11)
-    chunks = feed(rs, entries_for(ids, usage={"prompt_tokens": 11,
-                                              "completion_tokens": len(ids),
-                                              "cached_tokens": 4}))
+    rs = make_stream(decode)
+    chunks = feed(rs, entries_for(ids, prompt_tokens=11, cached=4))
     assert chunks[-1].usage == {"prompt_tokens": 11, "completion_tokens": len(ids),
                                 "cached_tokens": 4}
-    assert rs.usage() == {"prompt_tokens": 11, "completion_tokens": len(ids),
-                          "cached_tokens": 4}   # remembered from the scheduler's usage
+    assert rs.usage == Usage(prompt_tokens=11, completion_tokens=len(ids),
+                             cached_tokens=4)   # remembered from the scheduler's usage
+
+
+def test_a_scheduler_finish_passes_its_usage_on_as_it_is(decode, encode):
+    """The scheduler counts; the tokenizer does not recount what it finished."""
+    rs = make_stream(decode)
+    rs.on_entry(TokenEntry(RID, encode("Hi"), [-1.0] * len(encode("Hi")),
+                           usage=Usage(prompt_tokens=7, completion_tokens=1, cached_tokens=6)))
+    final = Usage(prompt_tokens=7, completion_tokens=40, cached_tokens=6)
+    chunk = rs.on_entry(TokenEntry(RID, [], [], finish_reason="abort", usage=final))
+    assert chunk.usage == final.as_dict()
+
+
+def test_a_finish_without_usage_has_none(decode):
+    """The scheduler rejected the request before it ran: nothing was counted."""
+    rs = make_stream(decode)
+    chunk = rs.on_entry(TokenEntry(RID, [], [], finish_reason="error", error="too long"))
+    assert rs.finished and chunk.usage is None
 
 
 # ---- logprobs ------------------------------------------------------------------------
@@ -208,8 +226,18 @@ def test_stop_string_is_trimmed(decode, encode, stream):
     assert joined(chunks) == "Hello world. " == rs.text
     assert chunks[-1].finish_reason == "stop"
     assert chunks[-1].usage["completion_tokens"] == len(rs.token_ids) < len(ids)
+    assert chunks[-1].usage["prompt_tokens"] == 5
     if not stream:
         assert len(chunks) == 1
+
+
+def test_stop_string_usage_is_the_schedulers_latest_with_the_tokens_passed_on(decode, encode):
+    ids = encode("Hello world. The end of it")
+    rs = make_stream(decode, stop=["The"])
+    chunks = feed(rs, entries_for(ids, finish=None, prompt_tokens=9, cached=8))
+    assert rs.finish_reason == "stop" and 1 < len(rs.token_ids) < len(ids)
+    assert chunks[-1].usage == {"prompt_tokens": 9, "completion_tokens": len(rs.token_ids),
+                                "cached_tokens": 8}
 
 
 def test_stop_string_spanning_several_tokens(decode, encode):

@@ -2,8 +2,8 @@
 
 Sockets seen from the test (the tokenizer binds what it receives on):
   requests  PULL bound at scheduler_input_addr   TokenizedRequest / Abort
-  batches   PUSH -> input_addr                   Ready("scheduler"), then TokenBatch
-  launcher  PULL bound at ready_addr             Ready("tokenizer", {"address"})
+  batches   PUSH -> input_addr                   SchedulerReady, then TokenBatch
+  launcher  PULL bound at ready_addr             Ready("tokenizer", address)
   clients   Client / AsyncClient / raw DEALER -> tcp://127.0.0.1:<port>
 """
 
@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import random
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -19,8 +20,8 @@ import zmq
 
 from mlxd.client import AsyncClient, Client, MlxdError
 from mlxd.protocol import (
-    Abort, Decoder, ErrorReply, GenerateRequest, Ready, SamplingParams,
-    StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, encode,
+    Abort, Decoder, ErrorReply, GenerateRequest, Ready, SamplingParams, SchedulerReady,
+    StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, Usage, WorkerLimits, encode,
 )
 from proc_support import ProcHarness
 from support import PROMPTS, encode as encode_prompt, load_reference
@@ -34,6 +35,11 @@ READY_TIMEOUT = 60.0
 RECV_TIMEOUT = 15.0
 CLIENT_TIMEOUT = 15.0
 QUIET = 0.3
+LIMITS = WorkerLimits(kv_capacity=KV_CAPACITY, decode_cache_tokens=16384,
+                      max_context=MAX_CONTEXT, vocab_size=VOCAB, bytes_per_token=64,
+                      kv_pool_bytes=(KV_CAPACITY + 1) * 64, weights_bytes=1024,
+                      buffer_cache_bytes=0, kv_dtype="float16", device="cpu", blas="test",
+                      quantized=False, dequantize=False, overlap=True)
 
 
 # ---- the tokenizer process and the fake scheduler ---------------------------------
@@ -47,10 +53,10 @@ def free_port() -> int:
 class TokenizerProc(ProcHarness):
     """`python -m tokenizer_proc` plus the scheduler's and launcher's sockets."""
 
-    def __init__(self, model_path: str, tmp_path: Path, **ready_info):
+    def __init__(self, model_path: str, tmp_path: Path, **limits):
         super().__init__("tokenizer", tmp_path, RECV_TIMEOUT)
         self.model_path = model_path
-        self.ready_info = {"kv_capacity": KV_CAPACITY, "max_context": MAX_CONTEXT, **ready_info}
+        self.limits = replace(LIMITS, **limits)
         self.start()
 
     def start(self) -> None:
@@ -66,7 +72,7 @@ class TokenizerProc(ProcHarness):
                          "--scheduler-input-addr", self.ipc("sched"),
                          "--ready-addr", self.ipc("ready"),
                          "--default-max-tokens", str(DEFAULT_MAX_TOKENS))
-        self.batches.send(encode(Ready("scheduler", self.ready_info)))
+        self.batches.send(encode(SchedulerReady(self.limits, max_running_requests=64)))
         self.ready = self._recv(self.launcher, Decoder(Ready), "the launcher's Ready",
                                 READY_TIMEOUT)
 
@@ -99,8 +105,8 @@ class TokenizerProc(ProcHarness):
 
     def finish(self, rid: int, reason: str = "length", prompt_tokens: int = 0) -> None:
         self.send(TokenEntry(rid, [], [], finish_reason=reason,
-                             usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                                    "cached_tokens": 0}))
+                             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0,
+                                         cached_tokens=0)))
 
 
 class RawDealer:
@@ -201,7 +207,7 @@ def serves_a_request(tok: TokenizerProc, client: Client) -> None:
 
 def test_ready_reports_the_client_address(tok, llama_model):
     assert tok.ready.process == "tokenizer"
-    assert tok.ready.info["address"] == tok.client_addr
+    assert tok.ready.address == tok.client_addr
     # the constants these tests use describe the tiny model
     assert ref_tokenizer(llama_model).eos_token_ids == {EOS}
     assert len(ref_tokenizer(llama_model)._tokenizer) == VOCAB
@@ -298,8 +304,9 @@ def test_stream_text_equals_the_full_decode(tok, client, llama_model, stop):
         tok.send(TokenEntry(req.rid + 1000, [5], [-1.0]),
                  TokenEntry(req.rid, toks, [-0.1] * len(toks),
                             finish_reason="length" if last else None,
-                            usage={"prompt_tokens": 2, "completion_tokens": len(ids),
-                                   "cached_tokens": 0} if last else None))
+                            usage=Usage(prompt_tokens=len(req.input_ids),
+                                        completion_tokens=len(ids), cached_tokens=0)
+                            if last else None))
     chunks = list(stream)
     text = "".join(c.text for c in chunks)
     assert text == ref_tokenizer(llama_model).decode(ids) == STREAM_TEXT
@@ -323,8 +330,9 @@ def test_generate_returns_one_result(tok, client, bg, llama_model):
         last = k + 3 >= len(ids)
         tok.send(TokenEntry(req.rid, ids[k:k + 3], lps[k:k + 3], tops[k:k + 3],
                             finish_reason="stop" if last else None,
-                            usage={"prompt_tokens": 9, "completion_tokens": 9,
-                                   "cached_tokens": 4} if last else None))
+                            usage=Usage(prompt_tokens=len(req.input_ids),
+                                        completion_tokens=len(ids), cached_tokens=4)
+                            if last else None))
     result = fut.result(RECV_TIMEOUT + CLIENT_TIMEOUT)
     assert result.text == ref_tokenizer(llama_model).decode(ids)
     assert result.token_ids == ids

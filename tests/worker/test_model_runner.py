@@ -239,9 +239,9 @@ def test_overlap_chains_the_next_decode(llama_model):
     d = Driver(llama_model)
     d.runner.overlap = True
     first = d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
-    assert d.runner.speculating and not first.timing["chained"]
+    assert d.runner.speculating and not first.timing.chained
     result = d.step()
-    assert result.timing["chained"] is True and result.timing["ahead_wait_ms"] >= 0
+    assert result.timing.chained is True and result.timing.ahead_wait_ms >= 0
     assert d.runner.speculating
     d.step(releases=[1])
     assert d.runner.ahead is None and len(d.runner.batch) == 0 and not d.runner.speculating
@@ -270,11 +270,11 @@ def test_step_timing_accounts_for_the_wait(llama_model):
     d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
     time.sleep(0.05)
     t = d.step().timing
-    assert t["wait_ms"] >= 50 and t["idle_ms"] >= 50 and t["compute_ms"] > 0
+    assert t.wait_ms >= 50 and t.idle_ms >= 50 and t.compute_ms > 0
     d.step(releases=[1])   # nothing runs now: the next wait is for work, not a round trip
     time.sleep(0.05)
     t = d.step([d.prefill(2, encode(llama_model, PROMPTS[1]))]).timing
-    assert "wait_ms" not in t and "idle_ms" not in t and t["compute_ms"] > 0
+    assert t.wait_ms is None and t.idle_ms is None and t.compute_ms > 0
 
 
 def test_chained_step_timing_reports_the_wait_as_busy(llama_model):
@@ -282,7 +282,7 @@ def test_chained_step_timing_reports_the_wait_as_busy(llama_model):
     d.runner.overlap = True
     d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
     t = d.step().timing   # arrives at once: the chained decode is still computing or done
-    assert t["chained"] and t["idle_ms"] <= t["wait_ms"] and t["ahead_wait_ms"] >= 0
+    assert t.chained and t.idle_ms <= t.wait_ms and t.ahead_wait_ms >= 0
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])

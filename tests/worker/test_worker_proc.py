@@ -1,7 +1,7 @@
 """worker_proc as a real process with a tiny llama; the test plays the scheduler.
 
 Sockets seen from the test (the worker binds what it receives on):
-  results  PULL bound at output_addr   Ready("worker"), then StepResult / WorkerError
+  results  PULL bound at output_addr   WorkerReady, then StepResult / WorkerError
   steps    PUSH -> input_addr          hand-written Steps
 """
 
@@ -15,7 +15,8 @@ import pytest
 import zmq
 
 from mlxd.protocol import (
-    Decoder, PrefillInput, Ready, SamplingParams, Step, StepResult, WorkerError, encode,
+    Decoder, PrefillInput, Ready, SamplingParams, Step, StepResult, WorkerError, WorkerReady,
+    encode,
 )
 from proc_support import ProcHarness
 from support import PROMPTS, encode as encode_prompt, load_reference, reference_tokens
@@ -49,13 +50,14 @@ class WorkerProc(ProcHarness):
                          "--kv-capacity", str(KV_CAPACITY), "--input-addr", self.ipc("in"),
                          "--output-addr", self.ipc("out"), *self.extra)
         msg = self.recv(READY_TIMEOUT, "Ready")
-        assert isinstance(msg, Ready) and msg.process == "worker", msg
-        self.info = msg.info
+        assert isinstance(msg, WorkerReady), msg
+        self.limits = msg.limits
         self.slots = itertools.count(1)      # slot ids are never reused within a process
         self.step_ids = itertools.count(1)
 
     def recv(self, timeout: float = RECV_TIMEOUT, what: str = "reply"):
-        return self._recv(self.results, Decoder(Ready, StepResult, WorkerError), what, timeout)
+        return self._recv(self.results, Decoder(WorkerReady, StepResult, WorkerError), what,
+                          timeout)
 
     def assert_quiet(self, seconds: float = QUIET) -> None:
         if self.results.poll(seconds * 1000):
@@ -173,16 +175,17 @@ def assert_matches_reference(model_path: str, input_ids: list[int], got: list[tu
 
 # ---- tests -----------------------------------------------------------------------
 
-def test_ready_info(worker, llama_model):
-    info = worker.info
-    assert info["kv_capacity"] == KV_CAPACITY
+def test_ready_limits(worker, llama_model):
+    limits = worker.limits
+    assert limits.kv_capacity == KV_CAPACITY
     config = json.loads(Path(llama_model, "config.json").read_text())
-    assert info["max_context"] == config["max_position_embeddings"]
-    assert isinstance(info["blas"], str) and info["blas"]
-    assert isinstance(info["device"], str)
-    assert info["bytes_per_token"] > 0
-    assert info["kv_pool_bytes"] == (KV_CAPACITY + 1) * info["bytes_per_token"]
-    assert info["vocab_size"] == config["vocab_size"]
+    assert limits.max_context == config["max_position_embeddings"]
+    assert isinstance(limits.blas, str) and limits.blas
+    assert isinstance(limits.device, str)
+    assert limits.bytes_per_token > 0
+    assert limits.kv_pool_bytes == (KV_CAPACITY + 1) * limits.bytes_per_token
+    assert limits.vocab_size == config["vocab_size"]
+    assert limits.decode_cache_tokens >= KV_CAPACITY and limits.overlap is True
 
 
 def test_staggered_requests_match_mlx_lm(driver, llama_model):
@@ -433,7 +436,7 @@ GARBAGE = [
                    []]),
     msgpack.packb([51, 1, [], [], [[1, [5], [], [7], [0.0, 1.0, 0, 0.0, None, -2], True]],
                    []]),
-    encode(Ready("scheduler", {})),
+    encode(Ready("scheduler")),
     encode(StepResult(1, [], [], [])),
     encode(WorkerError(1, "not for you")),
 ]
