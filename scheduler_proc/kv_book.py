@@ -3,7 +3,8 @@
 A slot is either free (allocator), cached in the radix tree (evictable, or
 protected while a running request's prefix lock covers it), or private to one
 running request (KV it computed that the tree does not hold yet). Invariant:
-free + evictable + protected + private == capacity.
+free + evictable + protected + private == capacity. A request's `slot_ids` are
+written here only.
 """
 
 from .allocator import SlotAllocator
@@ -34,7 +35,23 @@ class KVBook:
         return self.allocator.num_free >= n
 
     def allocate(self, n: int) -> list[int]:
+        """`n` free slots that belong to no request (call make_room first)."""
         return self.allocator.allocate(n)
+
+    def extend(self, req: Request, n: int) -> list[int]:
+        """`n` new private slots for the request's next `n` tokens, appended to its
+        `slot_ids` (call make_room first). Returns them."""
+        slots = self.allocator.allocate(n)
+        req.slot_ids += slots
+        return slots
+
+    def extend_each(self, reqs: list[Request]) -> list[int]:
+        """One new private slot for each request's next token (a decode step).
+        Returns them in the order of `reqs`."""
+        slots = self.allocator.allocate(len(reqs))
+        for req, slot in zip(reqs, slots):
+            req.slot_ids.append(slot)
+        return slots
 
     # ---- a request's prefix ------------------------------------------------------
 

@@ -20,15 +20,17 @@ class Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    slot_ids: list[int] = field(default_factory=list)   # KV of all_ids[:len(slot_ids)]
+    # KV of all_ids[:len(slot_ids)]; written by KVBook only (the slots' owner)
+    slot_ids: list[int] = field(default_factory=list)
     prefix_len: int = 0          # leading slots owned by the radix tree (locked)
     last_node: object = None     # the tree node this request's lock ends at
     fill_len: int = 0            # tokens this admission prefills (prompt + output so far)
     cached_tokens: int | None = None   # prefix reused at the first admission
     status: Status = Status.WAITING
     retractions: int = 0
-    arrival: int = 0             # the scheduler's arrival counter
+    arrival: int = 0             # its number in the waiting queue's arrival order
     overtaken: int = 0           # later arrivals admitted while this one waited (LPM order)
+    # the waiting queue's cached-prefix match, kept until the tree changes
     match_key: tuple = ()        # (tree version, fill_len) when match_len was computed
     match_len: int = 0           # cached prefix length of all_ids[:fill_len - 1]
     match_node: object = None    # the tree node that prefix ends at

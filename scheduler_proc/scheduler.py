@@ -4,14 +4,10 @@ Each step, running decodes come first: they get a slot each, made by evicting
 cached prefixes and, if that is not enough, by retracting the request with the
 least progress. Then prefill work fills the step's token budget: the next chunk
 of the one request being prefilled in chunks, then new requests, longest cached
-prefix first (a request that later arrivals overtook LPM_OVERTAKE_LIMIT times goes
-first: no request waits forever behind a stream of cache hits). Finished requests
-and every finished chunk go into the radix tree.
+prefix first, in the waiting queue's order (waiting.py). Finished requests and
+every finished chunk go into the radix tree.
 """
 
-import bisect
-import itertools
-from collections import deque
 from dataclasses import dataclass
 
 from mlxd.protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
@@ -19,12 +15,8 @@ from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
 from mlxd.runtime.kv_layout import cache_width as round_up  # noqa: F401  (re-exported)
 
 from .kv_book import KVBook
-from .radix_cache import common_prefix_len
 from .request import Request, Status
-
-LPM_QUEUE_LIMIT = 128      # longer waiting queues fall back to FCFS
-LPM_OVERTAKE_LIMIT = 32    # a request overtaken this often by later arrivals goes first
-SHARED_PREFIX_WAIT = 32    # defer a request that would soon reuse this many more tokens
+from .waiting import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -47,8 +39,7 @@ class Scheduler:
         self.kv = KVBook(limits.kv_capacity, limits.enable_radix_cache)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests)
-        self.waiting: deque[Request] = deque()
-        self._arrivals = itertools.count()
+        self.waiting = WaitingQueue(self.kv)
         self.running: dict[int, Request] = {}
         self.chunking: Request | None = None   # at most one request prefills in chunks
         self._prefilled: list[Request] = []     # requests with a chunk in the last Step
@@ -65,21 +56,18 @@ class Scheduler:
             self._outbox.append(TokenEntry(msg.rid, [], [], finish_reason="error", error=error))
             return
         max_new = min(msg.max_new_tokens, self.limits.max_context - len(msg.input_ids))
-        req = Request.from_message(msg, max_new)
-        req.arrival = next(self._arrivals)
-        self.waiting.append(req)
+        self.waiting.add(Request.from_message(msg, max_new))
 
     def abort(self, rid: int) -> None:
         if rid in self.running:
             self._finish(self.running[rid], "abort", TokenEntry(rid, [], []))
             return
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.status = Status.FINISHED
-                self._outbox.append(TokenEntry(rid, [], [], finish_reason="abort",
-                                               usage=req.usage()))
-                return
+        req = self.waiting.find(rid)
+        if req is not None:
+            self.waiting.remove(req)
+            req.status = Status.FINISHED
+            self._outbox.append(TokenEntry(rid, [], [], finish_reason="abort",
+                                           usage=req.usage()))
 
     def process_result(self, result: StepResult) -> None:
         for req in self._prefilled:   # their new KV is in the pool now: share it
@@ -116,9 +104,7 @@ class Scheduler:
     def schedule(self) -> Step | None:
         """The next Step, or None when there is nothing to send."""
         decoding = self._make_room_for_decode()
-        decode_slots = self.kv.allocate(len(decoding))
-        for req, slot in zip(decoding, decode_slots):
-            req.slot_ids.append(slot)
+        decode_slots = self.kv.extend_each(decoding)
         prefills = self._schedule_prefills(decoding)
         if not (decoding or prefills or self._releases):
             return None
@@ -178,7 +164,7 @@ class Scheduler:
         req.retractions += 1
         self.num_retractions += 1
         self._releases.append(req.rid)
-        self.waiting.appendleft(req)
+        self.waiting.push_front(req)
 
     def _too_big(self, req: Request) -> str:
         need = len(req.slot_ids) + 1
@@ -202,11 +188,12 @@ class Scheduler:
                 budget -= self._cost(chunk)
                 if chunk.needs_logits:
                     rows.append(self.running[chunk.rid])
-        order = self._waiting_order()
+        order = self.waiting.order()
         for req, cached in order:
             if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
                 break
-            if req.rid in self._releases or self._should_wait(req, cached, prefills):
+            prefilling = [self.running[p.rid] for p in prefills]
+            if req.rid in self._releases or self.waiting.should_wait(req, cached, prefilling):
                 continue
             # a chunked request still prefilling keeps a place in the decode width
             pending = self.chunking.fill_len if self.chunking is not None else 0
@@ -218,20 +205,8 @@ class Scheduler:
             if p.needs_logits:
                 rows.append(req)
         self._prefilled = [self.running[p.rid] for p in prefills]
-        if order and order[0][1] is not None:   # LPM order: count the overtakes
-            self._count_overtakes([req for req, _ in order])
+        self.waiting.count_overtakes(order)
         return prefills
-
-    @staticmethod
-    def _count_overtakes(ranked: list[Request]) -> None:
-        """Each request still waiting was overtaken by every admitted one that
-        arrived after it."""
-        admitted = sorted(req.arrival for req in ranked if req.status is not Status.WAITING)
-        if not admitted:
-            return
-        for req in ranked:
-            if req.status is Status.WAITING:
-                req.overtaken += len(admitted) - bisect.bisect_right(admitted, req.arrival)
 
     def _cost(self, p: PrefillInput) -> int:
         """A prefill's share of the step budget: its new tokens, plus its cached
@@ -247,7 +222,7 @@ class Scheduler:
             return None   # its row would not fit the decode caches yet: wait
         if not self.kv.make_room(n):
             return None
-        return self._prefill_input(req, start, self.kv.allocate(n))
+        return self._prefill_input(req, n)
 
     def _admit(self, req: Request, budget: int, rows: list[Request], pending: int,
                first: bool) -> PrefillInput | None:
@@ -278,60 +253,20 @@ class Scheduler:
         self.running[req.rid] = req
         if n < extend:
             self.chunking = req
-        return self._prefill_input(req, len(prefix), self.kv.allocate(n))
+        return self._prefill_input(req, n)
 
-    def _prefill_input(self, req: Request, start: int, new_slots: list[int]) -> PrefillInput:
-        prefix_slots = list(req.slot_ids[:start])
-        req.slot_ids += new_slots
+    def _prefill_input(self, req: Request, n: int) -> PrefillInput:
+        """The request's next `n` input tokens, after the KV it has (its cached
+        prefix or earlier chunks)."""
+        start = len(req.slot_ids)
+        prefix_slots = list(req.slot_ids)
+        new_slots = self.kv.extend(req, n)
         done = len(req.slot_ids) == req.fill_len
         if done and self.chunking is req:
             self.chunking = None
         return PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
                             new_slots, req.sampling, needs_logits=done,
                             num_generated=len(req.output_ids))
-
-    def _cached_len(self, req: Request) -> int:
-        """Length of the request's cached prefix; recomputed only after the tree
-        changed, so a long waiting queue costs little per step. Either way the
-        prefix counts as used now, so waiting requests keep theirs in the LRU."""
-        key = (self.kv.tree.version, req.fill_len)
-        if req.match_key != key:
-            slots, req.match_node = self.kv.match(req.all_ids[:req.fill_len - 1])
-            req.match_len, req.match_key = len(slots), key
-        elif req.match_node is not None:
-            self.kv.tree.touch(req.match_node)
-        return req.match_len
-
-    def _waiting_order(self) -> list[tuple[Request, int | None]]:
-        """Longest cached prefix first (ties: arrival order), with each request's
-        cached length, but requests overtaken LPM_OVERTAKE_LIMIT times first, oldest
-        first; FCFS for long queues (lengths not computed: None)."""
-        if not self.kv.tree or len(self.waiting) > LPM_QUEUE_LIMIT:
-            return [(req, None) for req in self.waiting]
-        ranked = [(req, self._cached_len(req)) for req in self.waiting]
-        return sorted(ranked, key=self._rank)
-
-    @staticmethod
-    def _rank(pair: tuple[Request, int]) -> tuple:
-        req, cached = pair
-        if req.overtaken >= LPM_OVERTAKE_LIMIT:   # waited long enough: oldest first
-            return (0, req.arrival)
-        return (1, -cached)
-
-    def _should_wait(self, req: Request, cached: int | None,
-                     prefills: list[PrefillInput]) -> bool:
-        """Defer a request that shares a long prefix with one being prefilled right
-        now: a step later that prefix is cached and need not be computed twice."""
-        if not self.kv.tree or not prefills:
-            return False
-        if cached is None:
-            cached = self._cached_len(req)
-        ids = req.all_ids
-        for p in prefills:
-            other = self.running[p.rid]
-            if common_prefix_len(ids, other.all_ids[:other.fill_len]) - cached >= SHARED_PREFIX_WAIT:
-                return True
-        return False
 
     # ---- finishing ---------------------------------------------------------------
 
@@ -345,7 +280,7 @@ class Scheduler:
         if n >= self.limits.kv_capacity:
             return (f"the prompt has {n} tokens; the KV cache holds "
                     f"{self.limits.kv_capacity} tokens")
-        if msg.rid in self.running or any(r.rid == msg.rid for r in self.waiting):
+        if msg.rid in self.running or self.waiting.find(msg.rid) is not None:
             return f"request id {msg.rid} is already in use"
         vocab = self.limits.vocab_size
         if vocab and not (0 <= min(msg.input_ids) and max(msg.input_ids) < vocab):

@@ -4,9 +4,9 @@ the longest prompt the tokenizer and scheduler accept."""
 from types import SimpleNamespace
 
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits, round_up
-from test_scheduler import Harness, make_request
 from mlxd.tokenizer_proc.main import TokenizerServer
 from mlxd.tokenizer_proc.params import InvalidRequest
+from scheduler_harness import Harness, make_request
 
 
 def _worker_decode_width(h: Harness) -> int:

@@ -1,18 +1,6 @@
-"""scheduler_proc/scheduler.py + kv_book.py + request.py: the pure Scheduler, driven by a
-stub worker that models the KV pool.
-
-The Harness checks every Step twice:
-  * against the scheduler's books, right after `schedule()`: slots handed out as
-    new_slot_ids / decode_slot_ids were free (held by no running request and not in the
-    radix tree), prefix_slot_ids are cached in the tree (or, without the tree, a chunked
-    request's own earlier chunks), budgets and bounds hold;
-  * as the worker would run it, in `answer()`: releases name rids the worker holds, the
-    decode batch is exactly the worker's batch, and every prefix_slot_ids list reads back
-    (from the modelled pool) exactly the tokens the request had.
-The modelled pool stores, per slot, a hash of the whole token prefix ending there, so KV
-that was overwritten while someone still used it is caught when it is read back. Between
-steps every tree node and every running request must read back its own tokens.
-"""
+"""scheduler_proc/scheduler.py + kv_book.py + request.py + waiting.py: the pure
+Scheduler, driven by the stub worker in scheduler_harness.py, which checks every Step
+against the scheduler's books and against a modelled KV pool."""
 
 import random
 import re
@@ -20,313 +8,16 @@ from collections import defaultdict
 
 import pytest
 
-from mlxd.protocol import (
-    SamplingParams, Step, StepResult, TokenizedRequest, Usage, WorkerError,
-)
+from mlxd.protocol import StepResult, TokenizedRequest, Usage
+from mlxd.scheduler_proc.kv_book import KVBook
 from mlxd.scheduler_proc.request import Request, Status
-from mlxd.scheduler_proc.scheduler import (
-    LPM_OVERTAKE_LIMIT, LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT, Scheduler, SchedulerLimits, round_up,
+from mlxd.scheduler_proc.scheduler import SchedulerLimits, round_up
+from mlxd.scheduler_proc.waiting import LPM_OVERTAKE_LIMIT, LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT
+from scheduler_harness import (
+    EOS, PLAIN, Harness, by_position, make_request, prefilled, prompt_of, run_to_finish,
 )
 
-EOS = 2
-PLAIN = 7    # a token that stops nothing
 HEADROOM = SchedulerLimits(1, 1).decode_headroom   # 16
-
-
-def prompt_of(rid, n):
-    """A prompt that shares nothing with any other rid's."""
-    return [rid * 1000 + i for i in range(n)]
-
-
-def make_request(rid, n=4, max_new=8, stop=(EOS,), sampling=None, prompt=None):
-    ids = prompt_of(rid, n) if prompt is None else list(prompt)
-    return TokenizedRequest(rid, ids, sampling or SamplingParams(), max_new, list(stop))
-
-
-def chain(prev: int, token: int) -> int:
-    """What a pool slot holds: depends on the token and every token before it."""
-    return hash((prev, token))
-
-
-def by_position(rid, pos):
-    """A token that depends on the request and position only: outputs must continue
-    seamlessly across a retraction. Never EOS."""
-    return 10 + (rid * 31 + pos * 7) % 90
-
-
-class Harness:
-    """A Scheduler, a stub worker with a modelled KV pool, and the checks above."""
-
-    def __init__(self, **limits):
-        limits.setdefault("kv_capacity", 64)
-        limits.setdefault("max_context", 1000)
-        self.s = Scheduler(SchedulerLimits(**limits))
-        self.cap = self.s.limits.kv_capacity
-        self.prompts: dict[int, list[int]] = {}
-        self.entries: dict[int, list] = defaultdict(list)
-        self.final: dict = {}                     # rid -> the entry with a finish_reason
-        self.first_usage: dict[int, Usage] = {}
-        self.steps: list[Step] = []
-        self.tokens = defaultdict(lambda: PLAIN)  # rid -> token the stub worker answers
-        self.token_fn = lambda rid, pos: self.tokens[rid]
-        self.in_flight: Step | None = None
-        self.retracted: list[tuple[int, int]] = []   # (step_id, rid)
-        self.resumes: list[tuple[int, int, list[int]]] = []   # (rid, num_generated, tokens)
-        # the worker
-        self.pool: dict[int, tuple] = {}           # slot -> (chain hash, token)
-        self.batch: dict[int, int] = {}            # decoding rid -> its last sampled token
-        self.ctx: dict[int, list[int]] = {}        # rid -> tokens with KV (batch or chunks)
-        self.hashes: dict[int, list[int]] = {}
-
-    # -- driving --
-    def add(self, *msgs):
-        for msg in msgs:
-            if msg.rid in self.final:              # a finished rid used again
-                del self.final[msg.rid]
-                self.entries.pop(msg.rid, None)
-                self.first_usage.pop(msg.rid, None)
-            self.prompts[msg.rid] = list(msg.input_ids)
-            self.s.add_request(msg)
-            self._after(rejections_possible=True)
-
-    def abort(self, rid):
-        self.s.abort(rid)
-        self._after()
-
-    def schedule(self) -> Step | None:
-        assert self.in_flight is None, "the harness runs one step at a time"
-        before = {rid: set(r.slot_ids) for rid, r in self.s.running.items()}
-        step = self.s.schedule()
-        if step is not None:
-            self._check_books(step, before)
-            self.steps.append(step)
-            self.in_flight = step
-        self._after()
-        return step
-
-    def answer(self, step: Step, result: StepResult | None = None):
-        assert step is self.in_flight
-        computed = self._run_worker(step)
-        if result is not None:                     # the test's own tokens
-            for rid, token in zip(result.rids, result.tokens):
-                if rid in self.batch:
-                    self.batch[rid] = token
-        self.in_flight = None
-        self.s.process_result(result or computed)
-        self._after()
-
-    def fail(self, step: Step, message="boom"):
-        assert step is self.in_flight
-        self.in_flight = None
-        self.s.fail_step(WorkerError(step.step_id, message))
-        self.batch.clear()                         # the worker drops every request's state
-        self.ctx.clear()
-        self.hashes.clear()
-        for slot in step.decode_slot_ids + [s for p in step.prefills for s in p.new_slot_ids]:
-            self.pool[slot] = ("half-written",)
-        self._after()
-
-    def run_step(self) -> Step | None:
-        step = self.schedule()
-        if step is not None:
-            self.answer(step)
-        return step
-
-    def run_until_idle(self, limit=10_000) -> int:
-        for n in range(limit):
-            if self.run_step() is None:
-                assert not self.s.has_work, "work is left but no step is scheduled"
-                return n
-        raise AssertionError("the scheduler never went idle")
-
-    # -- what happened --
-    def output(self, rid) -> list[int]:
-        return [t for e in self.entries[rid] for t in e.token_ids]
-
-    def prefills_of(self, rid) -> list:
-        return [p for s in self.steps for p in s.prefills if p.rid == rid]
-
-    @property
-    def tree_slots(self) -> set[int]:
-        tree = self.s.kv.tree
-        return set(tree.all_slots()) if tree is not None else set()
-
-    def assert_idle(self):
-        """Nothing runs or waits; every slot is free or cached, nothing is locked."""
-        assert not self.s.running and not self.s.waiting and not self.s.has_work
-        tree = self.s.kv.tree
-        cached = tree.total_size if tree is not None else 0
-        assert self.s.kv.allocator.num_free + cached == self.cap
-        assert tree is None or tree.protected_size == 0
-
-    # -- checks against the scheduler's books, right after schedule() --
-    def _check_books(self, step: Step, before: dict[int, set[int]]):
-        s, running = self.s, self.s.running
-        assert step.step_id == len(self.steps) + 1
-        assert len(step.decode_rids) == len(step.decode_slot_ids)
-        assert len(set(step.decode_rids)) == len(step.decode_rids)
-        for rid in before:
-            if rid not in running and rid in (r.rid for r in s.waiting):
-                self.retracted.append((step.step_id, rid))
-        for rid in step.releases:
-            assert rid not in running, f"rid {rid} is released but running"
-        assert not set(step.releases) & {p.rid for p in step.prefills}
-        assert len(running) <= s.limits.max_running_requests
-        tree = self.tree_slots
-        private = {slot: r.rid for r in running.values() for slot in r.slot_ids[r.prefix_len:]}
-        handed = list(step.decode_slot_ids)
-        for rid, slot in zip(step.decode_rids, step.decode_slot_ids):
-            req = running[rid]
-            assert not req.prefilling and req.slot_ids[-1] == slot
-        total = 0
-        for p in step.prefills:
-            req = running[p.rid]
-            handed += p.new_slot_ids
-            total += len(p.input_ids)
-            assert 0 < len(p.input_ids) == len(p.new_slot_ids) <= s.limits.chunked_prefill_size
-            assert p.needs_logits == (len(req.slot_ids) == req.fill_len)
-            assert p.num_generated == len(req.output_ids)
-            assert req.slot_ids[:len(p.prefix_slot_ids)] == p.prefix_slot_ids
-            assert req.slot_ids[len(p.prefix_slot_ids):] == p.new_slot_ids
-            if s.kv.tree is not None:
-                assert set(p.prefix_slot_ids) <= tree, "a prefix slot is not cached"
-            elif p.prefix_slot_ids:                # only a chunk's own earlier chunks
-                assert p.rid in self.ctx and p.rid not in self.batch
-        assert total <= s.limits.max_prefill_tokens
-        assert sum(not p.needs_logits for p in step.prefills) <= 1   # one chunked request
-        assert len(set(handed)) == len(handed), f"a slot is handed out twice: {handed}"
-        for slot in handed:
-            assert 1 <= slot <= self.cap, f"slot {slot} is outside the pool"
-            assert slot not in tree, f"slot {slot} is handed out while cached"
-            owner = private.get(slot)
-            assert owner is not None
-            holders = {rid for rid, slots in before.items() if slot in slots}
-            assert not holders & set(running), f"slot {slot} is still held by {holders}"
-            for r in running.values():
-                assert r.rid == owner or slot not in r.slot_ids, f"slot {slot} is shared"
-        rows = [running[rid] for rid in step.decode_rids]
-        if rows:   # the worker's padded decode caches
-            width = round_up(max(len(r.slot_ids) for r in rows))
-            assert len(rows) * width <= s.decode_cache_tokens
-
-    # -- the stub worker --
-    def _run_worker(self, step: Step) -> StepResult:
-        for rid in step.releases:
-            assert rid in self.batch or rid in self.ctx, f"release of {rid} the worker lacks"
-            self.batch.pop(rid, None)
-            self.ctx.pop(rid, None)
-            self.hashes.pop(rid, None)
-        assert set(step.decode_rids) == set(self.batch), "decode rids != the worker's batch"
-        for rid in set(self.ctx) - set(self.batch) - {p.rid for p in step.prefills}:
-            # a request part-way through its chunks may wait for room: it is the one
-            # chunked request, or it was aborted while this step was in flight
-            assert self.s.chunking is self.s.running.get(rid) or rid not in self.s.running
-        rids, tokens = [], []
-        for rid, slot in zip(step.decode_rids, step.decode_slot_ids):
-            self._write(rid, [self.batch[rid]], [slot])
-            rids.append(rid)
-            tokens.append(self.token_fn(rid, len(self.ctx[rid])))
-        for p in step.prefills:
-            assert p.rid not in self.batch, f"prefill of {p.rid}, which is decoding"
-            if p.rid in self.ctx:                  # the next chunk
-                assert len(p.prefix_slot_ids) == len(self.ctx[p.rid])
-                assert self._read(p.prefix_slot_ids) == self.ctx[p.rid]
-            else:
-                self.ctx[p.rid], self.hashes[p.rid] = [], []
-                self._write(p.rid, self._read(p.prefix_slot_ids), p.prefix_slot_ids,
-                            check_only=True)
-            assert not set(p.new_slot_ids) & set(p.prefix_slot_ids)
-            self._write(p.rid, p.input_ids, p.new_slot_ids)
-            had = self.prompts[p.rid] + self.output(p.rid)
-            assert p.num_generated == len(self.output(p.rid))
-            assert self.ctx[p.rid] == had[:len(self.ctx[p.rid])], "prefilled wrong tokens"
-            if p.needs_logits:
-                assert self.ctx[p.rid] == had, "the last chunk does not end the input"
-                if p.num_generated:
-                    self.resumes.append((p.rid, p.num_generated, list(self.ctx[p.rid])))
-                rids.append(p.rid)
-                tokens.append(self.token_fn(p.rid, len(self.ctx[p.rid])))
-        for rid, token in zip(rids, tokens):
-            self.batch[rid] = token
-        return StepResult(step.step_id, rids, tokens, [-0.25 * (i + 1) for i in range(len(rids))])
-
-    def _read(self, slots) -> list[int]:
-        """The tokens a run of pool slots holds, checking it is one consistent prefix."""
-        h, out = 0, []
-        for slot in slots:
-            assert slot in self.pool, f"slot {slot} was never written"
-            assert self.pool[slot][0] == chain(h, self.pool[slot][1]), \
-                f"slot {slot} holds KV of another sequence"
-            h, token = self.pool[slot]
-            out.append(token)
-        return out
-
-    def _write(self, rid, tokens, slots, check_only=False):
-        ctx, hashes = self.ctx[rid], self.hashes[rid]
-        for token, slot in zip(tokens, slots, strict=True):
-            hashes.append(chain(hashes[-1] if hashes else 0, token))
-            ctx.append(token)
-            if check_only:
-                assert self.pool[slot] == (hashes[-1], token)
-            else:
-                self.pool[slot] = (hashes[-1], token)
-
-    # -- after every call --
-    def _after(self, rejections_possible=False):
-        self.s.check_integrity()
-        for entry in self.s.take_outputs():
-            rid = entry.rid
-            assert rid not in self.final, f"entry for {rid} after it finished"
-            assert len(entry.token_ids) == len(entry.logprobs) <= 1
-            had = len(self.output(rid))
-            self.entries[rid].append(entry)
-            n = len(self.prompts[rid])
-            if entry.finish_reason:
-                self.final[rid] = entry
-                if entry.usage is None:            # rejected before it was queued
-                    assert rejections_possible and entry.finish_reason == "error"
-                    assert entry.token_ids == [] and had == 0
-                    continue
-                assert entry.usage.prompt_tokens == n
-                assert entry.usage.completion_tokens == len(self.output(rid))
-                assert 0 <= entry.usage.cached_tokens < n
-                if rid in self.first_usage:
-                    assert entry.usage.cached_tokens == self.first_usage[rid].cached_tokens
-            elif had == 0:                         # the first token carries usage
-                assert entry.token_ids and entry.usage is not None
-                assert entry.usage.prompt_tokens == n
-                assert entry.usage.completion_tokens == 1
-                assert 0 <= entry.usage.cached_tokens < n
-                self.first_usage[rid] = entry.usage
-            else:
-                assert entry.usage is None and entry.token_ids
-        if self.in_flight is None:
-            self._check_pool()
-
-    def _check_pool(self):
-        """Every cached prefix and every running request reads back its own tokens."""
-        tree = self.s.kv.tree
-        if tree is not None:
-            stack = [(tree.root, 0)]
-            while stack:
-                node, h = stack.pop()
-                for child in node.children.values():
-                    hh = h
-                    for token, slot in zip(child.key, child.value):
-                        hh = chain(hh, token)
-                        assert self.pool.get(slot) == (hh, token), f"cached slot {slot} is stale"
-                    stack.append((child, hh))
-        for req in self.s.running.values():
-            assert self._read(req.slot_ids) == req.all_ids[:len(req.slot_ids)]
-
-
-def prefilled(step) -> list[int]:
-    return [p.rid for p in step.prefills]
-
-
-def run_to_finish(h, *msgs):
-    h.add(*msgs)
-    h.run_until_idle()
 
 
 # ---- Request -------------------------------------------------------------------------
@@ -336,7 +27,7 @@ def test_request_fill_len_prefilling_and_finish_reason():
     assert req.fill_len == 5 and req.prefilling and req.all_ids == prompt_of(1, 5)
     assert req.status is Status.WAITING and req.stop_token_ids == frozenset({EOS, 9})
     assert req.cached_tokens is None and req.retractions == 0
-    req.slot_ids = [1, 2, 3, 4, 5]
+    KVBook(8).extend(req, 5)                      # KV for the whole prompt
     assert not req.prefilling
     req.output_ids.append(PLAIN)
     assert req.finish_reason_after(PLAIN) is None
@@ -915,8 +606,7 @@ def test_full_prefix_hit():
     # matched on all but the last input token: that one is computed for its logits
     assert p.prefix_slot_ids == cached[:7] and p.input_ids == [P[7]]
     assert len(p.new_slot_ids) == 1 and p.needs_logits
-    assert h.entries[2][0].usage == Usage(prompt_tokens=8, completion_tokens=1,
-                                          cached_tokens=7)
+    assert h.entries[2][0].usage == Usage(prompt_tokens=8, completion_tokens=1, cached_tokens=7)
     # the recomputed last token duplicates a cached slot: it is freed again
     assert h.s.running[2].slot_ids == cached and h.s.running[2].prefix_len == 8
     assert h.s.kv.allocator.num_free == 64 - 8
@@ -1264,8 +954,7 @@ def test_retraction_under_memory_pressure(radix):
     for rid in rids:                             # every request completes, seamlessly
         assert h.final[rid].finish_reason == "length"
         assert h.output(rid) == [by_position(rid, 4 + i) for i in range(40)]
-        assert h.final[rid].usage == Usage(prompt_tokens=4, completion_tokens=40,
-                                           cached_tokens=0)
+        assert h.final[rid].usage == Usage(prompt_tokens=4, completion_tokens=40, cached_tokens=0)
     for step_id, rid in h.retracted:             # released in the step that retracted it
         step = h.steps[step_id - 1]
         assert rid in step.releases and rid not in step.decode_rids

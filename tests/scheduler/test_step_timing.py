@@ -56,10 +56,10 @@ def test_waiting_requests_keep_their_cached_prefix_fresh_without_rematching():
     tree.insert(b, s.kv.allocate(20))
     s.add_request(_request(7, a + [50, 51]))
     req = s.waiting[0]
-    assert s._cached_len(req) == 20              # matched: touches a
+    assert s.waiting.cached_len(req) == 20              # matched: touches a
     tree.insert(b, list(tree.match_prefix(b)[0]))   # b used again; nothing new: same version
     version = tree.version
-    assert s._cached_len(req) == 20 and tree.version == version   # from the cache
+    assert s.waiting.cached_len(req) == 20 and tree.version == version   # from the cache
     assert req.match_key == (version, req.fill_len)
     tree.evict(20)                               # the least recently used goes: b
     assert tree.match_prefix(a)[0] and not tree.match_prefix(b)[0]
@@ -69,8 +69,8 @@ def test_cached_match_is_recomputed_when_the_tree_changes():
     s = Scheduler(SchedulerLimits(kv_capacity=256, max_context=256))
     s.add_request(_request(1, list(range(1, 30))))
     req = s.waiting[0]
-    assert s._cached_len(req) == 0
+    assert s.waiting.cached_len(req) == 0
     s.kv.tree.insert(list(range(1, 11)), s.kv.allocate(10))
-    assert s._cached_len(req) == 10
+    assert s.waiting.cached_len(req) == 10
     s.kv.tree.evict(10)
-    assert s._cached_len(req) == 0
+    assert s.waiting.cached_len(req) == 0
