@@ -19,8 +19,8 @@ def encode(tokenizer):
 
 
 def make_stream(decode, stop=(), stream=True, logprobs=False, prompt_tokens=5):
-    return RequestStream(b"client", "req-1", RID, IncrementalDetokenizer(decode), list(stop),
-                         stream, logprobs, prompt_tokens)
+    return RequestStream("req-1", RID, IncrementalDetokenizer(decode), list(stop), stream,
+                         logprobs, prompt_tokens)
 
 
 def entries_for(ids, finish="length", sizes=None, tops=None, usage=None):
