@@ -148,3 +148,18 @@ class Server:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         return self.proc.returncode
+
+
+def worker_limits(kv_capacity: int = 256, max_context: int = 128, vocab_size: int = 1000,
+                  **overrides):
+    """A WorkerLimits as a worker run with the default 64 requests would report it."""
+    from mlxd.protocol import WorkerLimits
+    from mlxd.runtime.kv_layout import decode_cache_budget
+
+    fields = dict(
+        kv_capacity=kv_capacity, decode_cache_tokens=decode_cache_budget(kv_capacity, 64),
+        max_context=max_context, vocab_size=vocab_size, bytes_per_token=64,
+        kv_pool_bytes=(kv_capacity + 1) * 64, weights_bytes=1024, buffer_cache_bytes=0,
+        kv_dtype="float16", device="cpu", blas="test", quantized=False, dequantize=False,
+        overlap=True)
+    return WorkerLimits(**{**fields, **overrides})

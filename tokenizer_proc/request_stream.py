@@ -10,9 +10,8 @@ from .detokenizer import IncrementalDetokenizer
 
 
 class RequestStream:
-    def __init__(self, client: bytes, client_rid: str, rid: int, detokenizer:
-                 IncrementalDetokenizer, stop: list[str], stream: bool, logprobs: bool):
-        self.client = client
+    def __init__(self, client_rid: str, rid: int, detokenizer: IncrementalDetokenizer,
+                 stop: list[str], stream: bool, logprobs: bool):
         self.client_rid = client_rid
         self.rid = rid
         self.detokenizer = detokenizer

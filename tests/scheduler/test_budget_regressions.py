@@ -1,12 +1,11 @@
 """Regression tests for defects found in review: decode-width and memory budgets, and
 the longest prompt the tokenizer and scheduler accept."""
 
-from types import SimpleNamespace
-
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits, round_up
-from mlxd.tokenizer_proc.main import TokenizerServer
 from mlxd.tokenizer_proc.params import InvalidRequest
+from mlxd.tokenizer_proc.validation import check_length
 from scheduler_harness import Harness, make_request
+from support import worker_limits
 
 
 def _worker_decode_width(h: Harness) -> int:
@@ -39,9 +38,8 @@ def test_tokenizer_and_scheduler_agree_on_the_longest_prompt():
     """Both reject a prompt of exactly kv_capacity tokens, so the client gets the
     documented ErrorReply(code="invalid_request"), never a late "error" chunk."""
     cap = 1000
-    fake = SimpleNamespace(limits=SimpleNamespace(kv_capacity=cap, max_context=4096))
     try:
-        TokenizerServer._check_length(fake, cap)
+        check_length(cap, worker_limits(kv_capacity=cap, max_context=4096))
         tokenizer_accepts = True
     except InvalidRequest:
         tokenizer_accepts = False

@@ -24,6 +24,7 @@ from mlxd.protocol import (
 )
 from mlxd.scheduler_proc.scheduler import decode_cache_budget
 from proc_support import ProcHarness
+import support
 from support import pid_alive, wait_until
 
 RECV_TIMEOUT = 20.0      # a missing message fails the test after this long
@@ -36,13 +37,7 @@ GREEDY = SamplingParams()
 # ---- helpers ----------------------------------------------------------------
 
 def worker_limits(kv_capacity=KV_CAPACITY, max_context=MAX_CONTEXT) -> WorkerLimits:
-    """What a worker run with the default 64 requests would report."""
-    return WorkerLimits(
-        kv_capacity=kv_capacity, decode_cache_tokens=decode_cache_budget(kv_capacity, 64),
-        max_context=max_context, vocab_size=1000, bytes_per_token=64,
-        kv_pool_bytes=(kv_capacity + 1) * 64, weights_bytes=1024, buffer_cache_bytes=0,
-        kv_dtype="float16", device="cpu", blas="test", quantized=False, dequantize=False,
-        overlap=True)
+    return support.worker_limits(kv_capacity, max_context)
 
 
 class Harness(ProcHarness):

@@ -19,8 +19,8 @@ def encode(tokenizer):
 
 
 def make_stream(decode, stop=(), stream=True, logprobs=False):
-    return RequestStream(b"client", "req-1", RID, IncrementalDetokenizer(decode), list(stop),
-                         stream, logprobs)
+    return RequestStream("req-1", RID, IncrementalDetokenizer(decode), list(stop), stream,
+                         logprobs)
 
 
 def entries_for(ids, finish="length", sizes=None, tops=None, prompt_tokens=5, cached=0):

@@ -1,0 +1,302 @@
+"""tokenizer_proc/core.py: validation, request state and fan-out, without sockets.
+
+The tests play both sides: front ends (client keys, each with a list as its sink) and
+the scheduler (the messages the core returns, and TokenBatch / Stats fed back)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mlxd.protocol import (
+    Abort, AbortRequest, ErrorReply, GenerateRequest, GetStats, ProtocolError,
+    SamplingParams, Stats, StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry,
+    TokenizedRequest, Usage,
+)
+from mlxd.tokenizer_proc.core import TokenizerCore, protocol_error_reply
+from mlxd.tokenizer_proc.text import TextCodec
+from support import worker_limits
+
+BOS, EOS = 1, 2             # "<s>", "</s>" in the tiny models' tokenizer
+VOCAB = 512
+KV_CAPACITY = 100
+MAX_CONTEXT = 200
+DEFAULT_MAX_TOKENS = 16
+LIMITS = worker_limits(kv_capacity=KV_CAPACITY, max_context=MAX_CONTEXT, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def codec(llama_model):
+    return TextCodec(llama_model)
+
+
+@pytest.fixture
+def core(codec):
+    return TokenizerCore(codec, DEFAULT_MAX_TOKENS, LIMITS)
+
+
+class Peer:
+    """One client key of a front end; every reply the core routes to it lands in `got`."""
+
+    def __init__(self, core: TokenizerCore, key):
+        self.core, self.key, self.got = core, key, []
+
+    def submit(self, rid="r", **fields) -> list:
+        return self.core.submit(self.key, GenerateRequest(rid, **fields), self.got.append)
+
+    def submitted(self, rid="r", **fields) -> TokenizedRequest:
+        [req] = self.submit(rid, **fields)
+        assert isinstance(req, TokenizedRequest) and self.got == [], self.got
+        return req
+
+    def rejected(self, rid="r", **fields) -> ErrorReply:
+        assert self.submit(rid, **fields) == []
+        [reply] = self.got
+        assert isinstance(reply, ErrorReply) and reply.rid == rid, reply
+        self.got.clear()
+        return reply
+
+    def take(self) -> list:
+        got, self.got = self.got, []
+        return got
+
+
+def text_ids(codec: TextCodec, text: str) -> list[int]:
+    return codec.tokenizer.encode(text, add_special_tokens=False)
+
+
+def entry(rid: int, ids: list[int], finish: str | None = None, usage=None) -> TokenEntry:
+    return TokenEntry(rid, ids, [-0.5] * len(ids), finish_reason=finish, usage=usage)
+
+
+def joined(chunks) -> str:
+    return "".join(c.text for c in chunks)
+
+
+# ---- admission --------------------------------------------------------------------
+
+def test_a_prompt_becomes_a_tokenized_request(core, codec):
+    a = Peer(core, b"a")
+    req = a.submitted("r1", prompt="Hello world", params={"temperature": 0.5, "seed": 3})
+    assert req.input_ids == codec.encode_prompt("Hello world") and req.input_ids[0] == BOS
+    assert req.sampling == SamplingParams(temperature=0.5, seed=3)
+    assert req.max_new_tokens == DEFAULT_MAX_TOKENS and req.stop_token_ids == [EOS]
+    ignoring = a.submitted("r2", input_ids=[BOS, 5], params={"ignore_eos": True,
+                                                             "stop_token_ids": [7]})
+    assert ignoring.stop_token_ids == [7] and ignoring.rid != req.rid
+    assert core.stats() == {"streams": 2}
+    core.check_integrity()
+
+
+def test_chat_messages_go_through_the_chat_template(core, codec):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    req = Peer(core, b"a").submitted(messages=messages)
+    user, assistant = codec.tokenizer.convert_tokens_to_ids(["<|user|>", "<|assistant|>"])
+    assert req.input_ids == [BOS, user, *text_ids(codec, messages[0]["content"]), EOS,
+                             assistant]
+
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+INVALID = {
+    "empty prompt": {"prompt": ""},
+    "nothing to generate from": {},
+    "prompt and input_ids": {"prompt": "hi", "input_ids": [BOS, 5]},
+    "prompt and messages": {"prompt": "hi", "messages": MESSAGES},
+    "empty input_ids": {"input_ids": []},
+    "input_id == vocab": {"input_ids": [BOS, VOCAB]},
+    "negative input_id": {"input_ids": [BOS, -1]},
+    "as long as the KV pool": {"input_ids": [5] * KV_CAPACITY},
+    "prompt text too long": {"prompt": "word " * KV_CAPACITY},
+    "unknown parameter": {"prompt": "hi", "params": {"max_new_tokens": 5}},
+    "temperature str": {"prompt": "hi", "params": {"temperature": "0.5"}},
+    "max_tokens 0": {"prompt": "hi", "params": {"max_tokens": 0}},
+    "stop_token_ids out of vocab": {"prompt": "hi", "params": {"stop_token_ids": [VOCAB]}},
+    "messages empty": {"messages": []},
+    "message without content": {"messages": [{"role": "user"}]},
+    "message role int": {"messages": [{"role": 1, "content": "hi"}]},
+    "message not a map": {"messages": ["hello"]},
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_requests_are_answered_and_nothing_reaches_the_scheduler(core, case):
+    a = Peer(core, b"a")
+    reply = a.rejected("bad", **INVALID[case])
+    assert reply.code == "invalid_request" and reply.message
+    assert core.stats() == {"streams": 0}
+    core.check_integrity()
+    a.submitted("bad", input_ids=[BOS, 5])   # the rid was not taken
+
+
+def test_the_context_bounds_prompts_when_it_is_the_smaller_limit(codec):
+    core = TokenizerCore(codec, DEFAULT_MAX_TOKENS, worker_limits(kv_capacity=1000, max_context=50, vocab_size=VOCAB))
+    a = Peer(core, b"a")
+    assert "context is 50" in a.rejected(input_ids=[5] * 50).message
+    assert len(a.submitted(input_ids=[5] * 49).input_ids) == 49
+
+
+def test_the_models_vocabulary_bounds_ids_once_the_worker_reports_it(codec):
+    """A tokenizer may know more tokens than the model has embeddings for: input_ids,
+    encoded prompts and stop_token_ids are checked against the worker's figure."""
+    model_vocab = VOCAB - 100
+    high = next(t for t in range(VOCAB - 1, model_vocab, -1)
+                if max(text_ids(codec, codec.decode([t])), default=0) >= model_vocab)
+    core = TokenizerCore(codec, DEFAULT_MAX_TOKENS, worker_limits(kv_capacity=10**6, max_context=10**6, vocab_size=model_vocab))
+    a = Peer(core, b"a")
+    for fields in ({"input_ids": [BOS, model_vocab]}, {"prompt": codec.decode([high])},
+                   {"prompt": "hi", "params": {"stop_token_ids": [model_vocab]}}):
+        assert str(model_vocab) in a.rejected(**fields).message, fields
+    a.submitted(input_ids=[BOS, model_vocab - 1])
+
+
+def test_before_ready_the_tokenizers_vocabulary_applies_and_lengths_are_unchecked(codec):
+    core = TokenizerCore(codec, DEFAULT_MAX_TOKENS)
+    a = Peer(core, b"a")
+    assert a.rejected(input_ids=[BOS, VOCAB]).code == "invalid_request"
+    assert len(a.submitted(input_ids=[5] * 5000).input_ids) == 5000
+
+
+def test_limits_may_be_any_object_with_the_three_attributes(codec):
+    limits = SimpleNamespace(kv_capacity=10, max_context=20, vocab_size=300, extra=1)
+    a = Peer(TokenizerCore(codec, DEFAULT_MAX_TOKENS, limits), b"a")
+    assert "KV cache holds 10" in a.rejected(input_ids=[5] * 10).message
+    assert "[0, 300)" in a.rejected(input_ids=[BOS, 300]).message
+
+
+
+def test_an_unexpected_failure_is_an_internal_error_and_the_core_keeps_serving(
+        core, codec, monkeypatch):
+    def broken(prompt):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(codec, "encode_prompt", broken)
+    a = Peer(core, b"a")
+    reply = a.rejected("x", prompt="hello")
+    assert reply.code == "internal_error" and "tokenizer exploded" in reply.message
+    monkeypatch.undo()
+    a.submitted("x", prompt="hello")
+    core.check_integrity()
+
+
+def test_protocol_errors_are_bad_request_without_an_rid_else_invalid_request():
+    assert protocol_error_reply(ProtocolError("garbage")).code == "bad_request"
+    reply = protocol_error_reply(ProtocolError("prompt must be a str", rid="r7"))
+    assert (reply.rid, reply.code, reply.message) == ("r7", "invalid_request",
+                                                      "prompt must be a str")
+
+
+# ---- rids per client key ----------------------------------------------------------------
+
+def test_a_duplicate_rid_is_refused_per_client_key(core):
+    a, b = Peer(core, b"a"), Peer(core, ("http", 1))
+    first = a.submitted("dup", input_ids=[BOS, 5])
+    assert a.rejected("dup", input_ids=[BOS, 6]).code == "duplicate_rid"
+    other = b.submitted("dup", input_ids=[BOS, 7])   # another client may use it
+    assert other.rid != first.rid and core.stats() == {"streams": 2}
+    assert core.on_batch(TokenBatch([entry(first.rid, [9], "length")])) == []
+    assert a.take()[-1].finish_reason == "length"
+    a.submitted("dup", input_ids=[BOS, 5])          # finished: free again
+    core.check_integrity()
+
+
+def test_aborts_are_routed_by_client_key(core, codec):
+    a, b = Peer(core, b"a"), Peer(core, b"b")
+    ra = a.submitted("same", prompt="hi", stream=True)
+    rb = b.submitted("same", prompt="hi", stream=True)
+    assert core.abort(b"a", "same") == [Abort(ra.rid)]
+    assert core.abort(b"b", "unknown") == [] and core.abort(b"c", "same") == []
+    ids = text_ids(codec, "water")
+    core.on_batch(TokenBatch([entry(ra.rid, [], "abort"), entry(rb.rid, ids)]))
+    [aborted] = a.take()
+    assert aborted.rid == "same" and aborted.finish_reason == "abort"
+    [chunk] = b.take()
+    assert chunk.token_ids == ids and chunk.finish_reason is None
+    assert core.stats() == {"streams": 1}
+    core.check_integrity()
+
+
+def test_handle_dispatches_the_three_client_messages(core):
+    a = Peer(core, b"a")
+    [req] = core.handle(b"a", GenerateRequest("r", input_ids=[BOS, 5]), a.got.append)
+    assert isinstance(req, TokenizedRequest)
+    assert core.handle(b"a", AbortRequest("r"), a.got.append) == [Abort(req.rid)]
+    [query] = core.handle(b"a", StatsRequest("s"), a.got.append)
+    assert isinstance(query, GetStats) and a.got == []
+    with pytest.raises(TypeError):
+        core.handle(b"a", StreamChunk("r", "", []), a.got.append)
+
+
+# ---- output ----------------------------------------------------------------------------
+
+def test_chunks_fan_out_to_each_requests_own_sink(core, codec):
+    """One batch carries both clients' tokens (and a rid the core does not know)."""
+    a, b = Peer(core, b"a"), Peer(core, ("http", 7))
+    ra = a.submitted("x", prompt="hi", stream=True)
+    rb = b.submitted("y", prompt="hi", stream=False)
+    ta, tb = text_ids(codec, "the quick brown fox"), text_ids(codec, "water mountains")
+    for i in range(max(len(ta), len(tb))):
+        last_a, last_b = i == len(ta) - 1, i == len(tb) - 1
+        entries = [entry(ra.rid, ta[i:i + 1], "length" if last_a else None),
+                   entry(rb.rid, tb[i:i + 1], "length" if last_b else None,
+                         Usage(len(rb.input_ids), i + 1, 0) if last_b else None),
+                   entry(9999, [5])]
+        assert core.on_batch(TokenBatch([e for e in entries if e.token_ids])) == []
+    got_a, got_b = a.take(), b.take()
+    assert all(isinstance(c, StreamChunk) and c.rid == "x" for c in got_a)
+    assert len(got_a) > 1 and joined(got_a) == codec.decode(ta)
+    assert sum((c.token_ids for c in got_a), []) == ta
+    [whole] = got_b   # not streamed: one chunk at the end
+    assert whole.rid == "y" and whole.text == codec.decode(tb) and whole.token_ids == tb
+    assert whole.finish_reason == "length"
+    assert whole.usage == {"prompt_tokens": len(rb.input_ids), "completion_tokens": len(tb),
+                           "cached_tokens": 0}
+    assert core.stats() == {"streams": 0}
+    core.check_integrity()
+
+
+def test_a_stop_string_finishes_the_request_and_aborts_it_in_the_scheduler(core, codec):
+    full = "The quick brown fox jumps over the lazy dog"
+    a = Peer(core, b"a")
+    req = a.submitted(prompt="hi", stream=True, params={"stop": ["lazy cat", "own f"]})
+    aborts = [core.on_batch(TokenBatch([entry(req.rid, [t])])) for t in text_ids(codec, full)]
+    assert [x for x in aborts if x] == [[Abort(req.rid)]]   # once, at the hit
+    chunks = a.take()
+    assert joined(chunks) == full[:full.index("own f")]
+    assert chunks[-1].finish_reason == "stop"
+    # the scheduler's late tokens and its abort entry reach nobody
+    assert core.on_batch(TokenBatch([entry(req.rid, [5]), entry(req.rid, [], "abort")])) == []
+    assert a.got == [] and core.stats() == {"streams": 0}
+    core.check_integrity()
+
+
+def test_stats_answers_go_to_the_client_that_asked(core):
+    a, b = Peer(core, b"a"), Peer(core, b"b")
+    a.submitted("r", input_ids=[BOS, 5])
+    [qa] = core.query_stats(b"a", "sa", a.got.append)
+    [qb] = core.query_stats(b"b", "sb", b.got.append)
+    assert qa.query_id != qb.query_id
+    core.on_stats(Stats(qb.query_id, {"waiting": 3}))
+    core.on_stats(Stats(12345, {"waiting": 0}))   # nobody asked: dropped
+    assert a.got == [] and b.take() == [StatsReply("sb", {"waiting": 3,
+                                                          "tokenizer": {"streams": 1}})]
+    core.on_stats(Stats(qa.query_id, {"waiting": 4}))
+    assert a.take() == [StatsReply("sa", {"waiting": 4, "tokenizer": {"streams": 1}})]
+    core.on_stats(Stats(qa.query_id, {"waiting": 5}))   # answered once only
+    assert a.got == []
+
+
+def test_forgetting_a_client_aborts_its_requests_and_silences_it(core):
+    a, b = Peer(core, b"a"), Peer(core, b"b")
+    r1 = a.submitted("1", input_ids=[BOS, 5], stream=True)
+    r2 = a.submitted("2", input_ids=[BOS, 6], stream=True)
+    rb = b.submitted("1", input_ids=[BOS, 7], stream=True)
+    [qa] = core.query_stats(b"a", "s", a.got.append)
+    assert sorted(core.forget(b"a"), key=lambda m: m.rid) == [Abort(r1.rid), Abort(r2.rid)]
+    assert core.stats() == {"streams": 1}
+    core.check_integrity()
+    core.on_batch(TokenBatch([entry(r1.rid, [9]), entry(r2.rid, [], "abort"),
+                              entry(rb.rid, [9])]))
+    core.on_stats(Stats(qa.query_id, {}))
+    assert a.got == [] and [c.token_ids for c in b.take()] == [[9]]
+    assert core.abort(b"a", "1") == [] and core.forget(b"a") == []
+    a.submitted("1", input_ids=[BOS, 5])   # the key may come back with the same rid
+    core.check_integrity()
