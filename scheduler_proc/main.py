@@ -182,7 +182,7 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         max_running_requests=flags.max_running_requests,
         max_prefill_tokens=flags.max_prefill_tokens,
         chunked_prefill_size=flags.chunked_prefill_size,
-        enable_radix_cache=not flags.disable_radix_cache,
+        disable_radix_cache=flags.disable_radix_cache,
         decode_cache_tokens=worker.decode_cache_tokens, vocab_size=worker.vocab_size)
 
 

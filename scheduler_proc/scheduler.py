@@ -11,22 +11,28 @@ every finished chunk go into the radix tree.
 from dataclasses import dataclass
 
 from mlxd.protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
+from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
-from mlxd.runtime.kv_layout import cache_width as round_up  # noqa: F401  (re-exported)
 
 from .kv_book import KVBook
 from .request import Request, Status
 from .waiting import WaitingQueue
 
 
+_FLAGS = ServerFlags()   # the flags' defaults
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
+    """The worker's figures (from its READY) and the user's flags (defaults: the
+    flags' own, runtime/flags.py), plus the scheduler's internal tunables."""
+
     kv_capacity: int
     max_context: int
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 4096
-    chunked_prefill_size: int = 512
-    enable_radix_cache: bool = True
+    max_running_requests: int = _FLAGS.max_running_requests
+    max_prefill_tokens: int = _FLAGS.max_prefill_tokens
+    chunked_prefill_size: int = _FLAGS.chunked_prefill_size
+    disable_radix_cache: bool = _FLAGS.disable_radix_cache
     decode_cache_tokens: int = 0    # room for the worker's padded decode caches (0: see below)
     decode_headroom: int = 16       # slots kept free per running request at admission
     cached_token_cost: float = 0.25  # a cached prefix token's share of the prefill budget
@@ -36,7 +42,7 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
-        self.kv = KVBook(limits.kv_capacity, limits.enable_radix_cache)
+        self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests)
         self.waiting = WaitingQueue(self.kv)

@@ -16,7 +16,8 @@ steps every tree node and every running request must read back its own tokens.
 from collections import defaultdict
 
 from mlxd.protocol import SamplingParams, Step, StepResult, TokenizedRequest, Usage, WorkerError
-from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits, round_up
+from mlxd.runtime.kv_layout import cache_width as round_up
+from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 
 EOS = 2
 PLAIN = 7    # a token that stops nothing

@@ -1,7 +1,8 @@
 """Regression tests for defects found in review: decode-width and memory budgets, and
 the longest prompt the tokenizer and scheduler accept."""
 
-from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits, round_up
+from mlxd.runtime.kv_layout import cache_width as round_up
+from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.tokenizer_proc.params import InvalidRequest
 from mlxd.tokenizer_proc.validation import check_length
 from scheduler_harness import Harness, make_request

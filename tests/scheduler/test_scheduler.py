@@ -11,7 +11,7 @@ import pytest
 from mlxd.protocol import StepResult, TokenizedRequest, Usage
 from mlxd.scheduler_proc.kv_book import KVBook
 from mlxd.scheduler_proc.request import Request, Status
-from mlxd.scheduler_proc.scheduler import SchedulerLimits, round_up
+from mlxd.scheduler_proc.scheduler import SchedulerLimits
 from mlxd.scheduler_proc.waiting import LPM_OVERTAKE_LIMIT, LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT
 from scheduler_harness import (
     EOS, PLAIN, Harness, by_position, make_request, prefilled, prompt_of, run_to_finish,
@@ -691,7 +691,7 @@ def test_a_prefix_is_shared_by_many_running_requests():
 
 
 def test_radix_cache_disabled():
-    h = Harness(enable_radix_cache=False)
+    h = Harness(disable_radix_cache=True)
     assert h.s.kv.tree is None
     P = prompt_of(1, 8)
     for rid in (1, 2):                            # the same prompt twice: no hit
@@ -915,7 +915,7 @@ def test_one_request_prefills_in_chunks_at_a_time():
 
 
 def test_chunked_prefill_without_the_radix_cache_reads_its_own_chunks():
-    h = Harness(kv_capacity=64, chunked_prefill_size=5, enable_radix_cache=False)
+    h = Harness(kv_capacity=64, chunked_prefill_size=5, disable_radix_cache=True)
     h.add(make_request(1, n=12, max_new=2))
     chunks = [h.run_step().prefills[0] for _ in range(3)]
     assert [len(p.prefix_slot_ids) for p in chunks] == [0, 5, 10]
@@ -945,7 +945,7 @@ def test_abort_in_the_middle_of_a_chunked_prefill():
 
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
 def test_retraction_under_memory_pressure(radix):
-    h = Harness(kv_capacity=64, max_running_requests=8, enable_radix_cache=radix)
+    h = Harness(kv_capacity=64, max_running_requests=8, disable_radix_cache=not radix)
     h.token_fn = by_position
     rids = range(1, 7)
     h.add(*[make_request(rid, n=4, max_new=40) for rid in rids])
@@ -1078,13 +1078,13 @@ SOAK_LIMITS = [
     dict(kv_capacity=128, max_context=100, max_running_requests=3, max_prefill_tokens=10,
          chunked_prefill_size=1),
     dict(kv_capacity=300, max_context=64, max_running_requests=32, max_prefill_tokens=40,
-         chunked_prefill_size=16, enable_radix_cache=False),
+         chunked_prefill_size=16, disable_radix_cache=True),
     dict(kv_capacity=700, max_context=400, max_running_requests=8, decode_cache_tokens=768,
          chunked_prefill_size=64),
     dict(kv_capacity=80, max_context=1000, max_running_requests=64, max_prefill_tokens=32,
          chunked_prefill_size=12),
     dict(kv_capacity=64, max_context=1000, max_running_requests=5, max_prefill_tokens=20,
-         chunked_prefill_size=5, enable_radix_cache=False),
+         chunked_prefill_size=5, disable_radix_cache=True),
 ]
 
 

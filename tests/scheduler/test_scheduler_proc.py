@@ -22,7 +22,6 @@ from mlxd.protocol import (
     StepTiming, TokenBatch, TokenEntry, TokenizedRequest, Usage, WorkerError, WorkerLimits,
     WorkerReady, encode,
 )
-from mlxd.scheduler_proc.scheduler import decode_cache_budget
 from proc_support import ProcHarness
 import support
 from support import pid_alive, wait_until
