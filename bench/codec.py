@@ -1,15 +1,13 @@
 """Microseconds to encode + decode the per-step messages, as a decode step of 64 rows
 makes them: the Step to the worker, its StepResult, and the TokenBatch to the tokenizer.
 
-    python bench/codec.py
-    python bench/codec.py --rows 64 --repeats 7
+    python -m bench.codec
+    python -m bench.codec --rows 64 --repeats 7
 """
 
 import argparse
 import random
 import timeit
-
-from common import ROOT  # noqa: F401  (puts the checkout on sys.path)
 
 from mlxd.protocol import (
     Decoder, Step, StepResult, StepTiming, TokenBatch, TokenEntry, encode,

@@ -1,0 +1,15 @@
+"""bench/codec.py: a quick run prints a figure for each per-step message."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_codec_bench_reports_each_message():
+    out = subprocess.run([sys.executable, "-m", "bench.codec", "--rows", "4", "--repeats", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = [line.split()[0] for line in out.stdout.splitlines() if "encode + decode" in line]
+    assert names == ["Step", "StepResult", "TokenBatch"]
