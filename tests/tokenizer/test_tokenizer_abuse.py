@@ -152,6 +152,9 @@ def test_a_flooding_client_neither_starves_others_nor_floods_the_log(tok, dealer
     for _ in range(FLOOD):
         flooder.send(b"garbage")
     flooder.send(encode(GenerateRequest("last", input_ids=[1, 6])))
+    for _ in range(50):   # the server is working through the flood
+        assert flooder.poll(RECV_TIMEOUT * 1000)
+        flooder.recv()
     normal.send(GenerateRequest("normal", input_ids=[1, 5], stream=True))
     first = tok.take_request()
     assert first.input_ids == [1, 5], "the normal request waited for the whole flood"
@@ -159,3 +162,17 @@ def test_a_flooding_client_neither_starves_others_nor_floods_the_log(tok, dealer
     assert normal.recv().rid == "normal"
     assert tok.take_request().input_ids == [1, 6]
     assert log_lines(tok) - lines < 100
+
+
+def test_the_frame_cap_holds_the_longest_prompt_that_can_fit(llama_model):
+    from mlxd.tokenizer_proc.main import MIN_FRAME_BYTES, max_frame_bytes
+    from mlxd.tokenizer_proc.text import TextCodec
+    from mlxd.tokenizer_proc.validation import max_prompt_chars
+
+    chars_per_token = TextCodec(llama_model).max_chars_per_token
+    limits = replace(LIMITS, max_context=100_000, kv_capacity=200_000)
+    longest = max_prompt_chars(limits, chars_per_token)
+    frame = encode(GenerateRequest("r" * MAX_RID_CHARS, prompt="\U0001F600" * longest,
+                                   params={"max_tokens": 10, "stop": ["x" * 100] * 4}))
+    assert len(frame) <= max_frame_bytes(limits, chars_per_token)
+    assert max_frame_bytes(LIMITS, None) >= MIN_FRAME_BYTES
