@@ -24,8 +24,8 @@ import zmq
 import zmq.asyncio
 
 from mlxd.protocol import (
-    AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, Ready, SchedulerReady, Stats,
-    StatsRequest, TokenBatch, encode,
+    AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, Ready,
+    SchedulerReady, Stats, StatsRequest, TokenBatch, encode,
 )
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.config import parse_config
@@ -133,7 +133,7 @@ class TokenizerServer:
 
     def _on_client_message(self, frames: list[bytes]) -> list[ToScheduler]:
         if len(frames) != 2:
-            self._log_bad_frame("dropped a client message of %d frames", len(frames))
+            self._log_bad_frame("refused a client message of %d frames", len(frames))
             self._replies.append((frames[0], ErrorReply(
                 None, "bad_request", f"send one frame per message, got {len(frames) - 1}")))
             return []

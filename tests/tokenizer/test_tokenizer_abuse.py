@@ -77,7 +77,8 @@ def test_overlong_rids_and_too_many_messages_are_refused(tok, dealers):
     messages = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
     d.send(GenerateRequest("m", messages=messages))
     reply = d.recv()
-    assert (reply.rid, reply.code) == ("m", "invalid_request") and str(MAX_MESSAGES) in reply.message
+    assert (reply.rid, reply.code) == ("m", "invalid_request"), reply
+    assert str(MAX_MESSAGES) in reply.message
     tok.assert_quiet()
     completes(tok, d, "x" * MAX_RID_CHARS, input_ids=[1, 5])
 
@@ -93,7 +94,8 @@ def test_an_oversized_frame_is_dropped_before_it_is_buffered(tok, dealers):
         d.sock.send(b"\x00" * size)
         # ZeroMQ closes the connection of a peer whose frame exceeds the cap
         assert monitor.poll(RECV_TIMEOUT * 1000), "the oversized frame was taken in"
-        assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+        assert event == zmq.EVENT_DISCONNECTED
     finally:
         d.sock.disable_monitor()
         monitor.close(linger=0)
