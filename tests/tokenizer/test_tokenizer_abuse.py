@@ -8,7 +8,7 @@ import pytest
 import zmq
 import zmq.utils.monitor
 
-from mlxd.protocol import ErrorReply, GenerateRequest, StreamChunk, encode
+from mlxd.protocol import AbortRequest, ErrorReply, GenerateRequest, StreamChunk, encode
 from mlxd.protocol.to_tokenizer import MAX_MESSAGES, MAX_RID_CHARS
 from test_tokenizer_proc import LIMITS, RECV_TIMEOUT, RawDealer, TokenizerProc
 
@@ -131,6 +131,25 @@ def test_a_long_prompt_does_not_hold_up_another_clients_request(roomy_tok, tmp_p
     finally:
         slow.close()
         quick.close()
+
+
+def test_an_abort_or_a_duplicate_while_a_long_prompt_encodes_is_honoured(roomy_tok):
+    tok = roomy_tok
+    d = RawDealer(tok.client_addr)
+    try:
+        d.send(GenerateRequest("long", prompt="hello world " * 300_000, stream=True))
+        d.send(GenerateRequest("long", input_ids=[1, 5], stream=True))
+        reply = d.recv()
+        assert (reply.rid, reply.code) == ("long", "duplicate_rid"), reply
+        d.send(AbortRequest("long"))
+        req = tok.take_request()
+        assert len(req.input_ids) > 300_000
+        assert tok.take_abort().rid == req.rid
+        tok.finish(req.rid, "abort")
+        chunk = d.recv()
+        assert (chunk.rid, chunk.finish_reason) == ("long", "abort"), chunk
+    finally:
+        d.close()
 
 
 # ---- floods -------------------------------------------------------------------------
