@@ -65,15 +65,21 @@ class Float(Kind):
 
 
 class Str(Kind):
-    def __init__(self, choices: tuple[str, ...] | None = None):
+    """A string; one of `choices` when given, at most `max_len` characters when given."""
+
+    def __init__(self, choices: tuple[str, ...] | None = None, max_len: int | None = None):
         self.choices = choices
+        self.max_len = max_len
 
     def decoder(self, name):
-        choices = self.choices
+        choices, max_len = self.choices, self.max_len
 
         def decode(value):
             if type(value) is not str:
                 raise _type_error(name, "a string", value)
+            if max_len is not None and len(value) > max_len:
+                raise ProtocolError(f"{name} must be at most {max_len} characters, "
+                                    f"got {len(value)}")
             if choices is not None and value not in choices:
                 raise ProtocolError(f"unknown {name} {value!r}")
             return value
@@ -114,13 +120,17 @@ class Struct(Kind):
 
 
 class List(Kind):
-    """A list; of `item`s when given, else of anything. Lists of plain ints and
-    numbers (token ids, logprobs) take a fast path: they are per-step data."""
+    """A list; of `item`s when given, else of anything; at most `max_len` long when
+    given. Lists of plain ints and numbers (token ids, logprobs) take a fast path:
+    they are per-step data."""
 
-    def __init__(self, item: Kind | None = None):
+    def __init__(self, item: Kind | None = None, max_len: int | None = None):
         self.item = item
+        self.max_len = max_len
 
     def decoder(self, name):
+        if self.max_len is not None:
+            return _capped(name, self.max_len, List(self.item).decoder(name))
         item = self.item
         if item is None:
             return _list_decoder(name)
@@ -141,6 +151,14 @@ class List(Kind):
         if encode_item is None:
             return None
         return lambda value: [encode_item(x) for x in value]
+
+
+def _capped(name, max_len, decode_list):
+    def decode(value):
+        if type(value) is list and len(value) > max_len:
+            raise ProtocolError(f"{name} must hold at most {max_len} items, got {len(value)}")
+        return decode_list(value)
+    return decode
 
 
 def _list_decoder(name):

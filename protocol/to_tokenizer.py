@@ -7,6 +7,8 @@ from .message import message
 from .to_scheduler import WorkerLimits
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_RID_CHARS = 256      # a client's request id
+MAX_MESSAGES = 4096      # chat messages in one request
 
 
 @message(rid_in_errors=True)
@@ -15,9 +17,9 @@ class GenerateRequest:
     `params` are OpenAI-style names, validated by the tokenizer process."""
 
     TAG = 10
-    rid: str = wire(Str())
+    rid: str = wire(Str(max_len=MAX_RID_CHARS))
     prompt: str | None = wire(Opt(Str()), default=None)
-    messages: list | None = wire(Opt(List()), default=None)
+    messages: list | None = wire(Opt(List(max_len=MAX_MESSAGES)), default=None)
     input_ids: list[int] | None = wire(Opt(List(Int())), default=None)
     params: dict = wire(Map(), default_factory=dict)
     stream: bool = wire(Bool(), default=False)
@@ -26,7 +28,7 @@ class GenerateRequest:
 @message
 class AbortRequest:
     TAG = 11
-    rid: str = wire(Str())
+    rid: str = wire(Str(max_len=MAX_RID_CHARS))
 
 
 @message
@@ -34,7 +36,7 @@ class StatsRequest:
     """A client asks for the server's counters; answered with StatsReply(rid)."""
 
     TAG = 12
-    rid: str = wire(Str())
+    rid: str = wire(Str(max_len=MAX_RID_CHARS))
 
 
 @message

@@ -20,10 +20,15 @@ import zmq
 
 class LoopSocket:
     """Wraps a plain (not `zmq.asyncio`) socket; use it from one event loop only, with
-    one coroutine receiving (any number may send). `close()` cancels every waiter."""
+    one coroutine receiving (any number may send). `close()` cancels every waiter.
+    With `max_queued`, at most that many frames are taken off the socket ahead of the
+    receiver: the rest wait in ZeroMQ, which takes them from its peers in turn (a
+    ROUTER fair-queues) and holds back a peer that sends faster than it is served."""
 
-    def __init__(self, sock: zmq.Socket, multipart: bool = False):
+    def __init__(self, sock: zmq.Socket, multipart: bool = False,
+                 max_queued: int | None = None):
         self.sock = sock
+        self._max_queued = max_queued
         self._recv = sock.recv_multipart if multipart else sock.recv
         self._receives = sock.type not in (zmq.PUSH, zmq.PUB)
         self._frames: deque = deque()
@@ -90,7 +95,7 @@ class LoopSocket:
         if self.sock.closed:
             return 0
         events = self.sock.getsockopt(zmq.EVENTS)
-        while self._receives and events & zmq.POLLIN:
+        while self._receives and events & zmq.POLLIN and not self._full():
             self._frames.append(self._recv(zmq.NOBLOCK))
             events = self.sock.getsockopt(zmq.EVENTS)
         if self._frames and self._readable is not None:
@@ -99,6 +104,9 @@ class LoopSocket:
             for waiter in self._writable:
                 _wake(waiter)
         return events
+
+    def _full(self) -> bool:
+        return self._max_queued is not None and len(self._frames) >= self._max_queued
 
     def _stop_watching(self) -> None:
         if self._fd is not None:

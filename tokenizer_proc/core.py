@@ -23,7 +23,10 @@ from .detokenizer import IncrementalDetokenizer
 from .params import InvalidRequest, RequestParams, parse_params
 from .request_stream import RequestStream
 from .text import TextCodec
-from .validation import ModelLimits, check_length, model_vocab_size, prompt_ids
+from .validation import (
+    ModelLimits, check_length, check_prompt_chars, max_prompt_chars, model_vocab_size,
+    prompt_ids,
+)
 
 log = logging.getLogger("mlxd.tokenizer")
 
@@ -46,6 +49,32 @@ class _Request:
     sink: Sink
 
 
+@dataclass(slots=True, eq=False)
+class Pending:
+    """A validated request between `validate` and `admit`; `encode` fills in
+    `tokenized` or `error`."""
+
+    client: Hashable
+    req: GenerateRequest
+    sink: Sink
+    rid: int
+    params: RequestParams
+    vocab_size: int
+    max_chars: int | None     # the longest text that can fit, None if unbounded
+    limits: ModelLimits | None
+    aborted: bool = False     # the client aborted it before admission
+    tokenized: TokenizedRequest | None = None
+    error: ErrorReply | None = None
+
+    @property
+    def text_chars(self) -> int:
+        """The characters to encode: what encoding costs, roughly."""
+        if self.req.prompt is not None:
+            return len(self.req.prompt)
+        return sum(len(m.get("content", "")) for m in self.req.messages or ()
+                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+
+
 @dataclass(slots=True)
 class _StatsQuery:
     client: Hashable
@@ -65,6 +94,7 @@ class TokenizerCore:
         self.requests: dict[int, _Request] = {}
         self._rids: dict[Hashable, dict[str, int]] = {}   # client key -> its rid -> rid
         self._stats_queries: dict[int, _StatsQuery] = {}
+        self._pending: dict[int, Pending] = {}   # validated, not yet admitted
         self._next_id = itertools.count(1)   # rids and stats query ids
 
     # ---- from clients ------------------------------------------------------
@@ -80,29 +110,70 @@ class TokenizerCore:
         raise TypeError(f"not a client message: {type(msg).__name__}")
 
     def submit(self, client: Hashable, req: GenerateRequest, sink: Sink) -> list[ToScheduler]:
-        """Validate and admit a request: returns its TokenizedRequest, and its chunks go
-        to `sink` as tokens arrive. A rejection goes to `sink` as an ErrorReply
-        (`duplicate_rid`, `invalid_request`, `internal_error`) and returns nothing."""
+        """Validate, encode and admit a request in one go: `validate`, `encode`, `admit`."""
+        pending = self.validate(client, req, sink)
+        if pending is None:
+            return []
+        self.encode(pending)
+        return self.admit(pending)
+
+    def validate(self, client: Hashable, req: GenerateRequest, sink: Sink) -> "Pending | None":
+        """The cheap checks (rid, parameters, prompt size in characters). A rejection
+        goes to `sink` as an ErrorReply (`duplicate_rid`, `invalid_request`) and returns
+        None; otherwise the rid is taken (a duplicate is refused, an abort is kept for
+        `admit`) and the request waits for `encode` then `admit`."""
         if req.rid in self._rids.get(client, {}):
             sink(ErrorReply(req.rid, "duplicate_rid",
                             f"request id {req.rid!r} is already running"))
-            return []
+            return None
         try:
-            tokenized, params = self._tokenized(req)
+            vocab_size = model_vocab_size(self.limits, self.codec)
+            params = parse_params(req.params, vocab_size, self.default_max_tokens)
+            max_chars = max_prompt_chars(self.limits, self.codec.max_chars_per_token)
+            check_prompt_chars(req, max_chars)
         except InvalidRequest as exc:
             sink(ErrorReply(req.rid, "invalid_request", str(exc)))
-            return []
+            return None
+        pending = Pending(client, req, sink, next(self._next_id), params, vocab_size,
+                          max_chars, self.limits)
+        self._pending[pending.rid] = pending
+        self._rids.setdefault(client, {})[req.rid] = pending.rid
+        return pending
+
+    def encode(self, pending: "Pending") -> None:
+        """Encode the prompt: the slow part, safe to run off the event loop (it reads
+        only `pending` and the codec). Its result or error waits in `pending`."""
+        try:
+            pending.tokenized = self._tokenized(pending)
+        except InvalidRequest as exc:
+            pending.error = ErrorReply(pending.req.rid, "invalid_request", str(exc))
         except Exception as exc:  # one bad request must not stop the server
-            log.exception("request %r failed", req.rid)
-            sink(ErrorReply(req.rid, "internal_error", f"{type(exc).__name__}: {exc}"))
+            log.exception("request %r failed", pending.req.rid)
+            pending.error = ErrorReply(pending.req.rid, "internal_error",
+                                       f"{type(exc).__name__}: {exc}")
+
+    def admit(self, pending: "Pending") -> list[ToScheduler]:
+        """Start an encoded request: returns its TokenizedRequest (and its Abort if the
+        client aborted it meanwhile); a rejection goes to its sink. Nothing for a
+        request whose client was forgotten meanwhile."""
+        if self._pending.pop(pending.rid, None) is None:
             return []
-        self._admit(client, req, tokenized, params, sink)
-        return [tokenized]
+        if pending.error is not None:
+            self._unindex(pending.client, pending.req.rid)
+            pending.sink(pending.error)
+            return []
+        self._admit(pending)
+        if pending.aborted:
+            return [pending.tokenized, Abort(pending.rid)]
+        return [pending.tokenized]
 
     def abort(self, client: Hashable, client_rid: str) -> list[Abort]:
         """End the client's request early; its last chunk (finish "abort") follows the
         scheduler's. An rid the client has not running is ignored."""
         rid = self._rids.get(client, {}).get(client_rid)
+        if rid in self._pending:   # still encoding: `admit` sends the abort after it
+            self._pending[rid].aborted = True
+            return []
         return [] if rid is None else [Abort(rid)]
 
     def query_stats(self, client: Hashable, client_rid: str, sink: Sink) -> list[GetStats]:
@@ -115,6 +186,9 @@ class TokenizerCore:
         """The client is gone: its requests are aborted and dropped, and nothing more
         goes to its sinks (its stats queries included)."""
         rids = list(self._rids.pop(client, {}).values())
+        for rid in [rid for rid in rids if rid in self._pending]:
+            del self._pending[rid]   # `admit` drops it
+            rids.remove(rid)
         for rid in rids:
             del self.requests[rid]
         self._stats_queries = {query_id: q for query_id, q in self._stats_queries.items()
@@ -153,33 +227,36 @@ class TokenizerCore:
         """Every request is indexed under its client key and client rid, and only those."""
         indexed = {rid: (client, client_rid) for client, rids in self._rids.items()
                    for client_rid, rid in rids.items()}
-        assert indexed == {rid: (r.client, r.stream.client_rid)
-                           for rid, r in self.requests.items()}, (indexed, self.requests)
+        known = {rid: (r.client, r.stream.client_rid) for rid, r in self.requests.items()}
+        known.update({rid: (p.client, p.req.rid) for rid, p in self._pending.items()})
+        assert indexed == known, (indexed, self.requests, self._pending)
         assert all(self._rids.values()), "a client key without requests is kept"
 
     # ---- internals ---------------------------------------------------------
 
-    def _tokenized(self, req: GenerateRequest) -> tuple[TokenizedRequest, RequestParams]:
-        vocab_size = model_vocab_size(self.limits, self.codec)
-        params = parse_params(req.params, vocab_size, self.default_max_tokens)
-        input_ids = prompt_ids(req, self.codec, vocab_size)
-        check_length(len(input_ids), self.limits)
+    def _tokenized(self, pending: "Pending") -> TokenizedRequest:
+        input_ids = prompt_ids(pending.req, self.codec, pending.vocab_size, pending.max_chars)
+        check_length(len(input_ids), pending.limits)
+        params = pending.params
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += self.codec.eos_token_ids
-        return TokenizedRequest(next(self._next_id), input_ids, params.sampling,
-                                params.max_tokens, stop_ids), params
+        return TokenizedRequest(pending.rid, input_ids, params.sampling, params.max_tokens,
+                                stop_ids)
 
-    def _admit(self, client: Hashable, req: GenerateRequest, tokenized: TokenizedRequest,
-               params: RequestParams, sink: Sink) -> None:
-        stream = RequestStream(req.rid, tokenized.rid, IncrementalDetokenizer(self.codec.decode),
-                               params.stop, req.stream, params.logprobs)
-        self.requests[tokenized.rid] = _Request(client, stream, sink)
-        self._rids.setdefault(client, {})[req.rid] = tokenized.rid
+    def _admit(self, pending: "Pending") -> None:
+        params = pending.params
+        stream = RequestStream(pending.req.rid, pending.rid,
+                               IncrementalDetokenizer(self.codec.decode), params.stop,
+                               pending.req.stream, params.logprobs)
+        self.requests[pending.rid] = _Request(pending.client, stream, pending.sink)
 
     def _drop(self, rid: int, request: _Request) -> None:
         del self.requests[rid]
-        rids = self._rids[request.client]
-        del rids[request.stream.client_rid]
+        self._unindex(request.client, request.stream.client_rid)
+
+    def _unindex(self, client: Hashable, client_rid: str) -> None:
+        rids = self._rids[client]
+        del rids[client_rid]
         if not rids:   # a key per HTTP connection must not pile up
-            del self._rids[request.client]
+            del self._rids[client]

@@ -6,12 +6,17 @@ around the socket-free TokenizerCore (core.py).
   input_addr             PULL    SchedulerReady, then TokenBatch / Stats, from the scheduler
   scheduler_input_addr   PUSH    TokenizedRequest / Abort / GetStats to the scheduler
   ready_addr             PUSH    Ready to the launcher (optional)
+
+The client socket is bound once the scheduler's limits are known: its frames are
+capped at `max_frame_bytes` (ZMQ_MAXMSGSIZE: ZeroMQ drops the connection of a peer
+that sends a bigger one, before buffering it).
 """
 
 import asyncio
 import logging
 import signal
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -19,18 +24,35 @@ import zmq
 import zmq.asyncio
 
 from mlxd.protocol import (
-    AbortRequest, Decoder, GenerateRequest, ProtocolError, Ready, SchedulerReady, Stats,
-    StatsRequest, TokenBatch, encode,
+    AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, Ready,
+    SchedulerReady, Stats, StatsRequest, TokenBatch, encode,
 )
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import TOKENIZER, ServerFlags
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
 
-from .core import Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
+from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
 from .text import TextCodec
+from .throttled_log import ThrottledLog
+from .validation import ModelLimits, max_prompt_chars
 
 log = logging.getLogger("mlxd.tokenizer")
+
+MIN_FRAME_BYTES = 4 << 20      # a client frame may always be this big
+PARAMS_BYTES = 1 << 20         # room for parameters and message structure
+UNBOUNDED_CHARS_PER_TOKEN = 64  # where the vocabulary gives no bound (text.py)
+INLINE_CHARS = 16_384          # prompts shorter than this are encoded on the loop
+CLIENT_FRAMES_QUEUED = 64      # frames taken off the client socket ahead (fairness)
+FRAMES_PER_TURN = 64           # client frames handled before the other loop gets a turn
+ENCODE_THREADS = 2
+
+
+def max_frame_bytes(limits: ModelLimits, chars_per_token: int | None) -> int:
+    """The biggest client frame accepted: the longest prompt that can fit, at 4 bytes a
+    character (UTF-8), plus parameters; at least MIN_FRAME_BYTES."""
+    chars = max_prompt_chars(limits, chars_per_token or UNBOUNDED_CHARS_PER_TOKEN) or 0
+    return max(MIN_FRAME_BYTES, 4 * chars + PARAMS_BYTES)
 
 
 @dataclass(frozen=True)
@@ -53,13 +75,13 @@ class TokenizerServer:
         self.cfg = cfg
         # a token batch in and a chunk per stream out every decode step: the cheaper
         # path per message (runtime/aio.py)
-        self.clients = LoopSocket(zmq.Socket(ctx, zmq.ROUTER), multipart=True)
+        self.clients = LoopSocket(zmq.Socket(ctx, zmq.ROUTER), multipart=True,
+                                  max_queued=CLIENT_FRAMES_QUEUED)
         self.from_scheduler = LoopSocket(zmq.Socket(ctx, zmq.PULL))
         self.to_scheduler = ctx.socket(zmq.PUSH)
         self.to_launcher = ctx.socket(zmq.PUSH) if cfg.ready_addr else None
         for sock in self.sockets:
             getattr(sock, "sock", sock).setsockopt(zmq.LINGER, 0)
-        self.clients.sock.bind(cfg.client_addr)
         self.from_scheduler.sock.bind(cfg.input_addr)
         self.to_scheduler.connect(cfg.scheduler_input_addr)
         if self.to_launcher:
@@ -68,6 +90,9 @@ class TokenizerServer:
         self.scheduler_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
         self.core = TokenizerCore(codec, cfg.flags.default_max_tokens)
         self._replies: deque[tuple[bytes, Reply]] = deque()   # (client identity, reply)
+        self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
+        self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
+        self._log_bad_frame = ThrottledLog(log, logging.ERROR)
 
     @property
     def sockets(self):
@@ -89,27 +114,59 @@ class TokenizerServer:
             if isinstance(msg, SchedulerReady):
                 break
         self.core.limits = msg.limits
+        max_bytes = max_frame_bytes(msg.limits, self.core.codec.max_chars_per_token)
+        self.clients.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        self.clients.sock.bind(self.cfg.client_addr)
+        log.info("client frames are capped at %d bytes", max_bytes)
         if self.to_launcher:
             await self.to_launcher.send(encode(Ready("tokenizer", self.address)))
         log.info("ready: serving clients on %s", self.address)
 
     async def _client_loop(self) -> None:
+        handled = 0
         while True:
             frames = await self.clients.recv()
-            if len(frames) != 2:
-                log.error("dropped a client message of %d frames", len(frames))
-                continue
-            client, frame = frames
-            await self.send(self._on_client_frame(client, frame))
+            await self.send(self._on_client_message(frames))
+            handled += 1
+            if handled % FRAMES_PER_TURN == 0:   # a flood must not starve the scheduler's
+                await asyncio.sleep(0)
 
-    def _on_client_frame(self, client: bytes, frame: bytes) -> list[ToScheduler]:
+    def _on_client_message(self, frames: list[bytes]) -> list[ToScheduler]:
+        if len(frames) != 2:
+            self._log_bad_frame("refused a client message of %d frames", len(frames))
+            self._replies.append((frames[0], ErrorReply(
+                None, "bad_request", f"send one frame per message, got {len(frames) - 1}")))
+            return []
+        client, frame = frames
         try:
             msg = self.client_decoder.decode(frame)
         except ProtocolError as exc:
-            log.error("dropped a malformed frame from client %s: %s", client.hex(), exc)
+            self._log_bad_frame("dropped a malformed frame from client %s: %s",
+                                client.hex(), exc)
             self._replies.append((client, protocol_error_reply(exc)))
             return []
+        if isinstance(msg, GenerateRequest):
+            return self._submit(client, msg)
         return self.core.handle(client, msg, self._sink(client))
+
+    def _submit(self, client: bytes, req: GenerateRequest) -> list[ToScheduler]:
+        """Short prompts are encoded at once; long ones in a thread, so that they hold
+        up no one else (the core keeps their rid, and an abort, meanwhile)."""
+        pending = self.core.validate(client, req, self._sink(client))
+        if pending is None:
+            return []
+        if pending.text_chars < INLINE_CHARS:
+            self.core.encode(pending)
+            return self.core.admit(pending)
+        task = asyncio.create_task(self._encode_and_admit(pending))
+        self._encoding.add(task)
+        task.add_done_callback(self._encoding.discard)
+        return []
+
+    async def _encode_and_admit(self, pending: Pending) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            self._encoder, self.core.encode, pending)
+        await self.send(self.core.admit(pending))
 
     async def _scheduler_loop(self) -> None:
         while True:
@@ -132,6 +189,9 @@ class TokenizerServer:
         while self._replies:
             client, reply = self._replies.popleft()
             await self.clients.send_multipart([client, encode(reply)])
+
+    def close_encoder(self) -> None:
+        self._encoder.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _decode(decoder: Decoder, frame: bytes, sender: str):
@@ -156,6 +216,7 @@ async def serve(cfg: TokenizerConfig) -> None:
     except asyncio.CancelledError:
         log.info("shutting down")
     finally:
+        server.close_encoder()
         for sock in server.sockets:
             sock.close(linger=0)
         ctx.term()

@@ -28,6 +28,73 @@ def _config_vocab_size(model_path: Path) -> int:
     return int(config.get("text_config", config).get("vocab_size") or 0)
 
 
+# Normalizers that never make a text shorter in characters than the input, and those
+# whose output may be: Unicode composition merges at most 4 code points into one (the
+# longest canonical decomposition), so a normalized character stands for <= 4 input ones.
+_NON_SHRINKING_NORMALIZERS = {"Prepend", "Append", "Lowercase", "NFD", "NFKD"}
+_COMPOSING_NORMALIZERS = {"NFC": 4, "NFKC": 4}
+# Pre-tokenizers that keep every character (none removes text).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation",
+                           "UnicodeScripts", "Split", "Sequence"}
+
+
+def _shrink_factor(normalizer: dict | None) -> int | None:
+    """How many input characters one normalized character may stand for; None when
+    unknown (a normalizer that may drop text)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in normalizer.get("normalizers", []):
+            inner_factor = _shrink_factor(inner)
+            if inner_factor is None:
+                return None
+            factor *= inner_factor
+        return factor
+    if kind in _NON_SHRINKING_NORMALIZERS:
+        return 1
+    if kind == "Replace":
+        pattern = normalizer.get("pattern", {}).get("String")
+        content = normalizer.get("content", "")
+        return 1 if pattern is not None and len(content) >= len(pattern) else None
+    return _COMPOSING_NORMALIZERS.get(kind)
+
+
+def _keeps_text(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if kind == "Split":
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most input characters one token can stand for, from the vocabulary: a prompt
+    longer than max_context times this cannot fit. None where no such bound holds (a
+    slow tokenizer, one that fuses unknown characters or whose normalizer may drop
+    text), which disables the check."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model", {})
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens", [])):
+        return None   # such a token swallows the whitespace next to it, any amount
+    if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")):
+        return None   # an unknown run may become one token; WordPiece/Unigram unk alike
+    factor = _shrink_factor(spec.get("normalizer"))
+    if factor is None or not _keeps_text(spec.get("pre_tokenizer")):
+        return None
+    # A token's string spells its text at >= 1 character per input character (byte-level
+    # spells a byte per character, byte fallback "<0x41>" one byte in six).
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    return longest * factor
+
+
 class TextCodec:
     def __init__(self, model_path: str):
         from transformers import AutoTokenizer
@@ -38,6 +105,7 @@ class TextCodec:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
         # Token ids the model accepts: its embedding may be larger than the tokenizer.
         self.vocab_size = max(len(self.tokenizer), _config_vocab_size(self.path))
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -50,13 +118,20 @@ class TextCodec:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The chat template's text for `messages`, with the generation prompt."""
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a prompt instead")
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja raises its own exception types
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from None
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat: its special tokens are in the text already."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:

@@ -24,9 +24,33 @@ def model_vocab_size(limits: ModelLimits | None, codec: TextCodec) -> int:
     return (limits.vocab_size if limits is not None else 0) or codec.vocab_size
 
 
-def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int) -> list[int]:
+def max_prompt_chars(limits: ModelLimits | None, chars_per_token: int | None) -> int | None:
+    """The longest text, in characters, that can encode to a prompt that fits: one
+    longer needs more tokens than the context or KV pool holds. None if unbounded."""
+    if limits is None or chars_per_token is None:
+        return None
+    tokens = [n for n in (limits.max_context, limits.kv_capacity) if n]
+    return min(tokens) * chars_per_token if tokens else None
+
+
+def check_prompt_chars(req: GenerateRequest, max_chars: int | None) -> None:
+    """Reject, before encoding it, a prompt too long to fit. Messages are checked once
+    rendered (`prompt_ids`): a chat template may strip or drop some of their text."""
+    if max_chars is not None and isinstance(req.prompt, str):
+        _check_chars(len(req.prompt), max_chars, "prompt")
+
+
+def _check_chars(n: int, max_chars: int, what: str) -> None:
+    if n > max_chars:
+        raise InvalidRequest(f"the {what} has {n} characters; at most {max_chars} can fit "
+                             f"the model's context")
+
+
+def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
+               max_chars: int | None = None) -> list[int]:
     """The request's input ids, encoded from its prompt or messages if not given;
-    raises InvalidRequest unless exactly one is set, non-empty and in the vocabulary."""
+    raises InvalidRequest unless exactly one is set, non-empty, in the vocabulary and,
+    as text, no longer than `max_chars` (checked before encoding)."""
     given = [x for x in (req.prompt, req.messages, req.input_ids) if x is not None]
     if len(given) != 1:
         raise InvalidRequest("send exactly one of prompt, messages or input_ids")
@@ -36,7 +60,10 @@ def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int) -> list[
         ids = req.input_ids
     else:
         if req.messages is not None:
-            ids = codec.encode_chat(checked_messages(req.messages))
+            text = codec.render_chat(checked_messages(req.messages))
+            if max_chars is not None:
+                _check_chars(len(text), max_chars, "chat template's text")
+            ids = codec.encode_rendered(text)
         else:
             ids = codec.encode_prompt(req.prompt) if req.prompt else []
         if ids and max(ids) >= vocab_size:   # a token the model has no embedding for

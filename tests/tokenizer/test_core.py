@@ -300,3 +300,103 @@ def test_forgetting_a_client_aborts_its_requests_and_silences_it(core):
     assert core.abort(b"a", "1") == [] and core.forget(b"a") == []
     a.submitted("1", input_ids=[BOS, 5])   # the key may come back with the same rid
     core.check_integrity()
+
+
+# ---- prompt size, and requests between validation and admission -------------------
+
+class Counting:
+    """A codec that counts what it encodes."""
+
+    def __init__(self, codec):
+        self.codec, self.encoded = codec, 0
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
+
+    def encode_prompt(self, prompt):
+        self.encoded += 1
+        return self.codec.encode_prompt(prompt)
+
+
+def test_a_prompt_too_long_to_fit_is_rejected_before_it_is_encoded(codec):
+    counting = Counting(codec)
+    a = Peer(TokenizerCore(counting, DEFAULT_MAX_TOKENS, LIMITS), b"a")
+    bound = KV_CAPACITY * codec.max_chars_per_token   # the smaller of the two limits
+    reply = a.rejected(prompt="x" * (bound + 1))
+    assert reply.code == "invalid_request" and str(bound) in reply.message
+    assert counting.encoded == 0
+    # at the bound it is encoded, and then rejected for its token count
+    assert "tokens" in a.rejected(prompt="x" * bound).message and counting.encoded == 1
+
+
+def test_the_character_bound_covers_every_token_of_the_vocabulary(codec):
+    longest = max(len(codec.decode([i])) for i in range(len(codec.tokenizer)))
+    assert 1 <= longest <= codec.max_chars_per_token
+
+
+def test_rendered_chat_text_too_long_to_fit_is_rejected_before_it_is_encoded(codec):
+    class NoEncoding(Counting):
+        def encode_rendered(self, text):
+            raise AssertionError("encoded")
+
+    a = Peer(TokenizerCore(NoEncoding(codec), DEFAULT_MAX_TOKENS, LIMITS), b"a")
+    content = "x" * (KV_CAPACITY * codec.max_chars_per_token)
+    reply = a.rejected(messages=[{"role": "user", "content": content}])
+    assert reply.code == "invalid_request" and "characters" in reply.message
+
+
+@pytest.mark.parametrize("normalizer, factor", [
+    (None, 1), ({"type": "NFC"}, 4), ({"type": "Lowercase"}, 1),
+    ({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "_"},
+                                          {"type": "NFKC"}]}, 4),
+    ({"type": "Replace", "pattern": {"String": " "}, "content": "_"}, 1),
+    ({"type": "Replace", "pattern": {"String": "  "}, "content": " "}, None),
+    ({"type": "Strip", "strip_left": True, "strip_right": True}, None),
+    ({"type": "BertNormalizer"}, None),
+])
+def test_normalizers_that_may_shrink_text_widen_or_drop_the_bound(normalizer, factor):
+    from mlxd.tokenizer_proc.text import _shrink_factor
+    assert _shrink_factor(normalizer) == factor
+
+
+def validated(core, peer, rid="r", **fields):
+    pending = core.validate(peer.key, GenerateRequest(rid, **fields), peer.got.append)
+    assert pending is not None and peer.got == [], peer.got
+    core.encode(pending)
+    return pending
+
+
+def test_an_abort_while_encoding_aborts_the_request_once_admitted(core):
+    a = Peer(core, b"a")
+    pending = validated(core, a, prompt="Hello")
+    assert core.abort(b"a", "r") == []
+    core.check_integrity()
+    req, abort = core.admit(pending)
+    assert isinstance(req, TokenizedRequest) and abort == Abort(req.rid)
+    core.check_integrity()
+
+
+def test_a_duplicate_rid_while_encoding_is_refused(core):
+    a = Peer(core, b"a")
+    pending = validated(core, a, prompt="Hello")
+    assert a.rejected(prompt="Hi").code == "duplicate_rid"
+    [req] = core.admit(pending)
+    assert isinstance(req, TokenizedRequest)
+
+
+def test_a_client_forgotten_while_encoding_gets_nothing(core):
+    a = Peer(core, b"a")
+    pending = validated(core, a, prompt="Hello")
+    assert core.forget(b"a") == []
+    assert core.admit(pending) == [] and a.got == []
+    core.check_integrity()
+
+
+def test_a_rejection_while_encoding_frees_the_rid(core):
+    a = Peer(core, b"a")
+    pending = validated(core, a, input_ids=[VOCAB])   # found out of range when encoding
+    assert core.admit(pending) == []
+    [reply] = a.take()
+    assert reply.code == "invalid_request"
+    core.check_integrity()
+    a.submitted(input_ids=[5])
