@@ -13,6 +13,7 @@ read again until it reports no frame waiting, and whoever can go on is woken.
 """
 
 import asyncio
+import functools
 from collections import deque
 
 import zmq
@@ -26,10 +27,12 @@ class LoopSocket:
     ROUTER fair-queues) and holds back a peer that sends faster than it is served."""
 
     def __init__(self, sock: zmq.Socket, multipart: bool = False,
-                 max_queued: int | None = None):
+                 max_queued: int | None = None, copy: bool = True):
         self.sock = sock
         self._max_queued = max_queued
-        self._recv = sock.recv_multipart if multipart else sock.recv
+        recv = sock.recv_multipart if multipart else sock.recv
+        # copy=False: zmq.Frame objects, which carry the frame's properties (ZMQ_SRCFD)
+        self._recv = recv if copy else functools.partial(recv, copy=False)
         self._receives = sock.type not in (zmq.PUSH, zmq.PUB)
         self._frames: deque = deque()
         self._readable: asyncio.Future | None = None

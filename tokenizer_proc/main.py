@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import (
     AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, Ready,
@@ -32,6 +33,7 @@ from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import TOKENIZER, ServerFlags
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
 
+from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
 from .text import TextCodec
 from .throttled_log import ThrottledLog
@@ -55,6 +57,16 @@ def max_frame_bytes(limits: ModelLimits, chars_per_token: int | None) -> int:
     return max(MIN_FRAME_BYTES, 4 * chars + PARAMS_BYTES)
 
 
+def _monitor(ctx: zmq.Context, sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A plain PAIR socket receiving `sock`'s monitor events (get_monitor_socket would
+    make one of the context's class: a zmq.asyncio socket here)."""
+    address = f"inproc://monitor.{id(sock)}"
+    sock.monitor(address, events)
+    pair = zmq.Socket(ctx, zmq.PAIR)
+    pair.connect(address)
+    return pair
+
+
 @dataclass(frozen=True)
 class TokenizerConfig:
     PROCESS: ClassVar[str] = TOKENIZER
@@ -76,7 +88,11 @@ class TokenizerServer:
         # a token batch in and a chunk per stream out every decode step: the cheaper
         # path per message (runtime/aio.py)
         self.clients = LoopSocket(zmq.Socket(ctx, zmq.ROUTER), multipart=True,
-                                  max_queued=CLIENT_FRAMES_QUEUED)
+                                  max_queued=CLIENT_FRAMES_QUEUED, copy=False)
+        # a connection's end forgets its clients (connections.py)
+        self.client_events = LoopSocket(_monitor(ctx, self.clients.sock,
+                                                 zmq.EVENT_DISCONNECTED), multipart=True)
+        self.connections = Connections()
         self.from_scheduler = LoopSocket(zmq.Socket(ctx, zmq.PULL))
         self.to_scheduler = ctx.socket(zmq.PUSH)
         self.to_launcher = ctx.socket(zmq.PUSH) if cfg.ready_addr else None
@@ -96,8 +112,8 @@ class TokenizerServer:
 
     @property
     def sockets(self):
-        return [s for s in (self.clients, self.from_scheduler, self.to_scheduler,
-                            self.to_launcher) if s is not None]
+        return [s for s in (self.client_events, self.clients, self.from_scheduler,
+                            self.to_scheduler, self.to_launcher) if s is not None]
 
     @property
     def address(self) -> str:
@@ -105,7 +121,8 @@ class TokenizerServer:
 
     async def run(self) -> None:
         await self._wait_for_scheduler()
-        await asyncio.gather(self._client_loop(), self._scheduler_loop())
+        await asyncio.gather(self._client_loop(), self._scheduler_loop(),
+                             self._connection_loop())
 
     async def _wait_for_scheduler(self) -> None:
         while True:
@@ -131,7 +148,14 @@ class TokenizerServer:
             if handled % FRAMES_PER_TURN == 0:   # a flood must not starve the scheduler's
                 await asyncio.sleep(0)
 
-    def _on_client_message(self, frames: list[bytes]) -> list[ToScheduler]:
+    def _on_client_message(self, parts: list[zmq.Frame]) -> list[ToScheduler]:
+        frames = [part.bytes for part in parts]
+        # a new identity: first the ends of connections (a reused descriptor's old end)
+        aborts = [] if frames[0] in self.connections else self._drain_connection_events()
+        self.connections.seen(frames[0], parts[-1].get(zmq.SRCFD))
+        return aborts + self._on_client_frames(frames)
+
+    def _on_client_frames(self, frames: list[bytes]) -> list[ToScheduler]:
         if len(frames) != 2:
             self._log_bad_frame("refused a client message of %d frames", len(frames))
             self._replies.append((frames[0], ErrorReply(
@@ -167,6 +191,31 @@ class TokenizerServer:
         await asyncio.get_running_loop().run_in_executor(
             self._encoder, self.core.encode, pending)
         await self.send(self.core.admit(pending))
+
+    async def _connection_loop(self) -> None:
+        while True:
+            await self.send(self._on_connection_event(await self.client_events.recv()))
+
+    def _drain_connection_events(self) -> list[ToScheduler]:
+        aborts = []
+        while True:
+            try:
+                frames = self.client_events.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return aborts
+            aborts += self._on_connection_event(frames)
+
+    def _on_connection_event(self, frames: list[bytes]) -> list[ToScheduler]:
+        """A client connection ended: its clients' requests are aborted."""
+        event = parse_monitor_message(frames)
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return []
+        aborts = []
+        for client in self.connections.closed(event["value"]):
+            aborts += self.core.forget(client)
+        if aborts:
+            log.info("a client connection ended: aborted %d requests", len(aborts))
+        return aborts
 
     async def _scheduler_loop(self) -> None:
         while True:
