@@ -62,6 +62,17 @@ class LoopSocket:
     async def send_multipart(self, frames: list[bytes]) -> None:
         await self._send(self.sock.send_multipart, frames)
 
+    def try_send_multipart(self, frames: list[bytes]) -> bool:
+        """Send without waiting; False (nothing sent) where the peer's queue is full
+        (a ROUTER with ZMQ_ROUTER_MANDATORY says so instead of dropping)."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        finally:
+            self._service()
+
     def close(self, linger: int | None = None) -> None:
         self._stop_watching()
         if not self.sock.closed:

@@ -54,6 +54,9 @@ class ServerFlags:
         shown="0 (off)")
     default_max_tokens: int = flag(
         256, "`max_tokens` for requests that do not set it", (TOKENIZER,))
+    client_queue_limit: int = flag(
+        10000, "replies queued for one client that does not read them, beyond which "
+        "its requests end with an error (each still gets its finish)", (TOKENIZER,))
     disable_overlap: bool = flag(
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "

@@ -16,7 +16,7 @@ from typing import Callable, Hashable
 
 from mlxd.protocol import (
     Abort, AbortRequest, ErrorReply, GenerateRequest, GetStats, ProtocolError, Stats,
-    StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenizedRequest,
+    StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
 )
 
 from .detokenizer import IncrementalDetokenizer
@@ -194,6 +194,21 @@ class TokenizerCore:
         self._stats_queries = {query_id: q for query_id, q in self._stats_queries.items()
                                if q.client != client}
         return [Abort(rid) for rid in rids]
+
+    def fail_client(self, client: Hashable, message: str) -> list[Abort]:
+        """End every running request of the client with finish_reason "error" and
+        `message` (each sink gets its final chunk); they are aborted in the scheduler.
+        Requests still being tokenized and stats queries are dropped as by `forget`."""
+        finals = [(rid, self.requests[rid]) for rid in self._rids.get(client, {}).values()
+                  if rid in self.requests]
+        for rid, request in finals:
+            stream = request.stream
+            usage = stream.usage and stream.usage.with_completion_tokens(len(stream.token_ids))
+            chunk = stream.on_entry(TokenEntry(rid, [], [], finish_reason="error",
+                                               usage=usage, error=message))
+            if chunk is not None:
+                request.sink(chunk)
+        return self.forget(client)
 
     # ---- from the scheduler ------------------------------------------------
 

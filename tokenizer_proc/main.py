@@ -48,6 +48,7 @@ INLINE_CHARS = 16_384          # prompts shorter than this are encoded on the lo
 CLIENT_FRAMES_QUEUED = 64      # frames taken off the client socket ahead (fairness)
 FRAMES_PER_TURN = 64           # client frames handled before the other loop gets a turn
 ENCODE_THREADS = 2
+BACKLOG_RETRY_SECONDS = 0.02   # how often a slow client's backlog is offered again
 
 
 def max_frame_bytes(limits: ModelLimits, chars_per_token: int | None) -> int:
@@ -93,6 +94,13 @@ class TokenizerServer:
         self.client_events = LoopSocket(_monitor(ctx, self.clients.sock,
                                                  zmq.EVENT_DISCONNECTED), multipart=True)
         self.connections = Connections()
+        # A client that does not read: its queue fills, ZeroMQ says so (instead of
+        # dropping replies) and its requests end with an error; the replies it has not
+        # taken wait in a backlog of its own, flushed as it reads (never dropped).
+        self.clients.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.clients.sock.setsockopt(zmq.SNDHWM, cfg.flags.client_queue_limit)
+        self._backlogs: dict[bytes, deque[Reply]] = {}
+        self._flusher: asyncio.Task | None = None
         self.from_scheduler = LoopSocket(zmq.Socket(ctx, zmq.PULL))
         self.to_scheduler = ctx.socket(zmq.PUSH)
         self.to_launcher = ctx.socket(zmq.PUSH) if cfg.ready_addr else None
@@ -213,6 +221,7 @@ class TokenizerServer:
         aborts = []
         for client in self.connections.closed(event["value"]):
             aborts += self.core.forget(client)
+            self._backlogs.pop(client, None)
         if aborts:
             log.info("a client connection ended: aborted %d requests", len(aborts))
         return aborts
@@ -233,11 +242,49 @@ class TokenizerServer:
     async def send(self, to_scheduler: list[ToScheduler] = ()) -> None:
         """The core's messages for the scheduler, then every queued client reply; for
         any front end sharing the core on this loop."""
-        for msg in to_scheduler:
-            await self.to_scheduler.send(encode(msg))
-        while self._replies:
-            client, reply = self._replies.popleft()
-            await self.clients.send_multipart([client, encode(reply)])
+        to_scheduler = list(to_scheduler)
+        while to_scheduler or self._replies:
+            for msg in to_scheduler:
+                await self.to_scheduler.send(encode(msg))
+            to_scheduler = []
+            while self._replies:
+                client, reply = self._replies.popleft()
+                to_scheduler += self._deliver(client, reply)
+
+    def _deliver(self, client: bytes, reply: Reply) -> list[ToScheduler]:
+        """Send a reply, or queue it behind the client's backlog; a client whose queue
+        is full falls behind: its requests end (the aborts are returned)."""
+        backlog = self._backlogs.get(client)
+        if backlog is not None:
+            backlog.append(reply)
+            return []
+        if self._try_send(client, reply):
+            return []
+        self._backlogs[client] = deque([reply])
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_backlogs())
+        log.warning("client %s fell behind reading its replies; its requests are ended",
+                    client.hex())
+        return self.core.fail_client(client, (
+            f"the client fell behind reading its replies ({self.cfg.flags.client_queue_limit}"
+            " queued); the request was ended"))
+
+    def _try_send(self, client: bytes, reply: Reply) -> bool:
+        try:
+            return self.clients.try_send_multipart([client, encode(reply)])
+        except zmq.ZMQError as exc:   # EHOSTUNREACH: gone; its connection's end forgets it
+            log.debug("reply to a gone client %s dropped: %s", client.hex(), exc)
+            return True
+
+    async def _flush_backlogs(self) -> None:
+        """Hand each waiting client its backlog as it reads, until none is left."""
+        while self._backlogs:
+            await asyncio.sleep(BACKLOG_RETRY_SECONDS)
+            for client, backlog in list(self._backlogs.items()):
+                while backlog and self._try_send(client, backlog[0]):
+                    backlog.popleft()
+                if not backlog:
+                    del self._backlogs[client]
 
     def close_encoder(self) -> None:
         self._encoder.shutdown(wait=False, cancel_futures=True)

@@ -400,3 +400,21 @@ def test_a_rejection_while_encoding_frees_the_rid(core):
     assert reply.code == "invalid_request"
     core.check_integrity()
     a.submitted(input_ids=[5])
+
+
+def test_a_failed_client_gets_a_final_error_chunk_per_request(core, codec):
+    a, b = Peer(core, b"a"), Peer(core, b"b")
+    ra = a.submitted("x", prompt="hi", stream=True)
+    rb = b.submitted("y", prompt="hi", stream=True)
+    ids = text_ids(codec, "the quick")
+    core.on_batch(TokenBatch([entry(ra.rid, ids[:1], usage=Usage(len(ra.input_ids), 1, 0)),
+                              entry(rb.rid, ids[:1])]))
+    aborts = core.fail_client(b"a", "fell behind")
+    assert aborts == [Abort(ra.rid)]
+    first, final = a.take()
+    assert first.finish_reason is None and first.token_ids == ids[:1]
+    assert final.finish_reason == "error" and final.error == "fell behind"
+    assert final.usage == {"prompt_tokens": len(ra.input_ids), "completion_tokens": 1,
+                           "cached_tokens": 0}
+    assert core.abort(b"a", "x") == [] and core.stats() == {"streams": 1}
+    core.check_integrity()
