@@ -54,6 +54,11 @@ class ServerFlags:
         shown="0 (off)")
     default_max_tokens: int = flag(
         256, "`max_tokens` for requests that do not set it", (TOKENIZER,))
+    request_timeout: float = flag(
+        0.0, "seconds a request may take in all, server-side (0: no limit); a request's "
+        "own `timeout` may ask for less. Past it the request ends with "
+        "finish_reason `error` and an error starting `timeout`", (TOKENIZER,),
+        shown="0 (none)")
     client_queue_limit: int = flag(
         10000, "replies queued for one client that does not read them, beyond which "
         "its requests end with an error (each still gets its finish)", (TOKENIZER,))

@@ -11,6 +11,7 @@ core: each request's replies go to the sink it came with.
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
@@ -47,6 +48,7 @@ class _Request:
     client: Hashable
     stream: RequestStream
     sink: Sink
+    deadline: float | None = None   # clock() time past which the request is ended
 
 
 @dataclass(slots=True, eq=False)
@@ -87,10 +89,13 @@ class TokenizerCore:
     ids; any object with `kv_capacity`, `max_context` and `vocab_size` will do."""
 
     def __init__(self, codec: TextCodec, default_max_tokens: int,
-                 limits: ModelLimits | None = None):
+                 limits: ModelLimits | None = None, request_timeout: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.codec = codec
         self.default_max_tokens = default_max_tokens
         self.limits = limits
+        self.request_timeout = request_timeout   # the server's limit (0: none)
+        self.clock = clock
         self.requests: dict[int, _Request] = {}
         self._rids: dict[Hashable, dict[str, int]] = {}   # client key -> its rid -> rid
         self._stats_queries: dict[int, _StatsQuery] = {}
@@ -195,6 +200,31 @@ class TokenizerCore:
                                if q.client != client}
         return [Abort(rid) for rid in rids]
 
+    def expire(self) -> list[Abort]:
+        """End every request past its deadline (its own `timeout`, or the server's):
+        finish_reason "error", an error that starts with "timeout"; aborted in the
+        scheduler."""
+        now = self.clock()
+        late = [(rid, r) for rid, r in self.requests.items()
+                if r.deadline is not None and now >= r.deadline]
+        for rid, request in late:
+            self._end(rid, request, "timeout: the request ran past its deadline")
+            self._drop(rid, request)
+        return [Abort(rid) for rid, _ in late]
+
+    @property
+    def has_deadlines(self) -> bool:
+        return any(r.deadline is not None for r in self.requests.values())
+
+    def _end(self, rid: int, request: _Request, message: str) -> None:
+        """Send the request's last chunk: finish_reason "error" with `message`."""
+        stream = request.stream
+        usage = stream.usage and stream.usage.with_completion_tokens(len(stream.token_ids))
+        chunk = stream.on_entry(TokenEntry(rid, [], [], finish_reason="error", usage=usage,
+                                           error=message))
+        if chunk is not None:
+            request.sink(chunk)
+
     def fail_client(self, client: Hashable, message: str) -> list[Abort]:
         """End every running request of the client with finish_reason "error" and
         `message` (each sink gets its final chunk); they are aborted in the scheduler.
@@ -202,12 +232,7 @@ class TokenizerCore:
         finals = [(rid, self.requests[rid]) for rid in self._rids.get(client, {}).values()
                   if rid in self.requests]
         for rid, request in finals:
-            stream = request.stream
-            usage = stream.usage and stream.usage.with_completion_tokens(len(stream.token_ids))
-            chunk = stream.on_entry(TokenEntry(rid, [], [], finish_reason="error",
-                                               usage=usage, error=message))
-            if chunk is not None:
-                request.sink(chunk)
+            self._end(rid, request, message)
         return self.forget(client)
 
     # ---- from the scheduler ------------------------------------------------
@@ -264,7 +289,9 @@ class TokenizerCore:
         stream = RequestStream(pending.req.rid, pending.rid,
                                IncrementalDetokenizer(self.codec.decode), params.stop,
                                pending.req.stream, params.logprobs)
-        self.requests[pending.rid] = _Request(pending.client, stream, pending.sink)
+        limits = [t for t in (params.timeout, self.request_timeout) if t]
+        deadline = self.clock() + min(limits) if limits else None
+        self.requests[pending.rid] = _Request(pending.client, stream, pending.sink, deadline)
 
     def _drop(self, rid: int, request: _Request) -> None:
         del self.requests[rid]

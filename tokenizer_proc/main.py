@@ -48,6 +48,7 @@ INLINE_CHARS = 16_384          # prompts shorter than this are encoded on the lo
 CLIENT_FRAMES_QUEUED = 64      # frames taken off the client socket ahead (fairness)
 FRAMES_PER_TURN = 64           # client frames handled before the other loop gets a turn
 ENCODE_THREADS = 2
+DEADLINE_CHECK_SECONDS = 0.1
 BACKLOG_RETRY_SECONDS = 0.02   # how often a slow client's backlog is offered again
 
 
@@ -112,7 +113,8 @@ class TokenizerServer:
             self.to_launcher.connect(cfg.ready_addr)
         self.client_decoder = Decoder(GenerateRequest, AbortRequest, StatsRequest)
         self.scheduler_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
-        self.core = TokenizerCore(codec, cfg.flags.default_max_tokens)
+        self.core = TokenizerCore(codec, cfg.flags.default_max_tokens,
+                                  request_timeout=cfg.flags.request_timeout)
         self._replies: deque[tuple[bytes, Reply]] = deque()   # (client identity, reply)
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
         self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
@@ -130,7 +132,7 @@ class TokenizerServer:
     async def run(self) -> None:
         await self._wait_for_scheduler()
         await asyncio.gather(self._client_loop(), self._scheduler_loop(),
-                             self._connection_loop())
+                             self._connection_loop(), self._deadline_loop())
 
     async def _wait_for_scheduler(self) -> None:
         while True:
@@ -199,6 +201,13 @@ class TokenizerServer:
         await asyncio.get_running_loop().run_in_executor(
             self._encoder, self.core.encode, pending)
         await self.send(self.core.admit(pending))
+
+    async def _deadline_loop(self) -> None:
+        """Requests past their deadline end (checked every DEADLINE_CHECK_SECONDS)."""
+        while True:
+            await asyncio.sleep(DEADLINE_CHECK_SECONDS)
+            if self.core.has_deadlines:
+                await self.send(self.core.expire())
 
     async def _connection_loop(self) -> None:
         while True:

@@ -22,6 +22,7 @@ class RequestParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    timeout: float | None = None   # seconds the whole request may take, server-side
 
 
 def _number(params, name, default, lo=-math.inf, hi=math.inf, lo_open=False):
@@ -87,8 +88,17 @@ def _top_logprobs(params, logprobs: bool) -> int:
     return n
 
 
+MAX_TIMEOUT = 1e6   # seconds
+
+
+def _timeout(params) -> float | None:
+    if params.get("timeout") is None:
+        return None
+    return _number(params, "timeout", None, lo=0.0, hi=MAX_TIMEOUT, lo_open=True)
+
+
 KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs"})
+                   "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "timeout"})
 
 
 def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> RequestParams:
@@ -112,4 +122,5 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
         stop=_stop_strings(params),
         stop_token_ids=_token_ids(params, "stop_token_ids", vocab_size),
         ignore_eos=_flag(params, "ignore_eos"),
-        logprobs=logprobs)
+        logprobs=logprobs,
+        timeout=_timeout(params))

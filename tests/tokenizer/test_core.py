@@ -418,3 +418,40 @@ def test_a_failed_client_gets_a_final_error_chunk_per_request(core, codec):
                            "cached_tokens": 0}
     assert core.abort(b"a", "x") == [] and core.stats() == {"streams": 1}
     core.check_integrity()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_requests_past_their_deadline_end_with_a_timeout_error(codec):
+    clock = Clock()
+    core = TokenizerCore(codec, DEFAULT_MAX_TOKENS, LIMITS, request_timeout=10.0, clock=clock)
+    a = Peer(core, b"a")
+    own = a.submitted("own", prompt="hi", stream=True, params={"timeout": 2.0})
+    server = a.submitted("server", prompt="hi", stream=True)
+    longer = a.submitted("longer", prompt="hi", params={"timeout": 60.0})   # capped at 10
+    assert core.has_deadlines
+    clock.now += 1.9
+    assert core.expire() == [] and a.got == []
+    clock.now += 0.2
+    assert core.expire() == [Abort(own.rid)]
+    [final] = a.got   # (take() would detach the sink the core holds)
+    a.got.clear()
+    assert final.rid == "own" and final.finish_reason == "error"
+    assert final.error.startswith("timeout")
+    clock.now += 8.0
+    assert {a.rid for a in core.expire()} == {server.rid, longer.rid}
+    assert {c.rid for c in a.take()} == {"server", "longer"}
+    assert not core.has_deadlines and core.stats() == {"streams": 0}
+    core.check_integrity()
+
+
+def test_no_deadline_without_a_timeout(core):
+    a = Peer(core, b"a")
+    a.submitted("x", prompt="hi")
+    assert not core.has_deadlines and core.expire() == []

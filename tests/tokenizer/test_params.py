@@ -33,12 +33,14 @@ def test_default_max_tokens_is_the_callers():
 def test_everything_set():
     p = parse(max_tokens=10, temperature=0.8, top_p=0.95, top_k=50, min_p=0.1, seed=3,
               stop=["\n\n", "END"], stop_token_ids=[0, 511], ignore_eos=True, logprobs=True,
-              top_logprobs=5)
+              top_logprobs=5, timeout=30)
     assert p.sampling == SamplingParams(0.8, 0.95, 50, 0.1, 3, 5)
+    assert p.timeout == 30.0
     assert p.max_tokens == 10 and p.stop == ["\n\n", "END"] and p.stop_token_ids == [0, 511]
     assert p.ignore_eos and p.logprobs
     assert set(KNOWN) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                          "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs"}
+                          "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+                          "timeout"}
 
 
 # ---- valid values --------------------------------------------------------------------
@@ -192,3 +194,11 @@ def test_input_dict_is_not_modified():
     copy = dict(params)
     parse_params(params, VOCAB, DEFAULT_MAX)
     assert params == copy
+
+
+def test_timeout_is_a_positive_number_of_seconds():
+    assert parse_params({}, 512, 16).timeout is None
+    assert parse_params({"timeout": 2.5}, 512, 16).timeout == 2.5
+    for bad in (0, -1, "1", float("inf"), 1e7):
+        with pytest.raises(InvalidRequest, match="timeout"):
+            parse_params({"timeout": bad}, 512, 16)
