@@ -17,6 +17,7 @@ from collections import defaultdict
 
 from mlxd.protocol import SamplingParams, Step, StepResult, TokenizedRequest, Usage, WorkerError
 from mlxd.runtime.kv_layout import cache_width as round_up
+from mlxd.scheduler_proc.request import Request
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 
 EOS = 2
@@ -78,6 +79,12 @@ class Harness:
             self.prompts[msg.rid] = list(msg.input_ids)
             self.s.add_request(msg)
             self._after(rejections_possible=True)
+
+    def add_past_the_length_check(self, msg):
+        """Queue a request the length rule would refuse (prompt + max_tokens beyond the
+        pool), to exercise the scheduler's own recovery when a request outgrows it."""
+        self.prompts[msg.rid] = list(msg.input_ids)
+        self.s.waiting.add(Request.from_message(msg, msg.max_new_tokens))
 
     def abort(self, rid):
         self.s.abort(rid)
