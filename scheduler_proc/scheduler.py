@@ -106,6 +106,14 @@ class Scheduler:
         self._prefilled = []
         self.kv.reset_tree()
 
+    def abandon_step(self, error: WorkerError) -> None:
+        """The worker has not answered the step in flight: running requests fail and
+        the cache is forgotten, as after a WorkerError. The worker, should it answer,
+        still holds their state, so the next Step releases them."""
+        held = list(self.running) + self._releases
+        self.fail_step(error)
+        self._releases = held
+
     # ---- outputs ------------------------------------------------------------
 
     def schedule(self) -> Step | None:

@@ -123,6 +123,15 @@ class Harness:
             self.pool[slot] = ("half-written",)
         self._after()
 
+    def abandon(self, step: Step, message="unresponsive"):
+        """The step outlives the watchdog: the scheduler fails its requests; then the
+        worker runs it late, keeping their state, and its answer is dropped."""
+        assert step is self.in_flight
+        self.s.abandon_step(WorkerError(step.step_id, message))
+        self._after()
+        self._run_worker(step)
+        self.in_flight = None
+
     def run_step(self) -> Step | None:
         step = self.schedule()
         if step is not None:

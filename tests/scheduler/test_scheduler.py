@@ -510,6 +510,27 @@ def test_fail_step_finishes_all_running_requests_with_the_error():
     assert h.final[4].finish_reason == "length"
 
 
+def test_an_abandoned_step_fails_running_requests_and_the_next_step_releases_them():
+    """The worker still holds the requests of a step it answered too late (and any
+    released while it ran): the next Step releases them all, so no KV slot leaks."""
+    h = Harness(kv_capacity=256)
+    h.add(*[make_request(rid, n=3 + rid, max_new=20) for rid in (1, 2, 3)])
+    for _ in range(3):
+        h.run_step()
+    step = h.schedule()
+    h.abort(3)                                    # released by the next Step
+    h.add(make_request(4, n=5, max_new=3))        # waits
+    h.abandon(step, "the worker is unresponsive")
+    assert [h.final[r].finish_reason for r in (1, 2, 3)] == ["error", "error", "abort"]
+    assert "unresponsive" in h.final[1].error and 4 not in h.final
+    assert sorted(h.batch) == [1, 2, 3]           # the worker's state after its late answer
+    nxt = h.run_step()
+    assert sorted(nxt.releases) == [1, 2, 3] and [p.rid for p in nxt.prefills] == [4]
+    h.run_until_idle()
+    assert h.final[4].finish_reason == "length" and not h.batch
+    h.assert_idle()
+
+
 def test_fail_step_keeps_waiting_requests():
     h = Harness(max_running_requests=1)
     h.add(make_request(1, max_new=10), make_request(2, max_new=2))
