@@ -627,9 +627,15 @@ def test_requests_too_long_or_empty_get_error_entries(harness):
     assert "KV cache" in by_rid[2].error and "KV cache" in by_rid[4].error
     harness.assert_no_step()
 
-    # 10 prompt tokens + 30 asked > 32 slots: accepted (max_new_tokens is not cut to
-    # the pool); it runs until the pool is full, then finishes with an error
+    # 10 prompt tokens + 30 asked > 32 slots: refused up front, nothing runs
     harness.request(5, list(range(1, 11)), max_new_tokens=30)
+    [refused] = harness.batch().entries
+    assert refused.rid == 5 and refused.finish_reason == "error" and refused.usage is None
+    assert "max_tokens" in refused.error and "32" in refused.error
+    harness.assert_no_step()
+
+    # 10 + 23 (the last token needs no slot) fill the 32 slots exactly: served
+    harness.request(6, list(range(1, 11)), max_new_tokens=23)
     steps, entries = [], []
     while not (entries and entries[-1].finish_reason):
         step = harness.step()
@@ -640,11 +646,10 @@ def test_requests_too_long_or_empty_get_error_entries(harness):
             entries += harness.batch().entries
     tokens = [t for e in entries for t in e.token_ids]
     assert tokens == list(range(100, 123))     # 10 + 22 decodes fill the 32 slots
-    assert entries[-1].finish_reason == "error" and entries[-1].token_ids == []
-    assert "KV" in entries[-1].error
+    assert entries[-1].finish_reason == "length"
     assert entries[-1].usage == Usage(prompt_tokens=10, completion_tokens=23, cached_tokens=0)
     check_step_slots(harness, steps)
-    harness.finish_releases({5})
+    harness.finish_releases({6})
     harness.assert_no_batch()
 
 
