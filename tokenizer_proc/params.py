@@ -1,4 +1,8 @@
-"""Validation of client parameters (OpenAI names) into what the scheduler needs."""
+"""Validation of client parameters (OpenAI names) into what the scheduler needs.
+
+Every accepted value samples sanely: a temperature below MIN_TEMPERATURE is greedy,
+and however small top_p is, its nucleus keeps the most likely token (the worker's
+sampling guarantees that where float32 rounds top_p to 0)."""
 
 import math
 from dataclasses import dataclass, field
