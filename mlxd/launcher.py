@@ -36,6 +36,8 @@ log = logging.getLogger("mlxd.launch")
 # The folder that holds the `mlxd` package: a source checkout, or site-packages.
 ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_SECONDS = 4.0
+IPC_PREFIX = "mlxd-"
+PID_FILE = "launcher.pid"   # in the ipc folder: which launcher owns it
 READY_PREFIX = "mlxd ready: "
 
 
@@ -109,11 +111,50 @@ class Child:
         return self.proc.poll() is None
 
 
+def make_ipc_dir() -> str:
+    """A private folder for the sockets, recording our pid; first removes the folders
+    of launchers that died without cleaning up (SIGKILL)."""
+    remove_stale_ipc_dirs(tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix=IPC_PREFIX)
+    Path(path, PID_FILE).write_text(str(os.getpid()))
+    return path
+
+
+def remove_stale_ipc_dirs(folder: str) -> list[str]:
+    """Remove the `mlxd-*` folders in `folder` whose recorded launcher is dead. A
+    folder without a readable pid file may not be ours, or is being made: kept."""
+    removed = []
+    for path in glob.glob(os.path.join(folder, IPC_PREFIX + "*")):
+        pid = _recorded_pid(path)
+        if pid is not None and not _pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _recorded_pid(path: str) -> int | None:
+    try:
+        text = Path(path, PID_FILE).read_text()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's live process
+        return True
+    return True
+
+
 class Launcher:
     def __init__(self, cfg: ServerFlags):
         self.cfg = cfg
         self.children: list[Child] = []
-        self.ipc_dir = tempfile.mkdtemp(prefix="mlxd-")
+        self.ipc_dir = make_ipc_dir()
         self.ctx = zmq.Context()
         self.ready_sock = self.ctx.socket(zmq.PULL)
         self.ready_sock.setsockopt(zmq.LINGER, 0)

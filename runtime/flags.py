@@ -69,6 +69,10 @@ class ServerFlags:
     blas: str = flag(
         "auto", "Linux: preload an optimized BLAS into the worker (`auto`: a system "
         "OpenBLAS, else MKL from the `mkl` wheel); `off`; or a library path")
+    worker_timeout: float = flag(
+        60.0, "seconds a Step may go unanswered before the worker counts as "
+        "unresponsive: its running requests then finish with an error, and later ones "
+        "wait for it", (SCHEDULER,))
     ready_timeout: float = flag(
         300.0, "seconds to wait for all processes to report ready")
     log_level: str = flag(

@@ -57,6 +57,8 @@ class SchedulerLoop:
         self.worker_decoder = Decoder(StepResult, WorkerError, WorkerReady)
         self.scheduler: Scheduler | None = None
         self.in_flight: int | None = None   # step_id sent and not yet answered
+        self.sent_at = 0.0                  # when it was sent (time.monotonic)
+        self.abandoned = False              # it outlived worker_timeout: its requests failed
         self.worker_limits: WorkerLimits | None = None
         self.worker_memory: dict = {}       # the latest step's memory figures
         self.timings = StepTimings()
@@ -96,7 +98,7 @@ class SchedulerLoop:
         while True:
             # 1. receive: block only when there is no step to build
             busy = self.in_flight is None and self.scheduler.has_work and not stalled
-            events = dict(poller.poll(0 if busy else None))
+            events = dict(poller.poll(0 if busy else self._watchdog_ms()))
             polled_at = time.perf_counter()
             if self.from_tokenizer in events:
                 self._drain_requests()
@@ -104,13 +106,14 @@ class SchedulerLoop:
                 self._drain_worker(polled_at)
             if self.wakeup in events:
                 drain(self.wakeup)   # the signal's handler raises Shutdown
+            self._watch_worker()
             # 2. schedule and send the next step as soon as the worker is free
             if self.in_flight is None:
                 step = self.scheduler.schedule()
                 stalled = step is None
                 if step is not None:
                     self.to_worker.send(encode(step))
-                    self.in_flight = step.step_id
+                    self.in_flight, self.sent_at = step.step_id, time.monotonic()
                 self._record_timing()
             # 3. stream everything this iteration produced, in one message
             entries = self.scheduler.take_outputs()
@@ -129,7 +132,7 @@ class SchedulerLoop:
             elif isinstance(msg, Abort):
                 self.scheduler.abort(msg.rid)
             elif isinstance(msg, GetStats):
-                stats = {**self.scheduler.stats(),
+                stats = {**self.scheduler.stats(), **self._worker_status(),
                          "worker": {**self.worker_limits.as_dict(), **self.worker_memory},
                          "timing": self.timings.summary()}
                 self.to_tokenizer.send(encode(Stats(msg.query_id, stats)))
@@ -143,7 +146,11 @@ class SchedulerLoop:
             msg = self._decode(self.worker_decoder, frame, "worker")
             if isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
                 self.in_flight = None
-                if isinstance(msg, StepResult):
+                if self.abandoned:   # its requests already failed; the next Step releases them
+                    self.abandoned = False
+                    log.warning("the worker answered step %d after %.1f s; answer dropped",
+                                msg.step_id, time.monotonic() - self.sent_at)
+                elif isinstance(msg, StepResult):
                     self._answered = (polled_at, msg.timing)
                     self.worker_memory = {"active_memory": msg.timing.active_memory,
                                           "peak_memory": msg.timing.peak_memory}
@@ -151,6 +158,30 @@ class SchedulerLoop:
                 else:
                     log.error("worker failed step %d: %s", msg.step_id, msg.message)
                     self.scheduler.fail_step(msg)
+
+    def _watchdog_ms(self) -> int | None:
+        """How long the poll may block: until the step in flight outlives the limit."""
+        if self.in_flight is None or self.abandoned:
+            return None
+        left = self.sent_at + self.cfg.flags.worker_timeout - time.monotonic()
+        return max(0, int(left * 1e3) + 1)
+
+    def _watch_worker(self) -> None:
+        """Past worker_timeout without an answer, fail the running requests; later
+        Steps wait until the worker answers the abandoned one."""
+        waited = time.monotonic() - self.sent_at
+        if self.in_flight is None or self.abandoned or waited < self.cfg.flags.worker_timeout:
+            return
+        self.abandoned = True
+        message = (f"the worker did not answer step {self.in_flight} within "
+                   f"{self.cfg.flags.worker_timeout:g} s (--worker-timeout); it is unresponsive")
+        log.error(message)
+        self.scheduler.abandon_step(WorkerError(self.in_flight, message))
+
+    def _worker_status(self) -> dict:
+        waited = time.monotonic() - self.sent_at if self.in_flight is not None else 0.0
+        return {"worker_status": "unresponsive" if self.abandoned else "ok",
+                "worker_step_seconds": round(waited, 3)}
 
     def _record_timing(self) -> None:
         """Scheduler time of a step: from its result's arrival to the next Step sent."""

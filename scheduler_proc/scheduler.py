@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from mlxd.protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
 from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
+from mlxd.runtime.request_limits import length_error, max_new_tokens
 
 from .kv_book import KVBook
 from .request import Request, Status
@@ -61,7 +62,7 @@ class Scheduler:
         if error:
             self._outbox.append(TokenEntry(msg.rid, [], [], finish_reason="error", error=error))
             return
-        max_new = min(msg.max_new_tokens, self.limits.max_context - len(msg.input_ids))
+        max_new = max_new_tokens(len(msg.input_ids), msg.max_new_tokens, self.limits.max_context)
         self.waiting.add(Request.from_message(msg, max_new))
 
     def abort(self, rid: int) -> None:
@@ -104,6 +105,14 @@ class Scheduler:
         self._releases.clear()
         self._prefilled = []
         self.kv.reset_tree()
+
+    def abandon_step(self, error: WorkerError) -> None:
+        """The worker has not answered the step in flight: running requests fail and
+        the cache is forgotten, as after a WorkerError. The worker, should it answer,
+        still holds their state, so the next Step releases them."""
+        held = list(self.running) + self._releases
+        self.fail_step(error)
+        self._releases = held
 
     # ---- outputs ------------------------------------------------------------
 
@@ -280,12 +289,10 @@ class Scheduler:
         n = len(msg.input_ids)
         if n == 0:
             return "the prompt is empty"
-        if n >= self.limits.max_context:
-            return (f"the prompt has {n} tokens; the model's context is "
-                    f"{self.limits.max_context} tokens")
-        if n >= self.limits.kv_capacity:
-            return (f"the prompt has {n} tokens; the KV cache holds "
-                    f"{self.limits.kv_capacity} tokens")
+        error = length_error(n, msg.max_new_tokens, self.limits.max_context,
+                             self.limits.kv_capacity)
+        if error:
+            return error
         if msg.rid in self.running or self.waiting.find(msg.rid) is not None:
             return f"request id {msg.rid} is already in use"
         vocab = self.limits.vocab_size

@@ -1,4 +1,8 @@
-"""Validation of client parameters (OpenAI names) into what the scheduler needs."""
+"""Validation of client parameters (OpenAI names) into what the scheduler needs.
+
+Every accepted value samples sanely: a temperature below MIN_TEMPERATURE is greedy,
+and however small top_p is, its nucleus keeps the most likely token (the worker's
+sampling guarantees that where float32 rounds top_p to 0)."""
 
 import math
 from dataclasses import dataclass, field
@@ -7,7 +11,11 @@ from mlxd.protocol import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256      # characters per stop string: the held-back text grows with it
 MAX_SEED = 2**63 - 1
+# Below this a temperature is greedy (as in vLLM): dividing logprobs by a smaller one
+# overflows, and a float32 temperature of 0 would give NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -61,6 +69,10 @@ def _stop_strings(params) -> list[str]:
         raise InvalidRequest("stop must be a non-empty string or a list of them")
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_LENGTH:
+        raise InvalidRequest(f"stop strings may have at most {MAX_STOP_LENGTH} "
+                             f"characters, got one of {longest}")
     return stop
 
 
@@ -72,6 +84,12 @@ def _token_ids(params, name, vocab_size) -> list[int]:
                                             for t in ids):
         raise InvalidRequest(f"{name} must be a list of token ids in [0, {vocab_size})")
     return ids
+
+
+def _temperature(params) -> float:
+    """0 means greedy; so does anything below MIN_TEMPERATURE."""
+    value = _number(params, "temperature", 0.0, lo=0.0)
+    return 0.0 if value < MIN_TEMPERATURE else value
 
 
 def _seed(params):
@@ -110,7 +128,7 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
     top_k = _integer(params, "top_k", 0, -1, 2**31 - 1)
     logprobs = _flag(params, "logprobs")
     sampling = SamplingParams(
-        temperature=_number(params, "temperature", 0.0, lo=0.0),
+        temperature=_temperature(params),
         top_p=_number(params, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=max(top_k, 0),   # -1 means disabled, as in vLLM
         min_p=_number(params, "min_p", 0.0, lo=0.0, hi=1.0),

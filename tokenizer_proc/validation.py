@@ -5,6 +5,7 @@ leaves room in the model's context and the KV pool."""
 from typing import Protocol
 
 from mlxd.protocol import GenerateRequest
+from mlxd.runtime.request_limits import length_error
 
 from .params import InvalidRequest
 from .text import TextCodec
@@ -74,17 +75,17 @@ def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
     return ids
 
 
-def check_length(n: int, limits: ModelLimits | None) -> None:
-    """A prompt of n tokens must leave room for one generated token in the model's
-    context and in the KV pool (the scheduler rejects the same prompts)."""
+def check_length(n: int, limits: ModelLimits | None, max_tokens: int = 1) -> None:
+    """A prompt of n tokens must leave room in the model's context for one generated
+    token, and n plus max_tokens (clamped to the context) must fit in the KV pool;
+    the scheduler rejects the same requests (runtime/request_limits.py). Figures the
+    worker reports as 0 are unknown and unchecked."""
     if limits is None:
         return
-    if limits.max_context and n >= limits.max_context:
-        raise InvalidRequest(f"the prompt has {n} tokens; the model's context is "
-                             f"{limits.max_context} tokens")
-    if limits.kv_capacity and n >= limits.kv_capacity:
-        raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds "
-                             f"{limits.kv_capacity} tokens")
+    error = length_error(n, max_tokens, limits.max_context or n + max_tokens + 1,
+                         limits.kv_capacity or n + max_tokens + 1)
+    if error:
+        raise InvalidRequest(error)
 
 
 def checked_messages(messages: list) -> list[dict]:

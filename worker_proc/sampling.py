@@ -54,6 +54,8 @@ def _filter(x: mx.array, params: list[SamplingParams]) -> mx.array:
             probs = mx.softmax(sorted_x, axis=-1)
             keep = (mx.cumsum(probs, axis=-1) - probs) < top_p
             nucleus = mx.min(mx.where(keep, sorted_x, mx.inf), axis=-1, keepdims=True)
+            # a top_p that underflows float32 keeps nothing: the most likely token stays
+            nucleus = mx.minimum(nucleus, sorted_x[:, :1])
             kth = mx.maximum(kth, nucleus)
         x = _mask_below(x, kth)
     if any(p.min_p > 0.0 for p in params):

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 from mlxd.protocol import SamplingParams, Step, StepResult, TokenizedRequest, Usage, WorkerError
 from mlxd.runtime.kv_layout import cache_width as round_up
+from mlxd.scheduler_proc.request import Request
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 
 EOS = 2
@@ -79,6 +80,12 @@ class Harness:
             self.s.add_request(msg)
             self._after(rejections_possible=True)
 
+    def add_past_the_length_check(self, msg):
+        """Queue a request the length rule would refuse (prompt + max_tokens beyond the
+        pool), to exercise the scheduler's own recovery when a request outgrows it."""
+        self.prompts[msg.rid] = list(msg.input_ids)
+        self.s.waiting.add(Request.from_message(msg, msg.max_new_tokens))
+
     def abort(self, rid):
         self.s.abort(rid)
         self._after()
@@ -115,6 +122,15 @@ class Harness:
         for slot in step.decode_slot_ids + [s for p in step.prefills for s in p.new_slot_ids]:
             self.pool[slot] = ("half-written",)
         self._after()
+
+    def abandon(self, step: Step, message="unresponsive"):
+        """The step outlives the watchdog: the scheduler fails its requests; then the
+        worker runs it late, keeping their state, and its answer is dropped."""
+        assert step is self.in_flight
+        self.s.abandon_step(WorkerError(step.step_id, message))
+        self._after()
+        self._run_worker(step)
+        self.in_flight = None
 
     def run_step(self) -> Step | None:
         step = self.schedule()

@@ -1,6 +1,8 @@
 """Regression tests for defects found in review: decode-width and memory budgets, and
 the longest prompt the tokenizer and scheduler accept."""
 
+import pytest
+
 from mlxd.runtime.kv_layout import cache_width as round_up
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.tokenizer_proc.params import InvalidRequest
@@ -35,21 +37,46 @@ def test_a_chunked_prefill_respects_the_decode_width_budget():
     assert h.s.num_retractions == 0
 
 
-def test_tokenizer_and_scheduler_agree_on_the_longest_prompt():
-    """Both reject a prompt of exactly kv_capacity tokens, so the client gets the
-    documented ErrorReply(code="invalid_request"), never a late "error" chunk."""
+@pytest.mark.parametrize("n,max_tokens", [
+    (1000, 1), (999, 1), (999, 2), (999, 3), (500, 501), (500, 502), (1, 1000),
+    (1, 1001), (10, 10**6), (4095, 10**6), (4096, 1),
+])
+@pytest.mark.parametrize("max_context", [4096, 1200, 600])
+def test_tokenizer_and_scheduler_agree_on_the_longest_request(n, max_tokens, max_context):
+    """Both judge prompt + max_tokens (clamped to the context) against the 1000-slot
+    pool and the context alike, so the client gets the documented
+    ErrorReply(code="invalid_request"), never a late "error" chunk."""
     cap = 1000
     try:
-        check_length(cap, worker_limits(kv_capacity=cap, max_context=4096))
+        check_length(n, worker_limits(kv_capacity=cap, max_context=max_context), max_tokens)
         tokenizer_accepts = True
     except InvalidRequest:
         tokenizer_accepts = False
-    s = Scheduler(SchedulerLimits(kv_capacity=cap, max_context=4096))
-    s.add_request(make_request(1, n=cap, max_new=1))
+    s = Scheduler(SchedulerLimits(kv_capacity=cap, max_context=max_context))
+    s.add_request(make_request(1, n=n, max_new=max_tokens))
     [rejected] = s.take_outputs() or [None]
     scheduler_accepts = rejected is None
     assert tokenizer_accepts == scheduler_accepts, (
         f"tokenizer accepts={tokenizer_accepts}, scheduler says: {rejected and rejected.error}")
+
+
+@pytest.mark.parametrize("n,max_tokens,accepted", [
+    (4, 997, True), (4, 998, False), (999, 1, True), (999, 2, True), (999, 3, False),
+    (1000, 1, False),
+])
+def test_the_tokenizer_refuses_a_request_bigger_than_the_pool(n, max_tokens, accepted):
+    """n prompt slots plus one per generated token but the last must fit 1000 slots."""
+    limits = worker_limits(kv_capacity=1000, max_context=4096)
+    if accepted:
+        check_length(n, limits, max_tokens)
+    else:
+        with pytest.raises(InvalidRequest, match="KV cache holds 1000"):
+            check_length(n, limits, max_tokens)
+
+
+def test_the_tokenizer_clamps_max_tokens_to_the_context_before_the_pool_check():
+    """A default max_tokens beyond the context is clamped first: 10 + 90 fits 1000."""
+    check_length(10, worker_limits(kv_capacity=1000, max_context=100), 10**6)
 
 
 def test_overlap_decode_caches_stay_within_the_width_budget(llama_model):

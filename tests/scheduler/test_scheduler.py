@@ -335,9 +335,37 @@ def test_max_new_tokens_is_capped_by_the_context(max_context, n, asked, expected
     h.assert_idle()
 
 
+@pytest.mark.parametrize("n,max_new,accepted", [
+    (4, 37, True), (4, 38, False), (39, 2, True), (39, 3, False), (4, 10**6, False),
+])
+def test_a_request_bigger_than_the_pool_is_refused_up_front(n, max_new, accepted):
+    """Prompt + max_tokens (the last token needs no KV) must fit the 40-slot pool."""
+    h = Harness(kv_capacity=40, max_context=4096)
+    h.add(make_request(1, n=n, max_new=max_new))
+    if accepted:
+        assert 1 not in h.final
+        h.run_until_idle(limit=200)
+        assert h.final[1].finish_reason == "length" and len(h.output(1)) == max_new
+    else:
+        final = h.final[1]
+        assert final.finish_reason == "error" and h.output(1) == []
+        assert "max_tokens" in final.error and "40" in final.error
+        assert h.run_step() is None
+    h.assert_idle()
+
+
+def test_max_tokens_beyond_the_context_is_clamped_before_the_pool_check():
+    """max_tokens larger than the context leaves is clamped, not refused: 4 + 36 fits."""
+    h = Harness(kv_capacity=40, max_context=40)
+    h.add(make_request(1, n=4, max_new=10**6))
+    h.run_until_idle(limit=200)
+    assert h.final[1].finish_reason == "length" and len(h.output(1)) == 36
+    h.assert_idle()
+
+
 def test_a_request_that_outgrows_the_pool_alone_finishes_with_an_error():
     h = Harness(kv_capacity=40)
-    h.add(make_request(1, n=4, max_new=100))
+    h.add_past_the_length_check(make_request(1, n=4, max_new=100))
     h.run_until_idle()
     final = h.final[1]
     assert final.finish_reason == "error" and final.token_ids == []
@@ -351,7 +379,8 @@ def test_a_request_that_outgrows_the_pool_alone_finishes_with_an_error():
 def test_a_request_too_big_to_run_alone_errors_and_the_others_go_on():
     h = Harness(kv_capacity=64)
     h.token_fn = by_position
-    h.add(make_request(1, n=4, max_new=200), make_request(2, n=4, max_new=30))
+    h.add_past_the_length_check(make_request(1, n=4, max_new=200))
+    h.add(make_request(2, n=4, max_new=30))
     h.run_until_idle()
     assert h.final[1].finish_reason == "error" and "KV" in h.final[1].error
     assert h.final[2].finish_reason == "length"
@@ -479,6 +508,27 @@ def test_fail_step_finishes_all_running_requests_with_the_error():
     assert prefilled(h.run_step()) == [4]
     h.run_until_idle()
     assert h.final[4].finish_reason == "length"
+
+
+def test_an_abandoned_step_fails_running_requests_and_the_next_step_releases_them():
+    """The worker still holds the requests of a step it answered too late (and any
+    released while it ran): the next Step releases them all, so no KV slot leaks."""
+    h = Harness(kv_capacity=256)
+    h.add(*[make_request(rid, n=3 + rid, max_new=20) for rid in (1, 2, 3)])
+    for _ in range(3):
+        h.run_step()
+    step = h.schedule()
+    h.abort(3)                                    # released by the next Step
+    h.add(make_request(4, n=5, max_new=3))        # waits
+    h.abandon(step, "the worker is unresponsive")
+    assert [h.final[r].finish_reason for r in (1, 2, 3)] == ["error", "error", "abort"]
+    assert "unresponsive" in h.final[1].error and 4 not in h.final
+    assert sorted(h.batch) == [1, 2, 3]           # the worker's state after its late answer
+    nxt = h.run_step()
+    assert sorted(nxt.releases) == [1, 2, 3] and [p.rid for p in nxt.prefills] == [4]
+    h.run_until_idle()
+    assert h.final[4].finish_reason == "length" and not h.batch
+    h.assert_idle()
 
 
 def test_fail_step_keeps_waiting_requests():
@@ -1053,7 +1103,7 @@ def test_a_request_retracted_while_prefilling_in_chunks():
 
 def test_abort_of_a_retracted_request():
     h = Harness(kv_capacity=64)
-    h.add(make_request(1, n=4, max_new=60), make_request(2, n=10, max_new=60))
+    h.add(make_request(1, n=4, max_new=60), make_request(2, n=10, max_new=55))
     while not h.retracted:
         h.run_step()
     assert h.s.waiting[0].rid == 2

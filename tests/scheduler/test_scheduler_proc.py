@@ -456,6 +456,63 @@ def test_worker_error_fails_running_requests_and_scheduler_keeps_serving(sched):
     sched.finish_releases({3})
 
 
+def _stats(h: Harness, query_id: int) -> dict:
+    h.requests.send(encode(GetStats(query_id)))
+    reply = h._recv(h.batches, Decoder(Stats), "Stats")
+    assert reply.query_id == query_id
+    return reply.stats
+
+
+def test_an_unresponsive_worker_fails_running_requests_and_its_late_answer_is_dropped(
+        harness):
+    harness.spawn("--worker-timeout", "1")
+    harness.worker_ready()
+    assert _stats(harness, 1)["worker_status"] == "ok"
+    harness.request(1, [1, 2, 3], max_new_tokens=20)
+    harness.request(2, [4, 5], max_new_tokens=20)
+    while True:      # until both requests are decoding
+        step = harness.step()
+        if sorted(step.decode_rids) == [1, 2]:
+            break
+        rids = step.decode_rids + [p.rid for p in step.prefills]
+        harness.answer(step, {r: 9 for r in rids})
+        harness.batch()
+    # the worker hangs: the step goes unanswered past the limit
+    entries = sorted(harness.batch().entries, key=lambda e: e.rid)
+    assert [e.rid for e in entries] == [1, 2]
+    for e in entries:
+        assert e.finish_reason == "error" and e.token_ids == []
+        assert "unresponsive" in e.error and f"step {step.step_id}" in e.error
+    stats = _stats(harness, 2)
+    assert stats["worker_status"] == "unresponsive" and stats["worker_step_seconds"] >= 1
+    assert stats["running"] == 0
+    harness.request(3, [7, 8, 9, 10], max_new_tokens=2)
+    harness.assert_no_step()            # a later request waits for the worker
+
+    harness.answer(step, {1: 50, 2: 51})   # it comes back: the late answer is dropped
+    first = harness.step()
+    assert sorted(first.releases) == [1, 2] and first.decode_rids == []
+    assert [p.rid for p in first.prefills] == [3]
+    harness.answer(first, {3: 30})
+    [entry] = harness.batch().entries
+    assert (entry.rid, entry.token_ids) == (3, [30])
+    assert _stats(harness, 3)["worker_status"] == "ok"
+    out = harness.serve({3: [31]})
+    assert out["entries"][3][-1].finish_reason == "length"
+    check_step_slots(harness, [first] + out["steps"])
+    harness.finish_releases({3})
+
+
+def test_a_worker_answering_in_time_is_not_abandoned(harness):
+    harness.spawn("--worker-timeout", "30")
+    harness.worker_ready()
+    harness.request(1, [1, 2], max_new_tokens=3)
+    out = harness.serve({1: [5, 6, 7]})
+    assert [e.finish_reason for e in out["entries"][1]] == [None, None, "length"]
+    assert _stats(harness, 1)["worker_status"] == "ok"
+    harness.finish_releases({1})
+
+
 # ---- malformed input ---------------------------------------------------------------
 
 SP = [0.0, 1.0, 0, 0.0, None, 0]
@@ -570,9 +627,15 @@ def test_requests_too_long_or_empty_get_error_entries(harness):
     assert "KV cache" in by_rid[2].error and "KV cache" in by_rid[4].error
     harness.assert_no_step()
 
-    # 10 prompt tokens + 30 asked > 32 slots: accepted (max_new_tokens is not cut to
-    # the pool); it runs until the pool is full, then finishes with an error
+    # 10 prompt tokens + 30 asked > 32 slots: refused up front, nothing runs
     harness.request(5, list(range(1, 11)), max_new_tokens=30)
+    [refused] = harness.batch().entries
+    assert refused.rid == 5 and refused.finish_reason == "error" and refused.usage is None
+    assert "max_tokens" in refused.error and "32" in refused.error
+    harness.assert_no_step()
+
+    # 10 + 23 (the last token needs no slot) fill the 32 slots exactly: served
+    harness.request(6, list(range(1, 11)), max_new_tokens=23)
     steps, entries = [], []
     while not (entries and entries[-1].finish_reason):
         step = harness.step()
@@ -583,11 +646,10 @@ def test_requests_too_long_or_empty_get_error_entries(harness):
             entries += harness.batch().entries
     tokens = [t for e in entries for t in e.token_ids]
     assert tokens == list(range(100, 123))     # 10 + 22 decodes fill the 32 slots
-    assert entries[-1].finish_reason == "error" and entries[-1].token_ids == []
-    assert "KV" in entries[-1].error
+    assert entries[-1].finish_reason == "length"
     assert entries[-1].usage == Usage(prompt_tokens=10, completion_tokens=23, cached_tokens=0)
     check_step_slots(harness, steps)
-    harness.finish_releases({5})
+    harness.finish_releases({6})
     harness.assert_no_batch()
 
 

@@ -154,3 +154,35 @@ def test_demo_model_is_built_and_served(tmp_path):
         assert (tmp_path / "demo-llama-h256-l4-v1" / "config.json").exists()
     finally:
         server.stop()
+
+
+def test_a_stopped_worker_fails_running_requests_and_serving_resumes_after_it(llama_model):
+    """SIGSTOP on the worker: past --worker-timeout the running request ends with an
+    error and stats say so; after SIGCONT the server serves again."""
+    s = Server(llama_model, "--kv-capacity", "4096", "--log-level", "warning",
+               "--worker-timeout", "3")
+    worker = s.child("worker_proc")
+    try:
+        with Client(s.address, timeout=60) as c:
+            c.generate("Hello", max_tokens=2)          # the first steps compile
+            stream = c.stream("Hello", max_tokens=3000, ignore_eos=True)
+            next(stream)
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                last = list(stream)[-1]
+                assert last.finish_reason == "error" and "unresponsive" in last.error
+                stats = c.stats()
+                assert stats["worker_status"] == "unresponsive" and stats["running"] == 0
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            result = c.generate("Hi", max_tokens=4, ignore_eos=True)
+            assert result.finish_reason == "length" and result.usage["completion_tokens"] == 4
+            stats = c.stats()
+            assert stats["worker_status"] == "ok" and stats["running"] == 0
+            assert stats["used_slots"] == 0   # no slot leaked
+            assert stats["free_slots"] + stats["cached_slots"] == stats["capacity"]
+        assert s.proc.poll() is None
+    finally:
+        if pid_alive(worker):
+            os.kill(worker, signal.SIGCONT)
+        s.stop()

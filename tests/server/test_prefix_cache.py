@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from mlxd.client import AsyncClient, Client
+from mlxd.client import AsyncClient, Client, MlxdError
 from support import Server, reference_tokens
 
 MAX_TOKENS = 16
@@ -138,14 +138,20 @@ def test_a_flood_on_a_small_cache_completes_by_retraction(llama_model):
     assert stats["worker"]["peak_memory"] < 2 * 1024**3
 
 
-def test_a_request_too_big_for_the_pool_gets_an_error(llama_model):
+def test_a_request_too_big_for_the_pool_gets_an_error_up_front(llama_model):
+    """100 prompt tokens + max_tokens 100 cannot fit 128 slots: refused before any
+    token is generated (by the tokenizer's check, or else by the scheduler's)."""
     server = Server(llama_model, "--kv-capacity", "128", "--log-level", "warning")
     try:
         with Client(server.address, timeout=60) as c:
-            result = c.generate(input_ids=random_ids(100, seed=50), max_tokens=100,
-                                ignore_eos=True)
-            assert result.finish_reason == "error" and "KV" in result.error
-            assert len(result.token_ids) > 0
+            try:
+                result = c.generate(input_ids=random_ids(100, seed=50), max_tokens=100,
+                                    ignore_eos=True)
+            except MlxdError as err:
+                assert err.code == "invalid_request" and "max_tokens" in str(err)
+            else:
+                assert result.finish_reason == "error" and "max_tokens" in result.error
+                assert result.token_ids == []
             ok = c.generate(input_ids=random_ids(10, seed=51), max_tokens=5)
             assert ok.finish_reason in ("length", "stop")
     finally:

@@ -6,7 +6,8 @@ import pytest
 
 from mlxd.protocol import SamplingParams
 from mlxd.tokenizer_proc.params import (
-    KNOWN, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, InvalidRequest, parse_params,
+    KNOWN, MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, MIN_TEMPERATURE,
+    InvalidRequest, parse_params,
 )
 
 VOCAB = 512
@@ -69,6 +70,30 @@ def test_valid_sampling_values(name, value, field, expected):
     sampling = parse(**{name: value}).sampling
     got = getattr(sampling, field)
     assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize("value", [1e-300, 5e-324, 1e-40, 1e-6, MIN_TEMPERATURE / 2])
+def test_a_temperature_below_the_minimum_is_greedy(value):
+    sampling = parse(temperature=value).sampling
+    assert sampling.temperature == 0.0 and sampling.greedy
+
+
+def test_the_minimum_temperature_samples():
+    assert not parse(temperature=MIN_TEMPERATURE).sampling.greedy
+
+
+def test_stop_strings_up_to_the_length_cap():
+    longest = "x" * MAX_STOP_LENGTH
+    assert parse(stop=longest).stop == [longest]
+    assert parse(stop=["a", longest]).stop == ["a", longest]
+
+
+@pytest.mark.parametrize("value", ["x" * (MAX_STOP_LENGTH + 1), ["a", "y" * 10**6]],
+                         ids=["one-over", "a-million"])
+def test_stop_strings_over_the_length_cap(value):
+    with pytest.raises(InvalidRequest, match="stop") as info:
+        parse(stop=value)
+    assert str(MAX_STOP_LENGTH) in str(info.value)
 
 
 def test_temperature_makes_sampling_non_greedy():

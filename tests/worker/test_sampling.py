@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mlxd.protocol import SamplingParams
+from mlxd.tokenizer_proc.params import parse_params
 from mlxd.worker_proc.sampling import RowState, sample, top_lists
 
 VOCAB = 64
@@ -164,6 +165,22 @@ def test_filters_that_leave_only_the_argmax(params):
     for seed in range(4):
         logits_row = random_logits(seed, scale=1.0)[0]
         tokens = draw_many(logits_row, params, list(range(150)))
+        assert set(tokens) == {int(logits_row.argmax())}
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 1e-300}, {"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300},
+    {"temperature": 1e-300, "top_p": 1e-300, "min_p": 1e-300},
+    {"temperature": 2.0, "top_p": 5e-324, "top_k": 3},
+])
+def test_tiny_accepted_values_give_the_argmax(params):
+    """Values that underflow float32 pass validation and still pick the argmax
+    (not token 0 from an all -inf row)."""
+    sampling = parse_params(params, VOCAB, 1).sampling
+    for seed in range(3):
+        logits_row = random_logits(seed, scale=1.0)[0]
+        logits_row[0] = logits_row.min() - 1.0   # token 0 is never the answer
+        tokens = draw_many(logits_row, sampling, list(range(20)))
         assert set(tokens) == {int(logits_row.argmax())}
 
 
