@@ -276,8 +276,8 @@ class TokenizerCore:
 
     def _tokenized(self, pending: "Pending") -> TokenizedRequest:
         input_ids = prompt_ids(pending.req, self.codec, pending.vocab_size, pending.max_chars)
-        check_length(len(input_ids), pending.limits)
         params = pending.params
+        check_length(len(input_ids), pending.limits, params.max_tokens)
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += self.codec.eos_token_ids
