@@ -159,6 +159,9 @@ class AsyncClient:
         let the aborts leave for up to ABORT_LINGER_MS, and release the socket."""
         if self._closed:
             return
+        await asyncio.sleep(0)   # aborts of streams dropped just before go out first
+        if self._closed:
+            return
         self._closed = True
         linger = self._abort_in_flight()
         for task in self._tasks:
