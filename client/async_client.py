@@ -1,8 +1,10 @@
 """AsyncClient: many requests in flight over one DEALER socket.
 
 One reader task routes every reply to its request's queue by rid. A request
-never waits forever: if nothing arrives for `timeout` seconds, or the server's
-connection drops, it fails with MlxdError.
+never waits forever: if nothing arrives for `timeout` seconds, the server's
+connection drops, or no connection exists, it fails with MlxdError. A request
+the client abandons (timed out, stream dropped or closed early, client closed)
+is aborted on the server, which would otherwise run it on for nobody.
 """
 
 import asyncio
@@ -11,7 +13,6 @@ import uuid
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
 
 from mlxd.protocol import (
     AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StatsReply,
@@ -19,14 +20,19 @@ from mlxd.protocol import (
 )
 from mlxd.runtime.aio import LoopSocket
 
+from .connection import EVENTS, Connection
 from .types import Chunk, MlxdError, Result
 
 log = logging.getLogger("mlxd.client")
 
+CONNECT_GRACE_S = 1.5    # how long a call waits for a connection before "unavailable"
+ABORT_LINGER_MS = 500    # how long close() lets its aborts leave
+
 
 class AsyncStream:
     """Async iterator of Chunks for one request; `rid` names it for abort().
-    The request is sent when iteration starts (or on `await stream.start()`)."""
+    The request is sent when iteration starts (or on `await stream.start()`).
+    Closing it (`aclose()`) or dropping it before its finish chunk aborts it."""
 
     def __init__(self, client: "AsyncClient", request: GenerateRequest):
         self.rid = request.rid
@@ -36,8 +42,12 @@ class AsyncStream:
         self._done = False
 
     async def start(self) -> "AsyncStream":
-        if self._queue is None:
-            self._queue = await self._client._send(self._request)
+        if self._queue is None and not self._done:
+            try:
+                self._queue = await self._client._send(self._request)
+            except BaseException:
+                self._done = True
+                raise
         return self
 
     def __aiter__(self):
@@ -51,6 +61,7 @@ class AsyncStream:
             msg = await asyncio.wait_for(self._queue.get(), self._client.timeout)
         except asyncio.TimeoutError:
             self._finish()
+            await self._client._abort_quietly(self.rid)
             raise MlxdError("timeout", f"no reply for {self._client.timeout} s") from None
         if isinstance(msg, MlxdError):
             self._finish()
@@ -67,6 +78,21 @@ class AsyncStream:
     async def abort(self) -> None:
         await self._client.abort(self.rid)
 
+    async def aclose(self) -> None:
+        """Stop reading; a request still running is aborted."""
+        if self._queue is not None and not self._done:
+            self._finish()
+            await self._client._abort_quietly(self.rid)
+        self._done = True
+
+    def _abandon(self) -> None:
+        if self._queue is not None and not self._done:
+            self._done = True
+            self._client._abandon(self.rid)
+
+    def __del__(self):
+        self._abandon()
+
 
 class AsyncClient:
     def __init__(self, address: str, timeout: float | None = 600.0):
@@ -77,13 +103,15 @@ class AsyncClient:
         # than zmq.asyncio; see runtime/aio.py); its monitor is a zmq.asyncio socket
         self._sock = zmq.Socket(self._ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(EVENTS)
         self._sock.connect(address)
         self._io: LoopSocket | None = None   # made in the event loop, at first use
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._connection: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}   # rid -> its replies, while in flight
         self._decoder = Decoder(StreamChunk, ErrorReply, StatsReply)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
 
     # ---- public surface ----------------------------------------------------
 
@@ -92,8 +120,11 @@ class AsyncClient:
                        **params) -> Result:
         stream = AsyncStream(self, _request(prompt, input_ids, messages, rid, params, False))
         result = Result(stream.rid)
-        async for chunk in stream:
-            result.add(chunk)
+        try:
+            async for chunk in stream:
+                result.add(chunk)
+        finally:
+            stream._abandon()   # cancelled while waiting: abort it on the server
         return result
 
     async def chat(self, messages: list[dict], **params) -> Result:
@@ -112,10 +143,8 @@ class AsyncClient:
         """The server's counters: waiting / running requests, free / cached / used KV
         slots, retractions, and the worker's memory and last step timing."""
         rid = uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
+        queue = await self._register(rid, encode(StatsRequest(rid)))
         try:
-            await self._channel().send(encode(StatsRequest(rid)))
             msg = await asyncio.wait_for(queue.get(), self.timeout)
         except asyncio.TimeoutError:
             raise MlxdError("timeout", f"no reply for {self.timeout} s") from None
@@ -126,13 +155,22 @@ class AsyncClient:
         return msg.stats
 
     async def close(self) -> None:
+        """Abort every request still in flight (their callers get MlxdError("closed")),
+        let the aborts leave for up to ABORT_LINGER_MS, and release the socket."""
+        if self._closed:
+            return
+        await asyncio.sleep(0)   # aborts of streams dropped just before go out first
+        if self._closed:
+            return
+        self._closed = True
+        linger = self._abort_in_flight()
         for task in self._tasks:
             task.cancel()
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         if self._io is not None:
-            self._io.close(linger=0)
-        self._sock.close(linger=0)
+            self._io.close(linger=linger)
+        self._sock.close(linger=linger)
         self._ctx.term()
 
     async def __aenter__(self):
@@ -144,21 +182,39 @@ class AsyncClient:
     # ---- internals ---------------------------------------------------------
 
     async def _send(self, request: GenerateRequest) -> asyncio.Queue:
+        return await self._register(request.rid, _encode_request(request))
+
+    async def _register(self, rid: str, frame: bytes) -> asyncio.Queue:
+        """Send `frame` once connected; the queue its replies go to until popped."""
         channel = self._channel()
-        if request.rid in self._queues:
-            raise MlxdError("duplicate_rid", f"request id {request.rid!r} is already in flight")
+        await self._connection.ready(CONNECT_GRACE_S)
+        if rid in self._queues:
+            raise MlxdError("duplicate_rid", f"request id {rid!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request.rid] = queue
-        await channel.send(encode(request))
+        self._queues[rid] = queue
+        try:
+            await channel.send(frame)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
         return queue
 
     def _channel(self) -> LoopSocket:
         """The socket, in the running loop, with its reader tasks started."""
+        if self._closed:
+            raise MlxdError("closed", "the client is closed")
         if self._io is None:
+            self._loop = asyncio.get_running_loop()
             self._io = LoopSocket(self._sock)
-            self._tasks = [asyncio.ensure_future(self._read_replies(self._io)),
-                           asyncio.ensure_future(self._watch_connection())]
+            self._connection = Connection(self._monitor, self.address, self._fail_all)
+            self._spawn(self._read_replies(self._io))
+            self._spawn(self._connection.watch())
         return self._io
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _read_replies(self, channel: LoopSocket) -> None:
         while True:
@@ -179,20 +235,51 @@ class AsyncClient:
             if queue is not None:
                 queue.put_nowait(msg)
 
-    async def _watch_connection(self) -> None:
-        connected = False
-        while True:
-            event = await recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_CONNECTED:
-                connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
-                connected = False
-                self._fail_all(MlxdError("disconnected", f"lost the connection to {self.address}"))
-
     def _fail_all(self, error: MlxdError) -> None:
         for queue in self._queues.values():
             queue.put_nowait(error)
 
+    async def _abort_quietly(self, rid: str) -> None:
+        if not self._closed:
+            await self.abort(rid)
+
+    def _abandon(self, rid: str) -> None:
+        """Forget `rid` and abort it on the server. Safe from any thread, since a
+        stream's finaliser runs wherever its last reference goes."""
+        if self._loop is None or self._closed:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._abort_abandoned, rid)
+        except RuntimeError:   # the loop is closed: so is the client
+            pass
+
+    def _abort_abandoned(self, rid: str) -> None:
+        if not self._closed and self._queues.pop(rid, None) is not None:
+            self._spawn(self._abort_quietly(rid))
+
+    def _abort_in_flight(self) -> int:
+        """Queue an abort for each request in flight and fail its caller; the linger
+        (ms) that lets the aborts leave."""
+        if not self._queues:
+            return 0
+        for rid in self._queues:
+            try:   # never block while closing: at the high-water mark, drop the abort
+                self._sock.send(encode(AbortRequest(rid)), zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        self._fail_all(MlxdError("closed", "the client was closed"))
+        self._queues.clear()
+        return ABORT_LINGER_MS if self._connection is not None and self._connection.up else 0
+
 
 def _request(prompt, input_ids, messages, rid, params, stream) -> GenerateRequest:
     return GenerateRequest(rid or uuid.uuid4().hex, prompt, messages, input_ids, params, stream)
+
+
+def _encode_request(request: GenerateRequest) -> bytes:
+    try:
+        return encode(request)
+    except (TypeError, ValueError, OverflowError) as exc:   # what msgpack raises
+        raise MlxdError("invalid_request",
+                        f"request {request.rid!r} cannot be encoded: {exc}") from None
+

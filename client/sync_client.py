@@ -5,11 +5,13 @@ import asyncio
 import threading
 
 from .async_client import AsyncClient, AsyncStream
-from .types import Chunk, Result
+from .types import Chunk, MlxdError, Result
 
 
 class Stream:
-    """Iterator of Chunks for one request; `rid` names it for abort()."""
+    """Iterator of Chunks for one request; `rid` names it for abort(). Closing it
+    (`close()`, leaving `with stream:`) or dropping it before its finish chunk (as
+    breaking out of `for chunk in client.stream(...)` does) aborts the request."""
 
     def __init__(self, client: "Client", inner: AsyncStream):
         self.rid = inner.rid
@@ -28,6 +30,16 @@ class Stream:
     def abort(self) -> None:
         self._client.abort(self.rid)
 
+    def close(self) -> None:
+        if not self._client.closed:
+            self._client._call(self._inner.aclose())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 class Client:
     def __init__(self, address: str, timeout: float | None = 600.0):
@@ -38,6 +50,9 @@ class Client:
         self._inner: AsyncClient = self._call(_make(address, timeout))
 
     def _call(self, coro):
+        if self._loop.is_closed():
+            coro.close()
+            raise MlxdError("closed", "the client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
@@ -57,10 +72,16 @@ class Client:
     def stats(self) -> dict:
         return self._call(self._inner.stats())
 
+    @property
+    def closed(self) -> bool:
+        return self._loop.is_closed()
+
     def close(self) -> None:
+        """Abort every request still in flight and release the socket."""
         if self._loop.is_closed():
             return
         self._call(self._inner.close())
+        self._call(_finish_calls(1.0))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -70,6 +91,17 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+async def _finish_calls(grace: float) -> None:
+    """Let the calls that close() failed return their error to their threads, and
+    cancel any still waiting after `grace` s, so that no thread waits forever."""
+    pending = asyncio.all_tasks() - {asyncio.current_task()}
+    if pending:
+        _, late = await asyncio.wait(pending, timeout=grace)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
 
 async def _make(address: str, timeout: float | None) -> AsyncClient:

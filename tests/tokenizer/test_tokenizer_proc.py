@@ -228,10 +228,11 @@ def test_prompt_is_tokenized_like_the_model(tok, client, llama_model, prompt):
 
 
 def test_input_ids_default_max_tokens_and_kv_sized_prompt_pass_through(tok, client):
-    client.stream(input_ids=[1, 5, 6, 7])
+    small = client.stream(input_ids=[1, 5, 6, 7])   # kept: a dropped stream is aborted
     req = tok.take_request()
     assert req.input_ids == [1, 5, 6, 7] and req.max_new_tokens == DEFAULT_MAX_TOKENS
-    client.stream(input_ids=[5] * (KV_CAPACITY - 1), max_tokens=1)   # the largest that fits
+    # the largest that fits
+    large = client.stream(input_ids=[5] * (KV_CAPACITY - 1), max_tokens=1)
     big = tok.take_request()
     assert len(big.input_ids) == KV_CAPACITY - 1 and big.rid != req.rid
     with pytest.raises(MlxdError) as err:   # as many as the pool holds: no room to decode
@@ -242,19 +243,19 @@ def test_input_ids_default_max_tokens_and_kv_sized_prompt_pass_through(tok, clie
 
 
 def test_sampling_params_and_stop_token_ids(tok, client):
-    client.stream("hello", temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=3,
-                  logprobs=True, top_logprobs=2, stop_token_ids=[7, 9], max_tokens=4)
+    kept = [client.stream("hello", temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=3,
+                          logprobs=True, top_logprobs=2, stop_token_ids=[7, 9], max_tokens=4)]
     req = tok.take_request()
     assert req.sampling == SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
                                           seed=3, top_logprobs=2)
     assert req.max_new_tokens == 4
     assert sorted(req.stop_token_ids) == [EOS, 7, 9]
 
-    client.stream("hello", stop_token_ids=[7], ignore_eos=True, top_k=-1)
+    kept.append(client.stream("hello", stop_token_ids=[7], ignore_eos=True, top_k=-1))
     req2 = tok.take_request()
     assert req2.stop_token_ids == [7] and req2.sampling.top_k == 0
 
-    client.stream("hello", ignore_eos=True)
+    kept.append(client.stream("hello", ignore_eos=True))
     req3 = tok.take_request()
     assert req3.stop_token_ids == []
     for r in (req, req2, req3):
@@ -272,7 +273,7 @@ MESSAGES = [
 
 @pytest.mark.parametrize("messages", MESSAGES, ids=["one-turn", "multi-turn"])
 def test_chat_messages_use_the_chat_template(tok, client, llama_model, messages):
-    client.stream(messages=messages, max_tokens=3)
+    stream = client.stream(messages=messages, max_tokens=3)   # kept: dropped, it is aborted
     req = tok.take_request()
     expected = ref_tokenizer(llama_model).apply_chat_template(messages,
                                                                add_generation_prompt=True)
