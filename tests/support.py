@@ -9,7 +9,11 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import zmq
+
 from mlxd.launcher import read_ready_address
+from mlxd.protocol import Decoder, ErrorReply, StreamChunk
+from mlxd.protocol import encode as encode_message
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,3 +167,47 @@ def worker_limits(kv_capacity: int = 256, max_context: int = 128, vocab_size: in
         kv_dtype="float16", device="cpu", blas="test", quantized=False, dequantize=False,
         overlap=True)
     return WorkerLimits(**{**fields, **overrides})
+
+
+def requests_in_server(address: str) -> int:
+    """Requests the server at `address` runs or has waiting (asked by a client of its own)."""
+    from mlxd import Client
+
+    with Client(address, timeout=30) as c:
+        stats = c.stats()
+        return stats["running"] + stats["waiting"]
+
+
+class RawDealer:
+    """A bare DEALER for frames the SDK would never send."""
+
+    def __init__(self, address: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.decoder = Decoder(StreamChunk, ErrorReply)
+
+    def send(self, msg) -> None:
+        self.sock.send(encode_message(msg))
+
+    def recv(self, timeout: float = 15.0):
+        if not self.sock.poll(timeout * 1000):
+            raise AssertionError(f"no reply within {timeout} s")
+        return self.decoder.decode(self.sock.recv())
+
+    def replies(self, seconds: float = 0.3) -> list:
+        out = []
+        while self.sock.poll(seconds * 1000):
+            out.append(self.decoder.decode(self.sock.recv()))
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

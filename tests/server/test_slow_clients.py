@@ -9,7 +9,7 @@ import zmq
 
 from mlxd import Client
 from mlxd.protocol import Decoder, ErrorReply, GenerateRequest, StreamChunk, encode
-from support import Server, wait_until
+from support import Server, requests_in_server, wait_until
 
 STREAMS = 64
 QUEUE_LIMIT = 50
@@ -21,12 +21,6 @@ def server(llama_model):
                  str(QUEUE_LIMIT), "--log-level", "error")
     yield srv
     srv.stop()
-
-
-def _busy(server) -> int:
-    with Client(server.address, timeout=30) as c:
-        stats = c.stats()
-        return stats["running"] + stats["waiting"]
 
 
 def test_a_client_that_does_not_read_gets_every_finish(server):
@@ -41,7 +35,7 @@ def test_a_client_that_does_not_read_gets_every_finish(server):
                                              params={"max_tokens": 100000,
                                                      "ignore_eos": True})))
         # not reading: the server must end these requests by itself
-        assert wait_until(lambda: _busy(server) == 0, 60), "requests ran on for nobody"
+        assert wait_until(lambda: requests_in_server(server.address) == 0, 60), "requests ran on for nobody"
         with Client(server.address, timeout=30) as other:   # others are served meanwhile
             assert other.generate("Hello", max_tokens=4).finish_reason == "length"
         finishes, decoder = {}, Decoder(StreamChunk, ErrorReply)

@@ -10,23 +10,10 @@ import zmq.utils.monitor
 
 from mlxd.protocol import AbortRequest, ErrorReply, GenerateRequest, StreamChunk, encode
 from mlxd.protocol.to_tokenizer import MAX_MESSAGES, MAX_RID_CHARS
-from test_tokenizer_proc import LIMITS, RECV_TIMEOUT, RawDealer, TokenizerProc
+from support import RawDealer
+from test_tokenizer_proc import LIMITS, RECV_TIMEOUT, TokenizerProc
 
 FLOOD = 20_000
-
-
-@pytest.fixture(scope="module")
-def tok_proc(llama_model, tmp_path_factory):
-    with TokenizerProc(llama_model, tmp_path_factory.mktemp("tokenizer")) as t:
-        yield t
-
-
-@pytest.fixture
-def tok(tok_proc):
-    tok_proc.ensure_alive()
-    tok_proc.drain()
-    yield tok_proc
-    assert tok_proc.proc.poll() is None, "the tokenizer process died:\n" + tok_proc.log()
 
 
 @pytest.fixture

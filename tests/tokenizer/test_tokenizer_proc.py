@@ -24,7 +24,7 @@ from mlxd.protocol import (
     StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, Usage, WorkerLimits, encode,
 )
 from proc_support import ProcHarness
-from support import PROMPTS, encode as encode_prompt, load_reference
+from support import PROMPTS, RawDealer, encode as encode_prompt, load_reference
 
 KV_CAPACITY = 1000
 MAX_CONTEXT = 2048
@@ -107,49 +107,6 @@ class TokenizerProc(ProcHarness):
         self.send(TokenEntry(rid, [], [], finish_reason=reason,
                              usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0,
                                          cached_tokens=0)))
-
-
-class RawDealer:
-    """A bare DEALER for frames the SDK would never send."""
-
-    def __init__(self, address: str):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.decoder = Decoder(StreamChunk, ErrorReply)
-
-    def send(self, msg) -> None:
-        self.sock.send(encode(msg))
-
-    def recv(self, timeout: float = RECV_TIMEOUT):
-        if not self.sock.poll(timeout * 1000):
-            raise AssertionError(f"no reply within {timeout} s")
-        return self.decoder.decode(self.sock.recv())
-
-    def replies(self, seconds: float = QUIET) -> list:
-        out = []
-        while self.sock.poll(seconds * 1000):
-            out.append(self.decoder.decode(self.sock.recv()))
-        return out
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture(scope="module")
-def tok_proc(llama_model, tmp_path_factory):
-    with TokenizerProc(llama_model, tmp_path_factory.mktemp("tokenizer")) as t:
-        yield t
-
-
-@pytest.fixture
-def tok(tok_proc):
-    tok_proc.ensure_alive()
-    tok_proc.drain()
-    yield tok_proc
-    assert tok_proc.proc.poll() is None, "the tokenizer process died:\n" + tok_proc.log()
 
 
 @pytest.fixture
