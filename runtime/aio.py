@@ -56,6 +56,13 @@ class LoopSocket:
                 self._readable = None
         return self._frames.popleft()
 
+    def recv_nowait(self):
+        """The next frame if one is waiting, else None. Reading the socket directly
+        instead could consume the descriptor's signal and leave `recv` asleep."""
+        if not self._frames:
+            self._service()
+        return self._frames.popleft() if self._frames else None
+
     async def send(self, frame: bytes) -> None:
         await self._send(self.sock.send, frame)
 

@@ -215,12 +215,9 @@ class TokenizerServer:
 
     def _drain_connection_events(self) -> list[ToScheduler]:
         aborts = []
-        while True:
-            try:
-                frames = self.client_events.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return aborts
+        while (frames := self.client_events.recv_nowait()) is not None:
             aborts += self._on_connection_event(frames)
+        return aborts
 
     def _on_connection_event(self, frames: list[bytes]) -> list[ToScheduler]:
         """A client connection ended: its clients' requests are aborted."""

@@ -225,3 +225,22 @@ def test_socket_cpu_bench_reports_every_way():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if "us CPU per received message" in line]
     assert [line.split()[0] for line in lines] == ["zmq.asyncio", "LoopSocket", "blocking"]
+
+
+def test_recv_nowait_takes_waiting_frames_and_recv_still_wakes_after(ctx):
+    async def main():
+        pull, push = pair(ctx, zmq.PULL, zmq.PUSH, "inproc://aio-nowait")
+        inbox = LoopSocket(pull)
+        assert inbox.recv_nowait() is None
+        push.send(b"a")
+        push.send(b"b")
+        await asyncio.sleep(0.05)
+        taken = [inbox.recv_nowait(), inbox.recv_nowait(), inbox.recv_nowait()]
+        waiter = asyncio.ensure_future(inbox.recv())   # asleep until the next frame
+        await asyncio.sleep(0.05)
+        threading.Thread(target=push.send, args=(b"c",)).start()
+        later = await waiter
+        inbox.close(0)
+        push.close()
+        return taken, later
+    assert run(main()) == ([b"a", b"b", None], b"c")
