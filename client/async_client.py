@@ -9,6 +9,7 @@ is aborted on the server, which would otherwise run it on for nobody.
 
 import asyncio
 import logging
+import os
 import uuid
 
 import zmq
@@ -19,6 +20,7 @@ from mlxd.protocol import (
     StatsRequest, StreamChunk, encode,
 )
 from mlxd.runtime.aio import LoopSocket
+from mlxd.runtime.keys import BadKey, connect_with_curve, server_key_for
 
 from .connection import EVENTS, Connection
 from .types import Chunk, MlxdError, Result
@@ -95,14 +97,27 @@ class AsyncStream:
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout: float | None = 600.0):
+    """`server_key`: the server's CURVE public key; by default MLXD_SERVER_KEY, or for
+    a loopback address the key the local server published (runtime/keys.py).
+    `api_key`: the server's `--api-key`, by default MLXD_API_KEY."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0, *,
+                 server_key: str | bytes | None = None, api_key: str | None = None):
         self.address = address
         self.timeout = timeout
+        self.api_key = api_key if api_key is not None else os.environ.get("MLXD_API_KEY", "")
+        try:
+            key = server_key_for(address, server_key)
+        except BadKey as exc:
+            raise MlxdError("invalid_request", f"server_key: {exc}") from None
         self._ctx = zmq.asyncio.Context()
         # a plain socket, driven by LoopSocket in the event loop (cheaper per message
         # than zmq.asyncio; see runtime/aio.py); its monitor is a zmq.asyncio socket
         self._sock = zmq.Socket(self._ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            connect_with_curve(self._sock, key)
+        self._encrypted = key is not None
         self._monitor = self._sock.get_monitor_socket(EVENTS)
         self._sock.connect(address)
         self._io: LoopSocket | None = None   # made in the event loop, at first use
@@ -118,7 +133,8 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                        messages: list[dict] | None = None, rid: str | None = None,
                        **params) -> Result:
-        stream = AsyncStream(self, _request(prompt, input_ids, messages, rid, params, False))
+        request = self._request(prompt, input_ids, messages, rid, params, False)
+        stream = AsyncStream(self, request)
         result = Result(stream.rid)
         try:
             async for chunk in stream:
@@ -134,16 +150,16 @@ class AsyncClient:
                messages: list[dict] | None = None, rid: str | None = None,
                **params) -> AsyncStream:
         """`async for chunk in client.stream(...)`: the request's output as it is made."""
-        return AsyncStream(self, _request(prompt, input_ids, messages, rid, params, True))
+        return AsyncStream(self, self._request(prompt, input_ids, messages, rid, params, True))
 
     async def abort(self, rid: str) -> None:
-        await self._channel().send(encode(AbortRequest(rid)))
+        await self._channel().send(encode(AbortRequest(rid, self.api_key)))
 
     async def stats(self) -> dict:
         """The server's counters: waiting / running requests, free / cached / used KV
         slots, retractions, and the worker's memory and last step timing."""
         rid = uuid.uuid4().hex
-        queue = await self._register(rid, encode(StatsRequest(rid)))
+        queue = await self._register(rid, encode(StatsRequest(rid, self.api_key)))
         try:
             msg = await asyncio.wait_for(queue.get(), self.timeout)
         except asyncio.TimeoutError:
@@ -181,6 +197,10 @@ class AsyncClient:
 
     # ---- internals ---------------------------------------------------------
 
+    def _request(self, prompt, input_ids, messages, rid, params, stream) -> GenerateRequest:
+        return GenerateRequest(rid or uuid.uuid4().hex, prompt, messages, input_ids, params,
+                               stream, self.api_key)
+
     async def _send(self, request: GenerateRequest) -> asyncio.Queue:
         return await self._register(request.rid, _encode_request(request))
 
@@ -206,7 +226,8 @@ class AsyncClient:
         if self._io is None:
             self._loop = asyncio.get_running_loop()
             self._io = LoopSocket(self._sock)
-            self._connection = Connection(self._monitor, self.address, self._fail_all)
+            self._connection = Connection(self._monitor, self.address, self._fail_all,
+                                          self._encrypted)
             self._spawn(self._read_replies(self._io))
             self._spawn(self._connection.watch())
         return self._io
@@ -264,7 +285,7 @@ class AsyncClient:
             return 0
         for rid in self._queues:
             try:   # never block while closing: at the high-water mark, drop the abort
-                self._sock.send(encode(AbortRequest(rid)), zmq.NOBLOCK)
+                self._sock.send(encode(AbortRequest(rid, self.api_key)), zmq.NOBLOCK)
             except zmq.Again:
                 break
         self._fail_all(MlxdError("closed", "the client was closed"))
@@ -272,8 +293,6 @@ class AsyncClient:
         return ABORT_LINGER_MS if self._connection is not None and self._connection.up else 0
 
 
-def _request(prompt, input_ids, messages, rid, params, stream) -> GenerateRequest:
-    return GenerateRequest(rid or uuid.uuid4().hex, prompt, messages, input_ids, params, stream)
 
 
 def _encode_request(request: GenerateRequest) -> bytes:

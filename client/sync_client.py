@@ -42,12 +42,20 @@ class Stream:
 
 
 class Client:
-    def __init__(self, address: str, timeout: float | None = 600.0):
+    def __init__(self, address: str, timeout: float | None = 600.0, *,
+                 server_key: str | bytes | None = None, api_key: str | None = None):
+        """See AsyncClient for `server_key` and `api_key`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mlxd-client",
                                         daemon=True)
         self._thread.start()
-        self._inner: AsyncClient = self._call(_make(address, timeout))
+        try:
+            self._inner: AsyncClient = self._call(_make(address, timeout, server_key, api_key))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            raise
 
     def _call(self, coro):
         if self._loop.is_closed():
@@ -104,5 +112,5 @@ async def _finish_calls(grace: float) -> None:
         await asyncio.gather(*late, return_exceptions=True)
 
 
-async def _make(address: str, timeout: float | None) -> AsyncClient:
-    return AsyncClient(address, timeout)
+async def _make(address: str, timeout: float | None, server_key, api_key) -> AsyncClient:
+    return AsyncClient(address, timeout, server_key=server_key, api_key=api_key)

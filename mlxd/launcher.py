@@ -27,6 +27,7 @@ import zmq
 from mlxd.protocol import Decoder, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime.flags import ServerFlags
+from mlxd.runtime import keys
 from mlxd.runtime.lifecycle import die_with_parent
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
@@ -155,11 +156,34 @@ class Launcher:
     def __init__(self, cfg: ServerFlags):
         self.cfg = cfg
         self.children: list[Child] = []
+        self.client_keys = self._client_keys()
+        self.published_port: int | None = None   # where the public key was published
         self.ipc_dir = make_ipc_dir()
         self.ctx = zmq.Context()
         self.ready_sock = self.ctx.socket(zmq.PULL)
         self.ready_sock.setsockopt(zmq.LINGER, 0)
         self.ready_sock.bind(self._ipc("launcher"))
+
+    def _client_keys(self) -> keys.KeyPair:
+        """The client socket's CURVE keys: `--curve-secret-key`'s, else the user's
+        default pair (runtime/keys.py). The tokenizer reads the same file."""
+        given = self.cfg.curve_secret_key
+        path = os.path.abspath(given) if given else str(keys.default_key_file())
+        self.cfg = dataclasses.replace(self.cfg, curve_secret_key=path)   # children run elsewhere
+        try:
+            return keys.read_secret_key(path)
+        except keys.BadKey as exc:
+            raise ChildFailure(f"--curve-secret-key: {exc}" if given else str(exc)) from None
+
+    def publish_key(self, address: str) -> None:
+        """Let this user's local clients find the server's public key (runtime/keys.py);
+        tell the user how remote ones get it."""
+        port = int(address.rsplit(":", 1)[1])
+        keys.publish(port, self.client_keys, os.getpid())
+        self.published_port = port
+        log.info("client socket: CURVE; clients on other machines pass "
+                 "server_key=%s (or set MLXD_SERVER_KEY)", self.client_keys.public.decode())
+        warn_if_exposed(self.cfg)
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.ipc_dir}/{name}"
@@ -249,7 +273,18 @@ class Launcher:
                 child.proc.wait()
         self.ready_sock.close(linger=0)
         self.ctx.term()
+        if self.published_port is not None:
+            keys.unpublish(self.published_port, os.getpid())
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def warn_if_exposed(cfg: ServerFlags) -> None:
+    """A server reachable from other machines without an API key: say so, loudly."""
+    if keys.is_loopback_host(cfg.host) or cfg.api_key:
+        return
+    log.warning("\n%s\nWARNING: the client socket listens on %s, reachable from other "
+                "machines, with no --api-key: anyone who obtains the server's public key "
+                "can use it. Set --api-key (or MLXD_API_KEY).\n%s", "!" * 78, cfg.host, "!" * 78)
 
 
 def read_ready_address(stdout, timeout: float) -> str | None:
@@ -288,10 +323,15 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     die_with_parent(int(os.environ.get("MLXD_PARENT_PID", "0")) or None)
-    launcher = Launcher(cfg)
+    try:
+        launcher = Launcher(cfg)
+    except ChildFailure as exc:
+        log.error("%s", exc)
+        return 1
     try:
         launcher.start(resolve_model(cfg.model))
         address = launcher.wait_ready()
+        launcher.publish_key(address)
         print(f"{READY_PREFIX}{address}", flush=True)
         launcher.watch()
     except ChildFailure as exc:

@@ -9,6 +9,7 @@ from .to_scheduler import WorkerLimits
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_RID_CHARS = 256      # a client's request id
 MAX_MESSAGES = 4096      # chat messages in one request
+MAX_API_KEY_CHARS = 512
 
 
 @message(rid_in_errors=True)
@@ -23,12 +24,14 @@ class GenerateRequest:
     input_ids: list[int] | None = wire(Opt(List(Int())), default=None)
     params: dict = wire(Map(), default_factory=dict)
     stream: bool = wire(Bool(), default=False)
+    api_key: str = wire(Str(max_len=MAX_API_KEY_CHARS), default="", repr=False)   # see --api-key
 
 
 @message
 class AbortRequest:
     TAG = 11
     rid: str = wire(Str(max_len=MAX_RID_CHARS))
+    api_key: str = wire(Str(max_len=MAX_API_KEY_CHARS), default="", repr=False)
 
 
 @message
@@ -37,6 +40,7 @@ class StatsRequest:
 
     TAG = 12
     rid: str = wire(Str(max_len=MAX_RID_CHARS))
+    api_key: str = wire(Str(max_len=MAX_API_KEY_CHARS), default="", repr=False)
 
 
 @message

@@ -42,9 +42,9 @@ class ServerFlags:
         shown="none", env="MLXD_API_KEY")
     curve_secret_key: str = flag(
         "", "a file holding the client socket's CURVE secret key (`python -m "
-        "mlxd.runtime.keys FILE` makes one); by default a new key pair is made for "
-        "each start, and local clients find the public key on their own",
-        (TOKENIZER,), shown="per start")
+        "mlxd.runtime.keys FILE` makes one); by default the user's own key pair, made "
+        "on first use, whose public key local clients find on their own",
+        (TOKENIZER,), shown="per user")
     port: int = flag(8100, "client TCP port; 0 picks a free one", minimum=0)
     max_running_requests: int = flag(
         64, "most requests decoded together", (WORKER, SCHEDULER), minimum=1)

@@ -1,7 +1,14 @@
+import os
+import tempfile
+
 import pytest
 
 from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import Server
+
+# Servers the tests start publish their CURVE keys here, not in the user's own
+# runtime folder (runtime/keys.py); the servers inherit it from this process.
+os.environ["MLXD_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="mlxd-test-run-")
 
 LLAMA = TinySpec(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  intermediate_size=256, vocab_size=512, seed=0)

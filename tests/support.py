@@ -14,6 +14,7 @@ import zmq
 from mlxd.launcher import read_ready_address
 from mlxd.protocol import Decoder, ErrorReply, StreamChunk
 from mlxd.protocol import encode as encode_message
+from mlxd.runtime.keys import connect_with_curve, server_key_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,6 +112,7 @@ class Server:
     def __init__(self, model_path: str, *args: str, ready_timeout: float = 120.0,
                  env: dict | None = None):
         self.stderr_lines: list[str] = []
+        self.child_pids: list[int] = []
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--model", str(model_path),
              "--port", "0", "--host", "127.0.0.1", *args],
@@ -178,6 +180,16 @@ def requests_in_server(address: str) -> int:
         return stats["running"] + stats["waiting"]
 
 
+def connect_client(sock: zmq.Socket, address: str) -> zmq.Socket:
+    """Connect a raw socket to a server's client address as the SDK would: with the
+    CURVE key the local server published (runtime/keys.py), if any."""
+    key = server_key_for(address)
+    if key is not None:
+        connect_with_curve(sock, key)
+    sock.connect(address)
+    return sock
+
+
 class RawDealer:
     """A bare DEALER for frames the SDK would never send."""
 
@@ -185,7 +197,7 @@ class RawDealer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        connect_client(self.sock, address)
         self.decoder = Decoder(StreamChunk, ErrorReply)
 
     def send(self, msg) -> None:

@@ -31,7 +31,10 @@ from mlxd.protocol import (
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import TOKENIZER, ServerFlags
+from mlxd.runtime.keys import BadKey, randomize_routing_ids, read_secret_key, serve_with_curve
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
+
+from .auth import key_matches
 
 from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
@@ -89,8 +92,10 @@ class TokenizerServer:
         self.cfg = cfg
         # a token batch in and a chunk per stream out every decode step: the cheaper
         # path per message (runtime/aio.py)
+        randomize_routing_ids()
         self.clients = LoopSocket(zmq.Socket(ctx, zmq.ROUTER), multipart=True,
                                   max_queued=CLIENT_FRAMES_QUEUED, copy=False)
+        self._secure_client_socket(cfg.flags)
         # a connection's end forgets its clients (connections.py)
         self.client_events = LoopSocket(_monitor(ctx, self.clients.sock,
                                                  zmq.EVENT_DISCONNECTED), multipart=True)
@@ -119,6 +124,15 @@ class TokenizerServer:
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
         self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
         self._log_bad_frame = ThrottledLog(log, logging.ERROR)
+
+    def _secure_client_socket(self, flags: ServerFlags) -> None:
+        """CURVE with the key in `--curve-secret-key` (the launcher always gives one);
+        without it (the process started by hand) the socket is plain."""
+        if not flags.curve_secret_key:
+            log.warning("no --curve-secret-key: the client socket is neither encrypted "
+                        "nor authenticated")
+            return
+        serve_with_curve(self.clients.sock, read_secret_key(flags.curve_secret_key))
 
     @property
     def sockets(self):
@@ -178,6 +192,11 @@ class TokenizerServer:
             self._log_bad_frame("dropped a malformed frame from client %s: %s",
                                 client.hex(), exc)
             self._replies.append((client, protocol_error_reply(exc)))
+            return []
+        if not key_matches(self.cfg.flags.api_key, msg.api_key):
+            self._log_bad_frame("refused a message from client %s: wrong API key", client.hex())
+            self._replies.append((client, ErrorReply(
+                msg.rid, "unauthorized", "missing or wrong API key (the server has --api-key)")))
             return []
         if isinstance(msg, GenerateRequest):
             return self._submit(client, msg)
@@ -312,7 +331,11 @@ async def serve(cfg: TokenizerConfig) -> None:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
     codec = TextCodec(cfg.flags.model)
     ctx = zmq.asyncio.Context()
-    server = TokenizerServer(cfg, codec, ctx)
+    try:
+        server = TokenizerServer(cfg, codec, ctx)
+    except BadKey as exc:
+        ctx.destroy(linger=0)
+        raise SystemExit(f"mlxd tokenizer: {exc}") from None
     try:
         await server.run()
     except asyncio.CancelledError:

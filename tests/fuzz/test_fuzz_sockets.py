@@ -21,7 +21,7 @@ from mlxd import Client
 from mlxd import protocol
 from mlxd.protocol.fields import Bool, Float, Int, List, Map, Opt, Str, Struct
 from mlxd.protocol.message import wire_fields
-from support import Server, pid_alive, wait_until
+from support import Server, connect_client, pid_alive, wait_until
 
 FRAMES_PER_KIND = 600     # per socket: random bytes, truncated frames, random messages
 TIME_LIMIT = 20.0         # seconds of fuzzing per socket at most
@@ -113,7 +113,7 @@ def _feed(ctx: zmq.Context, address: str, seed: int, kind: int) -> int:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.connect(address)
+    connect_client(sock, address)
     sent, deadline = 0, time.monotonic() + TIME_LIMIT
     for frame in garbage_frames(random.Random(seed)):
         if time.monotonic() > deadline:

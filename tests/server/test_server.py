@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from mlxd.client import AsyncClient, Client, MlxdError
-from support import PROMPTS, Server, encode, load_reference, reference_tokens
+from support import PROMPTS, Server, connect_client, encode, load_reference, reference_tokens
 
 MAX_TOKENS = 24
 
@@ -186,7 +186,7 @@ def test_garbage_frames_do_not_hurt_the_server(llama_server, client):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(llama_server.address)
+    connect_client(sock, llama_server.address)
     try:
         for frame in [b"", b"\xff\x00garbage", b"\x93\x01\x02\x03", b"\x92\x0a\xc0"]:
             sock.send(frame)

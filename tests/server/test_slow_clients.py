@@ -9,7 +9,7 @@ import zmq
 
 from mlxd import Client
 from mlxd.protocol import Decoder, ErrorReply, GenerateRequest, StreamChunk, encode
-from support import Server, requests_in_server, wait_until
+from support import Server, connect_client, requests_in_server, wait_until
 
 STREAMS = 64
 QUEUE_LIMIT = 50
@@ -30,7 +30,7 @@ def test_a_client_that_does_not_read_gets_every_finish(server):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVHWM, 10)
     sock.setsockopt(zmq.RCVBUF, 4096)   # little room in the kernel either
-    sock.connect(server.address)
+    connect_client(sock, server.address)
     try:
         for i in range(STREAMS):
             sock.send(encode(GenerateRequest(f"r{i}", prompt="Once upon a time", stream=True,
