@@ -176,6 +176,8 @@ class SchedulerLoop:
     def _on_worker_lost(self) -> None:
         """The worker died: its running requests fail, its state is forgotten, and
         Steps wait for the next worker's WorkerReady."""
+        if self.restarting:   # counted already: the dead worker's listener closing late
+            return            # (a new worker dying while it loads stops the server)
         self.worker_restarts += 1
         message = "the worker process died; the request was lost"
         log.error("the worker's socket closed: the worker died (death %d); running "

@@ -597,6 +597,23 @@ def test_a_dead_unresponsive_worker_is_replaced_and_nothing_is_released_to_its_s
     harness.finish_releases({2})
 
 
+def test_a_disconnect_while_waiting_for_the_new_worker_is_no_second_death(sched):
+    """A dying worker's socket may close in two steps: the socket reopened for the
+    next worker can connect to its listener and lose it again at once."""
+    sched.worker_dies()
+    assert _restarting(sched)
+    sched.worker_restarts()
+    sched.assert_no_step(0.5)               # meanwhile the scheduler connects to it
+    sched.worker_dies()                     # and loses it again
+    sched.worker_restarts()
+    sched.results.send(encode(WorkerReady(worker_limits())))
+    sched.request(1, [1, 2], max_new_tokens=1)
+    out = sched.serve({1: [5]})
+    assert out["entries"][1][-1].finish_reason == "length"
+    stats = _stats(sched, 1)
+    assert stats["worker_status"] == "ok" and stats["worker_restarts"] == 1
+
+
 def test_a_new_worker_with_a_smaller_pool_stops_the_scheduler(sched):
     sched.worker_dies()
     assert _restarting(sched)
