@@ -3,8 +3,10 @@
     mlxd --model PATH            (or: python launch.py --model PATH)
 
 Spawns the three as `python -m ...` subprocesses wired over ZeroMQ, waits for
-their READY, prints `mlxd ready: tcp://HOST:PORT`, then watches them: if any
-child dies the others are stopped and the launcher exits non-zero.
+their READY, prints `mlxd ready: tcp://HOST:PORT`, then watches them. A worker
+that crashes after its READY is replaced by a new one (`--restart-worker`, within
+`--worker-restarts`); any other death stops the others and the launcher exits
+non-zero.
 """
 
 import collections
@@ -26,8 +28,8 @@ import zmq
 
 from mlxd.protocol import Decoder, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
-from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime import keys
+from mlxd.runtime.flags import WORKER, WORKER_RESTART_WINDOW_SECONDS, ServerFlags
 from mlxd.runtime.lifecycle import die_with_parent
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
@@ -152,12 +154,34 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class RestartBudget:
+    """At most `limit` restarts within any `window` seconds."""
+
+    def __init__(self, limit: int, window: float = WORKER_RESTART_WINDOW_SECONDS):
+        self.limit, self.window = limit, window
+        self._times: collections.deque[float] = collections.deque()
+
+    def take(self, now: float) -> bool:
+        """Count a restart at `now` if the budget allows one; whether it did."""
+        while self._times and now - self._times[0] >= self.window:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
+
+
 class Launcher:
     def __init__(self, cfg: ServerFlags):
         self.cfg = cfg
         self.children: list[Child] = []
         self.client_keys = self._client_keys()
         self.published_port: int | None = None   # where the public key was published
+        self.worker: Child | None = None
+        self.worker_ready = False   # the current worker reported READY: it may be restarted
+        self.restarts = RestartBudget(cfg.worker_restarts)
+        self._worker_spec: tuple[WorkerConfig, dict] | None = None   # set by start()
+        self._ready_decoder = Decoder(Ready)
         self.ipc_dir = make_ipc_dir()
         self.ctx = zmq.Context()
         self.ready_sock = self.ctx.socket(zmq.PULL)
@@ -192,7 +216,8 @@ class Launcher:
         flags = dataclasses.replace(self.cfg, model=model)   # the resolved folder
         common = dict(flags=flags, parent_pid=os.getpid())
         worker = WorkerConfig(input_addr=self._ipc("worker_in"),
-                              output_addr=self._ipc("worker_out"), **common)
+                              output_addr=self._ipc("worker_out"),
+                              ready_addr=self._ipc("launcher"), **common)
         scheduler = SchedulerConfig(
             input_addr=self._ipc("scheduler_in"), output_addr=self._ipc("tokenizer_in"),
             worker_input_addr=worker.input_addr, worker_output_addr=worker.output_addr,
@@ -201,11 +226,17 @@ class Launcher:
             client_addr=f"tcp://{flags.host}:{flags.port}",
             input_addr=scheduler.output_addr, scheduler_input_addr=scheduler.input_addr,
             ready_addr=self._ipc("launcher"), **common)
+        self._worker_spec = (worker, self._worker_env())
+        self.worker = self._spawn_worker()
         self.children = [
-            Child("worker", "mlxd.worker_proc", worker, self._worker_env()),
+            self.worker,
             Child("scheduler", "mlxd.scheduler_proc", scheduler, self._env()),
             Child("tokenizer", "mlxd.tokenizer_proc", tokenizer, self._env()),
         ]
+
+    def _spawn_worker(self) -> Child:
+        config, env = self._worker_spec
+        return Child(WORKER, "mlxd.worker_proc", config, env)
 
     def _env(self) -> dict:
         env = dict(os.environ)
@@ -224,9 +255,8 @@ class Launcher:
         return env
 
     def wait_ready(self) -> str:
-        """Block until the scheduler and tokenizer are READY; the client address."""
-        decoder = Decoder(Ready)
-        pending = {"scheduler", "tokenizer"}
+        """Block until every child is READY; the client address."""
+        pending = {WORKER, "scheduler", "tokenizer"}
         address = ""
         deadline = time.monotonic() + self.cfg.ready_timeout
         while pending:
@@ -234,30 +264,68 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise ChildFailure(f"not ready after {self.cfg.ready_timeout:.0f} s: "
                                    f"{sorted(pending)}")
-            if not self.ready_sock.poll(200):
-                continue
-            try:
-                msg = decoder.decode(self.ready_sock.recv())
-            except ProtocolError as exc:
-                log.error("bad READY frame: %s", exc)
-                continue
-            pending.discard(msg.process)
-            address = msg.address or address
+            msg = self._receive_ready(200)
+            if msg is not None:
+                pending.discard(msg.process)
+                address = msg.address or address
         return address
 
     def watch(self) -> None:
         while True:
             self._check_children()
-            time.sleep(0.2)
+            self._receive_ready(200)   # a restarted worker's
+
+    def _receive_ready(self, timeout_ms: int) -> Ready | None:
+        """The next READY within `timeout_ms`, noting the worker's; None if none came."""
+        if not self.ready_sock.poll(timeout_ms):
+            return None
+        try:
+            msg = self._ready_decoder.decode(self.ready_sock.recv())
+        except ProtocolError as exc:
+            log.error("bad READY frame: %s", exc)
+            return None
+        if msg.process == WORKER:
+            self.worker_ready = True
+        return msg
 
     def _check_children(self) -> None:
         for child in self.children:
             code = child.proc.poll()
-            if code is not None:
-                time.sleep(0.2)   # let the stderr pump catch the last lines
-                tail = "\n".join(f"  {line}" for line in child.tail)
-                raise ChildFailure(f"{child.name} process exited with code {code}; "
+            if code is None:
+                continue
+            time.sleep(0.2)   # let the stderr pump catch the last lines
+            while self._receive_ready(0):   # a READY it sent just before it died
+                pass
+            tail = "\n".join(f"  {line}" for line in child.tail)
+            refusal = self._restart_refusal(child, code)
+            if refusal is not None:
+                raise ChildFailure(f"{child.name} process exited with code {code}{refusal}; "
                                    f"its last stderr lines:\n{tail}")
+            log.error("worker process exited with code %s; starting a new one. Its last "
+                      "stderr lines:\n%s", code, tail)
+            self._replace_worker()
+            return
+
+    def _restart_refusal(self, child: Child, code: int) -> str | None:
+        """None if the dead `child` is a worker to restart; else why the server stops
+        (appended to its exit code)."""
+        if child is not self.worker or not self.cfg.restart_worker:
+            return ""
+        if code == 0:
+            return " (it was told to stop)"
+        if not self.worker_ready:
+            return " before it was ready; a worker that fails to load is not restarted"
+        if not self.restarts.take(time.monotonic()):
+            return (f"; the worker was restarted {self.cfg.worker_restarts} times in the "
+                    f"last {WORKER_RESTART_WINDOW_SECONDS:g} s already (--worker-restarts)")
+        return None
+
+    def _replace_worker(self) -> None:
+        """A new worker process with the same config; the scheduler notices the old
+        one's death on its own and waits for the new one's WorkerReady."""
+        old, self.worker = self.worker, self._spawn_worker()
+        self.worker_ready = False
+        self.children[self.children.index(old)] = self.worker
 
     def stop(self) -> None:
         for child in self.children:

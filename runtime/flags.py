@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 WORKER, SCHEDULER, TOKENIZER = "worker", "scheduler", "tokenizer"
 CHILDREN = (WORKER, SCHEDULER, TOKENIZER)
+WORKER_RESTART_WINDOW_SECONDS = 600.0   # --worker-restarts counts restarts this recent
 
 
 def flag(default, help: str, used_by: tuple[str, ...] = (), shown: str | None = None,
@@ -88,6 +89,15 @@ class ServerFlags:
         60.0, "seconds a Step may go unanswered before the worker counts as "
         "unresponsive: its running requests then finish with an error, and later ones "
         "wait for it", (SCHEDULER,), positive=True)
+    restart_worker: bool = flag(
+        True, "start a new worker when the worker process dies (crash, kill, out of "
+        "memory): its running requests end with an error, waiting ones run on the new "
+        "worker, whose prefix cache starts empty. Off: any process's death stops the "
+        "server")
+    worker_restarts: int = flag(
+        3, f"the most worker restarts within {WORKER_RESTART_WINDOW_SECONDS / 60:g} "
+        "minutes; the next death stops the server. A worker that dies before it is "
+        "ready (while loading) is never restarted", minimum=0)
     ready_timeout: float = flag(
         300.0, "seconds to wait for all processes to report ready", positive=True)
     log_level: str = flag(

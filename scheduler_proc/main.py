@@ -4,8 +4,11 @@ Sockets (each process binds what it receives on):
   input_addr          PULL  TokenizedRequest / Abort from the tokenizer
   worker_output_addr  PULL  WorkerReady, then StepResult / WorkerError from the worker
   output_addr         PUSH  SchedulerReady, then one TokenBatch per step, to the tokenizer
-  worker_input_addr   PUSH  one Step at a time to the worker
+  worker_input_addr   PUSH  one Step at a time to the worker (monitored: worker_link.py)
   ready_addr          PUSH  Ready to the launcher (optional)
+
+When the worker dies, its running requests fail and the loop waits for the next
+worker's WorkerReady (the launcher starts one) before it sends another Step.
 """
 
 import logging
@@ -28,6 +31,7 @@ from mlxd.runtime.sockets import bind_pull, close_all, connect_push, waking_rece
 
 from .scheduler import Scheduler, SchedulerLimits
 from .step_timing import StepTimings
+from .worker_link import WorkerLink, replacement_mismatch
 
 log = logging.getLogger("mlxd.scheduler")
 
@@ -51,14 +55,17 @@ class SchedulerLoop:
         self.from_tokenizer = bind_pull(ctx, cfg.input_addr)
         self.from_worker = bind_pull(ctx, cfg.worker_output_addr)
         self.to_tokenizer = connect_push(ctx, cfg.output_addr)
-        self.to_worker = connect_push(ctx, cfg.worker_input_addr)
+        self.link = WorkerLink(ctx, cfg.worker_input_addr)
         self.to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
+        self.poller = zmq.Poller()         # run() registers the inputs
         self.request_decoder = Decoder(TokenizedRequest, Abort, GetStats)
         self.worker_decoder = Decoder(StepResult, WorkerError, WorkerReady)
         self.scheduler: Scheduler | None = None
         self.in_flight: int | None = None   # step_id sent and not yet answered
         self.sent_at = 0.0                  # when it was sent (time.monotonic)
         self.abandoned = False              # it outlived worker_timeout: its requests failed
+        self.restarting = False             # the worker died; no Step until a new one is ready
+        self.worker_restarts = 0            # deaths of the worker noticed so far
         self.worker_limits: WorkerLimits | None = None
         self.worker_memory: dict = {}       # the latest step's memory figures
         self.timings = StepTimings()
@@ -66,8 +73,8 @@ class SchedulerLoop:
 
     @property
     def sockets(self):
-        return [self.from_tokenizer, self.from_worker, self.to_tokenizer, self.to_worker,
-                self.to_launcher]
+        return [self.from_tokenizer, self.from_worker, self.to_tokenizer, self.link.monitor,
+                self.link.sock, self.to_launcher]
 
     def start(self) -> None:
         """Wait for the worker's WorkerReady, then announce ourselves: its limits to
@@ -89,17 +96,17 @@ class SchedulerLoop:
                  self.worker_limits.max_context)
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.from_tokenizer, zmq.POLLIN)
-        poller.register(self.from_worker, zmq.POLLIN)
-        if self.wakeup is not None:
-            poller.register(self.wakeup, zmq.POLLIN)
+        for sock in (self.from_tokenizer, self.from_worker, self.link.monitor, self.wakeup):
+            if sock is not None:
+                self.poller.register(sock, zmq.POLLIN)
         stalled = False   # the last schedule() had nothing to send: wait for input
         while True:
             # 1. receive: block only when there is no step to build
-            busy = self.in_flight is None and self.scheduler.has_work and not stalled
-            events = dict(poller.poll(0 if busy else self._watchdog_ms()))
+            busy = self._worker_free and self.scheduler.has_work and not stalled
+            events = dict(self.poller.poll(0 if busy else self._watchdog_ms()))
             polled_at = time.perf_counter()
+            if self.link.monitor in events and self.link.lost():   # before its last answers
+                self._on_worker_lost()
             if self.from_tokenizer in events:
                 self._drain_requests()
             if self.from_worker in events:
@@ -108,11 +115,11 @@ class SchedulerLoop:
                 drain(self.wakeup)   # the signal's handler raises Shutdown
             self._watch_worker()
             # 2. schedule and send the next step as soon as the worker is free
-            if self.in_flight is None:
+            if self._worker_free:
                 step = self.scheduler.schedule()
                 stalled = step is None
                 if step is not None:
-                    self.to_worker.send(encode(step))
+                    self.link.send(encode(step))
                     self.in_flight, self.sent_at = step.step_id, time.monotonic()
                 self._record_timing()
             # 3. stream everything this iteration produced, in one message
@@ -144,7 +151,9 @@ class SchedulerLoop:
             except zmq.Again:
                 return
             msg = self._decode(self.worker_decoder, frame, "worker")
-            if isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
+            if isinstance(msg, WorkerReady):
+                self._on_worker_ready(msg)
+            elif isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
                 self.in_flight = None
                 if self.abandoned:   # its requests already failed; the next Step releases them
                     self.abandoned = False
@@ -158,6 +167,40 @@ class SchedulerLoop:
                 else:
                     log.error("worker failed step %d: %s", msg.step_id, msg.message)
                     self.scheduler.fail_step(msg)
+
+    @property
+    def _worker_free(self) -> bool:
+        """A Step may be sent: a worker is up and has no step to answer."""
+        return self.in_flight is None and not self.restarting
+
+    def _on_worker_lost(self) -> None:
+        """The worker died: its running requests fail, its state is forgotten, and
+        Steps wait for the next worker's WorkerReady."""
+        if self.restarting:   # counted already: the dead worker's listener closing late
+            return            # (a new worker dying while it loads stops the server)
+        self.worker_restarts += 1
+        message = "the worker process died; the request was lost"
+        log.error("the worker's socket closed: the worker died (death %d); running "
+                  "requests fail, waiting ones wait for a new worker", self.worker_restarts)
+        self.scheduler.reset_worker(message)
+        self.restarting, self.in_flight, self.abandoned = True, None, False
+        self._answered = None
+        self.worker_memory = {}
+        self.poller.unregister(self.link.monitor)
+        self.link.reopen()
+        self.poller.register(self.link.monitor, zmq.POLLIN)
+
+    def _on_worker_ready(self, msg: WorkerReady) -> None:
+        """A new worker, empty, takes the dead one's place under the same limits."""
+        if not self.restarting:
+            log.error("ignored a WorkerReady: the worker serving now is not new")
+            return
+        why = replacement_mismatch(self.worker_limits, msg.limits)
+        if why:
+            raise WorkerMismatch(why)
+        self.restarting = False
+        log.warning("a new worker is ready (after %d deaths); serving again",
+                    self.worker_restarts)
 
     def _watchdog_ms(self) -> int | None:
         """How long the poll may block: until the step in flight outlives the limit."""
@@ -180,8 +223,10 @@ class SchedulerLoop:
 
     def _worker_status(self) -> dict:
         waited = time.monotonic() - self.sent_at if self.in_flight is not None else 0.0
-        return {"worker_status": "unresponsive" if self.abandoned else "ok",
-                "worker_step_seconds": round(waited, 3)}
+        status = ("restarting" if self.restarting else
+                  "unresponsive" if self.abandoned else "ok")
+        return {"worker_status": status, "worker_step_seconds": round(waited, 3),
+                "worker_restarts": self.worker_restarts}
 
     def _record_timing(self) -> None:
         """Scheduler time of a step: from its result's arrival to the next Step sent."""
@@ -204,6 +249,11 @@ class SchedulerLoop:
         except ProtocolError as exc:
             log.error("dropped a malformed frame from the %s: %s", sender, exc)
             return None
+
+
+class WorkerMismatch(RuntimeError):
+    """A restarted worker cannot replace the first one: the scheduler stops (and
+    with it the server)."""
 
 
 def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimits:
@@ -229,5 +279,8 @@ def main(argv=None) -> None:
         loop.run()
     except Shutdown as why:
         log.info("shutting down (%s)", why)
+    except WorkerMismatch as why:
+        log.error("stopping: %s", why)
+        raise SystemExit(1)
     finally:
         close_all(ctx, *loop.sockets)

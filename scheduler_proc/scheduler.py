@@ -99,8 +99,15 @@ class Scheduler:
     def fail_step(self, error: WorkerError) -> None:
         """The worker dropped every request's state: running requests fail, and the
         cache is forgotten (the failed step may have half-written the pool)."""
+        self.reset_worker(error.message)
+
+    def reset_worker(self, message: str) -> None:
+        """The worker holds nothing: it dropped its state, or a new worker with an
+        empty pool replaces a dead one. Running requests end with `message`, nothing
+        is released (the worker knows none of them), every slot is free and the
+        cache is forgotten; waiting requests stay queued for it."""
         for req in list(self.running.values()):
-            self._finish(req, "error", TokenEntry(req.rid, [], [], error=error.message),
+            self._finish(req, "error", TokenEntry(req.rid, [], [], error=message),
                          keep_kv=False)
         self._releases.clear()
         self._prefilled = []

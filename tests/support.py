@@ -135,14 +135,23 @@ class Server:
         return address
 
     def child(self, name: str) -> int:
+        """The pid of the live child `name` (a restarted worker's: a new pid)."""
+        self._note_children()
         for pid in self.child_pids:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             if f"-m mlxd.{name}".encode() in cmdline:
                 return pid
         raise LookupError(name)
 
+    def _note_children(self) -> None:
+        """Add the launcher's children started since (a restarted worker); forget the
+        dead (their pids may be reused)."""
+        new = [pid for pid in children_of(self.proc.pid) if pid not in self.child_pids]
+        self.child_pids = [pid for pid in self.child_pids if pid_alive(pid)] + new
+
     def stop(self) -> int | None:
         """Stop the launcher and make sure no child survives it."""
+        self._note_children()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -2,6 +2,8 @@
 
   input_addr   PULL  Step from the scheduler
   output_addr  PUSH  WorkerReady, then one StepResult (or WorkerError) per Step
+  ready_addr   PUSH  Ready to the launcher once serving (optional): a worker that dies
+                     after it is restarted, one that dies before is not
 """
 
 import json
@@ -17,7 +19,7 @@ from pathlib import Path
 import zmq
 
 from mlxd.protocol import (
-    Decoder, ProtocolError, Step, WorkerError, WorkerLimits, WorkerReady, encode,
+    Decoder, ProtocolError, Ready, Step, WorkerError, WorkerLimits, WorkerReady, encode,
 )
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import WORKER, ServerFlags
@@ -34,6 +36,7 @@ class WorkerConfig:
     PROCESS: ClassVar[str] = WORKER
     input_addr: str
     output_addr: str
+    ready_addr: str = ""
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the worker
     prefill_step_size: int = 2048   # most tokens of one prefill forward (not a user flag)
     parent_pid: int = 0
@@ -101,17 +104,22 @@ def build_runner(cfg: WorkerConfig):
 def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
     steps_in = bind_pull(ctx, cfg.input_addr)
     results_out = connect_push(ctx, cfg.output_addr)
-    sockets += [steps_in, results_out]
+    to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
+    sockets += [steps_in, results_out, to_launcher]
     runner, limits = build_runner(cfg)
     try:
-        _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out)
+        _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out,
+                     to_launcher)
     finally:
         runner.close()   # never exit while the helper thread is inside MLX
 
 
-def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket) -> None:
+def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket,
+                 to_launcher: zmq.Socket | None = None) -> None:
     log.info("ready: %s", limits.as_dict())
     results_out.send(encode(WorkerReady(limits)))
+    if to_launcher is not None:
+        to_launcher.send(encode(Ready("worker")))
     decoder = Decoder(Step)
     while True:
         frame = recv()

@@ -132,6 +132,17 @@ class Harness:
         self._run_worker(step)
         self.in_flight = None
 
+    def worker_dies(self, message="the worker died"):
+        """The worker process dies (a step may be in flight) and a new one starts with
+        an empty pool: none of the old worker's state survives."""
+        self.in_flight = None
+        self.s.reset_worker(message)
+        self.batch.clear()
+        self.ctx.clear()
+        self.hashes.clear()
+        self.pool.clear()
+        self._after()
+
     def run_step(self) -> Step | None:
         step = self.schedule()
         if step is not None:

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from mlxd.protocol import StepResult, TokenizedRequest, Usage
+from mlxd.protocol import StepResult, TokenizedRequest, Usage, WorkerError
 from mlxd.scheduler_proc.kv_book import KVBook
 from mlxd.scheduler_proc.request import Request, Status
 from mlxd.scheduler_proc.scheduler import SchedulerLimits
@@ -557,6 +557,68 @@ def test_fail_step_forgets_cached_prefixes():
     assert p.prefix_slot_ids == [] and len(p.input_ids) == 10
     h.run_until_idle()
     assert h.final[3].usage.cached_tokens == 0
+
+
+def _chunked_decoding_retracted_and_waiting() -> Harness:
+    """Requests in every state, a step in flight: 2 and 3 decode, 4 prefills in
+    chunks, 1 was retracted (it has output and waits), 5 never started."""
+    h = Harness(kv_capacity=96, chunked_prefill_size=8, max_running_requests=3,
+                decode_headroom=0)
+    h.add(*[make_request(rid, n=6, max_new=40) for rid in (1, 2, 3)])
+    for _ in range(3):
+        h.run_step()
+    h.s._retract(h.s.running[1])
+    h.add(make_request(4, n=30, max_new=4), make_request(5, n=4, max_new=4))
+    h.run_step()
+    assert h.s.chunking is h.s.running[4] and sorted(h.s.running) == [2, 3, 4]
+    assert [r.rid for r in h.s.waiting] == [1, 5] and h.output(1)
+    return h
+
+
+def test_reset_worker_fails_running_requests_and_books_no_slot():
+    h = _chunked_decoding_retracted_and_waiting()
+    h.schedule()                                  # in flight when the worker dies
+    h.worker_dies("the worker process died")
+    for rid in (2, 3, 4):
+        assert h.final[rid].finish_reason == "error"
+        assert h.final[rid].error == "the worker process died"
+    assert not h.s.running and h.s.chunking is None
+    assert h.s.kv.allocator.num_free == h.cap and h.s.kv.tree.total_size == 0
+    assert h.s.stats()["used_slots"] == 0 and h.s.stats()["free_slots"] == h.cap
+    assert [r.rid for r in h.s.waiting] == [1, 5] and 1 not in h.final and 5 not in h.final
+
+
+def test_after_a_reset_waiting_requests_run_on_the_new_worker_from_scratch():
+    """Nothing is released to the new worker, no cached prefix is reused, and a
+    retracted request continues its output where it stopped."""
+    h = _chunked_decoding_retracted_and_waiting()
+    before = list(h.output(1))
+    h.worker_dies()
+    step = h.schedule()
+    assert step.releases == [] and step.decode_rids == []
+    assert sorted(prefilled(step)) == [1, 5]
+    assert all(p.prefix_slot_ids == [] for p in step.prefills)
+    h.answer(step)
+    h.run_until_idle()
+    assert h.final[1].finish_reason == "length" and h.output(1)[:len(before)] == before
+    assert len(h.output(1)) == 40 and h.final[5].finish_reason == "length"
+    h.assert_idle()
+
+
+def test_a_reset_after_an_abandoned_step_releases_nothing():
+    """The hung worker was killed: the releases meant for it are dropped."""
+    h = Harness(kv_capacity=128)
+    h.add(*[make_request(rid, max_new=20) for rid in (1, 2)])
+    h.run_step()
+    step = h.schedule()
+    h.s.abandon_step(WorkerError(step.step_id, "unresponsive"))
+    h.add(make_request(3, max_new=2))
+    h.worker_dies()
+    assert [h.final[r].finish_reason for r in (1, 2)] == ["error", "error"]
+    nxt = h.run_step()
+    assert nxt.releases == [] and prefilled(nxt) == [3]
+    h.run_until_idle()
+    h.assert_idle()
 
 
 # ---- rejections ----------------------------------------------------------------------

@@ -72,6 +72,15 @@ class Harness(ProcHarness):
         assert isinstance(ready, SchedulerReady)
         return ready
 
+    def worker_dies(self) -> None:
+        """The worker's process ends: its bound Step socket goes away."""
+        self.sockets.remove(self.steps)
+        self.steps.close(linger=0)
+
+    def worker_restarts(self) -> None:
+        """A new worker binds the Step socket again (before its WorkerReady)."""
+        self.steps = self._socket(zmq.PULL, bind=self.addr["worker_in"])
+
     # ---- receiving with deadlines ------------------------------------------
 
     def step(self) -> Step:
@@ -511,6 +520,120 @@ def test_a_worker_answering_in_time_is_not_abandoned(harness):
     assert [e.finish_reason for e in out["entries"][1]] == [None, None, "length"]
     assert _stats(harness, 1)["worker_status"] == "ok"
     harness.finish_releases({1})
+
+
+# ---- the worker dies and a new one replaces it ------------------------------------------
+
+def _until_decoding(h: Harness, rids: list[int]) -> Step:
+    """Answer steps until `rids` all decode; that step is left in flight."""
+    while True:
+        step = h.step()
+        if sorted(step.decode_rids) == rids:
+            return step
+        done = step.decode_rids + [p.rid for p in step.prefills]
+        h.answer(step, {r: 9 for r in done})
+        h.batch()
+
+
+def _restarting(h: Harness) -> bool:
+    """Whether the scheduler noticed the worker's death (it does so on its own, soon)."""
+    return wait_until(lambda: _stats(h, 0)["worker_status"] == "restarting", RECV_TIMEOUT)
+
+
+def test_a_dead_worker_fails_running_requests_and_its_successor_runs_the_waiting_ones(
+        harness):
+    harness.spawn("--max-running-requests", "2")
+    harness.worker_ready()
+    harness.request(1, [1, 2, 3], max_new_tokens=20)
+    harness.request(2, [4, 5], max_new_tokens=20)
+    harness.request(3, [6, 7, 8], max_new_tokens=2)    # waits: two run at most
+    _until_decoding(harness, [1, 2])
+    harness.worker_dies()                               # with a step in flight
+    entries = sorted(harness.batch().entries, key=lambda e: e.rid)
+    assert [e.rid for e in entries] == [1, 2]
+    for e in entries:
+        assert e.finish_reason == "error" and e.token_ids == []
+        assert "worker process died" in e.error
+    stats = _stats(harness, 1)
+    assert stats["worker_status"] == "restarting" and stats["worker_restarts"] == 1
+    assert (stats["running"], stats["waiting"], stats["used_slots"]) == (0, 1, 0)
+    assert stats["free_slots"] == KV_CAPACITY and stats["cached_slots"] == 0
+
+    harness.worker_restarts()
+    harness.request(4, [9, 10], max_new_tokens=2)
+    harness.assert_no_step()                  # nothing is sent before the new worker's Ready
+    harness.results.send(encode(WorkerReady(worker_limits())))
+    first = harness.step()
+    harness.assert_no_batch()                 # no second SchedulerReady: the limits stay
+    assert first.releases == [] and first.decode_rids == []
+    assert sorted(p.rid for p in first.prefills) == [3, 4]
+    assert all(p.prefix_slot_ids == [] for p in first.prefills)
+    harness.answer(first, {3: 30, 4: 40})
+    assert sorted(e.rid for e in harness.batch().entries) == [3, 4]
+    out = harness.serve({3: [31], 4: [41]})
+    assert [out["entries"][r][-1].finish_reason for r in (3, 4)] == ["length", "length"]
+    harness.finish_releases({3, 4})
+    stats = _stats(harness, 2)
+    assert stats["worker_status"] == "ok" and stats["worker_restarts"] == 1
+
+
+def test_a_dead_unresponsive_worker_is_replaced_and_nothing_is_released_to_its_successor(
+        harness):
+    harness.spawn("--worker-timeout", "1")
+    harness.worker_ready()
+    harness.request(1, [1, 2, 3], max_new_tokens=20)
+    _until_decoding(harness, [1])
+    [entry] = harness.batch().entries                  # the watchdog fails it
+    assert "unresponsive" in entry.error
+    harness.worker_dies()                              # the hung worker is killed
+    assert _restarting(harness)
+    harness.worker_restarts()
+    harness.request(2, [4, 5], max_new_tokens=1)
+    harness.results.send(encode(WorkerReady(worker_limits())))
+    step = harness.step()
+    assert step.releases == [] and [p.rid for p in step.prefills] == [2]
+    harness.answer(step, {2: 20})
+    assert harness.batch().entries[0].finish_reason == "length"
+    harness.finish_releases({2})
+
+
+def test_a_disconnect_while_waiting_for_the_new_worker_is_no_second_death(sched):
+    """A dying worker's socket may close in two steps: the socket reopened for the
+    next worker can connect to its listener and lose it again at once."""
+    sched.worker_dies()
+    assert _restarting(sched)
+    sched.worker_restarts()
+    sched.assert_no_step(0.5)               # meanwhile the scheduler connects to it
+    sched.worker_dies()                     # and loses it again
+    sched.worker_restarts()
+    sched.results.send(encode(WorkerReady(worker_limits())))
+    sched.request(1, [1, 2], max_new_tokens=1)
+    out = sched.serve({1: [5]})
+    assert out["entries"][1][-1].finish_reason == "length"
+    stats = _stats(sched, 1)
+    assert stats["worker_status"] == "ok" and stats["worker_restarts"] == 1
+
+
+def test_a_new_worker_with_a_smaller_pool_stops_the_scheduler(sched):
+    sched.worker_dies()
+    assert _restarting(sched)
+    sched.worker_restarts()
+    sched.results.send(encode(WorkerReady(worker_limits(kv_capacity=KV_CAPACITY // 2))))
+    assert sched.child.proc.wait(10) == 1
+    assert "KV pool is smaller" in sched.child.log()
+
+
+def test_a_worker_ready_while_the_worker_serves_is_ignored(sched):
+    sched.request(1, [1, 2], max_new_tokens=2)
+    first = sched.step()
+    sched.results.send(encode(WorkerReady(worker_limits(kv_capacity=8))))
+    sched.answer(first, {1: 5})
+    sched.batch()
+    out = sched.serve({1: [6]})
+    assert out["entries"][1][-1].finish_reason == "length"
+    stats = _stats(sched, 1)
+    assert stats["worker_status"] == "ok" and stats["worker_restarts"] == 0
+    assert sched.child.proc.poll() is None
 
 
 # ---- malformed input ---------------------------------------------------------------

@@ -27,13 +27,23 @@ def server(llama_model):
     s.stop()
 
 
+@pytest.fixture
+def no_restart_server(llama_model):
+    """A server whose dead worker is not replaced: any child's death stops it."""
+    s = Server(llama_model, "--kv-capacity", "4096", "--log-level", "warning",
+               "--no-restart-worker")
+    yield s
+    s.stop()
+
+
 def test_three_children_are_started(server):
     assert len(server.child_pids) == 3
     for name in ("worker_proc", "scheduler_proc", "tokenizer_proc"):
         assert server.child(name)
 
 
-def test_sigkill_of_the_worker_stops_everything_with_an_error(server):
+def test_sigkill_of_the_worker_stops_everything_with_an_error(no_restart_server):
+    server = no_restart_server
     start = time.monotonic()
     os.kill(server.child("worker_proc"), signal.SIGKILL)
     server.proc.wait(10)
@@ -108,15 +118,22 @@ def test_children_die_with_a_killed_launcher(server):
     assert wait_until(lambda: all_gone(server.child_pids), 10)
 
 
-def test_in_flight_request_fails_when_the_server_dies(server):
+def test_in_flight_request_fails_when_the_server_dies(no_restart_server):
+    """The stream ends in an error: the scheduler's report of the worker's death, or,
+    should the server stop first, the lost connection."""
+    server = no_restart_server
     with Client(server.address, timeout=30) as c:
         stream = c.stream("Hello", max_tokens=3000, ignore_eos=True)
         next(stream)
         os.kill(server.child("worker_proc"), signal.SIGKILL)
-        with pytest.raises(MlxdError) as err:
-            for _ in stream:
-                pass
-        assert err.value.code in ("disconnected", "timeout")
+        try:
+            last = list(stream)[-1]
+        except MlxdError as err:
+            assert err.code in ("disconnected", "timeout")
+        else:
+            assert last.finish_reason == "error" and "worker process died" in last.error
+    server.proc.wait(10)
+    assert server.proc.returncode != 0
 
 
 def test_bad_model_path_exits_with_a_message(tmp_path):
