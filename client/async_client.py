@@ -118,6 +118,11 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                        messages: list[dict] | None = None, rid: str | None = None,
                        **params) -> Result:
+        """Run one request to its end. `params` use OpenAI's names: max_tokens,
+        temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
+        logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias ({token id: bias}), min_tokens; the server
+        rejects any other name and any value out of range (`invalid_request`)."""
         stream = AsyncStream(self, _request(prompt, input_ids, messages, rid, params, False))
         result = Result(stream.rid)
         try:
