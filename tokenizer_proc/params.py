@@ -17,6 +17,7 @@ MAX_PENALTY = 2.0          # presence and frequency, as OpenAI bounds them
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_CHOICES = 16           # n
 # Below this a temperature is greedy (as in vLLM): dividing logprobs by a smaller one
 # overflows, and a float32 temperature of 0 would give NaN.
 MIN_TEMPERATURE = 1e-5
@@ -35,6 +36,15 @@ class RequestParams:
     ignore_eos: bool = False
     logprobs: bool = False
     timeout: float | None = None   # seconds the whole request may take, server-side
+    n: int = 1                     # choices: samples of the same prompt
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it,
+    so n=1 samples as before; the others get distinct seeds of their own."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % (MAX_SEED + 1)
 
 
 def _number(params, name, default, lo=-math.inf, hi=math.inf, lo_open=False):
@@ -168,7 +178,7 @@ def _penalties(params) -> dict:
 KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "timeout",
                    "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "logit_bias", "min_tokens"})
+                   "logit_bias", "min_tokens", "n"})
 
 
 def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> RequestParams:
@@ -198,4 +208,5 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
         stop_token_ids=_token_ids(params, "stop_token_ids", vocab_size),
         ignore_eos=_flag(params, "ignore_eos"),
         logprobs=logprobs,
-        timeout=_timeout(params))
+        timeout=_timeout(params),
+        n=_integer(params, "n", 1, 1, MAX_CHOICES))

@@ -42,7 +42,7 @@ def test_everything_set():
     assert set(KNOWN) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                           "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
                           "timeout", "presence_penalty", "frequency_penalty",
-                          "repetition_penalty", "logit_bias", "min_tokens"}
+                          "repetition_penalty", "logit_bias", "min_tokens", "n"}
 
 
 # ---- valid values --------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_stop_token_ids_bound_is_the_vocab_size():
 @pytest.mark.parametrize("params,named", [
     ({"max_new_tokens": 5}, "max_new_tokens"),
     ({"temprature": 0.5}, "temprature"),
-    ({"n": 2, "temperature": 1.0}, "n"),
+    ({"best_of": 2, "temperature": 1.0}, "best_of"),
     ({"stream": True}, "stream"),
     ({"": 1}, "''"),
 ])
