@@ -34,7 +34,9 @@ ABORT_LINGER_MS = 500    # how long close() lets its aborts leave
 class AsyncStream:
     """Async iterator of Chunks for one request; `rid` names it for abort().
     The request is sent when iteration starts (or on `await stream.start()`).
-    Closing it (`aclose()`) or dropping it before its finish chunk aborts it."""
+    Closing it (`aclose()`) or dropping it before its finish chunk aborts it.
+    A request with n > 1 choices streams all of them, each chunk with its
+    `index`, and ends after every choice's finish chunk."""
 
     def __init__(self, client: "AsyncClient", request: GenerateRequest):
         self.rid = request.rid
@@ -42,6 +44,7 @@ class AsyncStream:
         self._request = request
         self._queue: asyncio.Queue | None = None
         self._done = False
+        self._unfinished = _choices(request.params)   # choices without a finish chunk
 
     async def start(self) -> "AsyncStream":
         if self._queue is None and not self._done:
@@ -70,7 +73,9 @@ class AsyncStream:
             raise msg
         chunk = Chunk.from_message(msg)
         if chunk.finish_reason is not None:
-            self._finish()
+            self._unfinished -= 1
+            if self._unfinished <= 0:
+                self._finish()
         return chunk
 
     def _finish(self) -> None:
@@ -132,18 +137,25 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                        messages: list[dict] | None = None, rid: str | None = None,
-                       **params) -> Result:
+                       **params) -> Result | list[Result]:
+        """Run one request to its end. `params` use OpenAI's names: max_tokens,
+        temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
+        logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias ({token id: bias}), min_tokens, n; the server
+        rejects any other name and any value out of range (`invalid_request`).
+        With n > 1, the n choices' Results, in `index` order."""
         request = self._request(prompt, input_ids, messages, rid, params, False)
         stream = AsyncStream(self, request)
-        result = Result(stream.rid)
+        n = _choices(params)
+        results = [Result(stream.rid, index=i) for i in range(n)]
         try:
             async for chunk in stream:
-                result.add(chunk)
+                results[chunk.index].add(chunk)
         finally:
             stream._abandon()   # cancelled while waiting: abort it on the server
-        return result
+        return results if n > 1 else results[0]
 
-    async def chat(self, messages: list[dict], **params) -> Result:
+    async def chat(self, messages: list[dict], **params) -> Result | list[Result]:
         return await self.generate(messages=messages, **params)
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
@@ -293,6 +305,10 @@ class AsyncClient:
         return ABORT_LINGER_MS if self._connection is not None and self._connection.up else 0
 
 
+def _choices(params: dict) -> int:
+    """How many choices a request's `params` ask for (the server checks the value)."""
+    n = params.get("n", 1)
+    return n if type(n) is int and n > 1 else 1
 
 
 def _encode_request(request: GenerateRequest) -> bytes:

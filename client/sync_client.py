@@ -63,10 +63,10 @@ class Client:
             raise MlxdError("closed", "the client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+    def generate(self, prompt: str | None = None, **kwargs) -> Result | list[Result]:
         return self._call(self._inner.generate(prompt, **kwargs))
 
-    def chat(self, messages: list[dict], **params) -> Result:
+    def chat(self, messages: list[dict], **params) -> Result | list[Result]:
         return self._call(self._inner.chat(messages, **params))
 
     def stream(self, prompt: str | None = None, **kwargs) -> Stream:

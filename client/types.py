@@ -20,7 +20,8 @@ def _top_dicts(tops: list | None) -> list | None:
 
 @dataclass
 class Chunk:
-    """Part of a streamed output. `top_logprobs[i]` maps token id -> logprob."""
+    """Part of a streamed output (of choice `index`, when the request asked for n > 1).
+    `top_logprobs[i]` maps token id -> logprob."""
 
     text: str
     token_ids: list[int]
@@ -29,16 +30,18 @@ class Chunk:
     finish_reason: str | None = None
     usage: dict | None = None
     error: str | None = None
+    index: int = 0
 
     @classmethod
     def from_message(cls, msg) -> "Chunk":
         return cls(msg.text, msg.token_ids, msg.logprobs, _top_dicts(msg.top_logprobs),
-                   msg.finish_reason, msg.usage, msg.error)
+                   msg.finish_reason, msg.usage, msg.error, msg.index)
 
 
 @dataclass
 class Result:
-    """A finished request. finish_reason is stop, length, abort or error."""
+    """A finished request (or its choice `index`, with n > 1). finish_reason is stop,
+    length, abort or error."""
 
     rid: str
     text: str = ""
@@ -48,6 +51,7 @@ class Result:
     top_logprobs: list[dict[int, float] | None] | None = None
     usage: dict | None = None
     error: str | None = None
+    index: int = 0
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text

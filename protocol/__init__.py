@@ -11,11 +11,11 @@ from .to_tokenizer import (
     AbortRequest, GenerateRequest, SchedulerReady, Stats, StatsRequest, TokenBatch,
     TokenEntry, Usage,
 )
-from .to_worker import PrefillInput, SamplingParams, Step
+from .to_worker import REPETITION_CONTEXT, PrefillInput, SamplingParams, Step
 
 __all__ = [
     "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "PrefillInput", "ProtocolError", "Ready", "SamplingParams", "SchedulerReady", "Stats",
+    "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready", "SamplingParams", "SchedulerReady", "Stats",
     "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
     "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",
     "WorkerReady", "encode",

@@ -6,7 +6,8 @@ from .message import message
 
 @message
 class StreamChunk:
-    """Part (or, when not streaming, all) of a request's output."""
+    """Part (or, when not streaming, all) of a request's output: of its choice
+    `index` (0 unless the request asked for n > 1 choices)."""
 
     TAG = 20
     rid: str = wire(Str())
@@ -17,6 +18,7 @@ class StreamChunk:
     finish_reason: str | None = wire(Opt(Str()), default=None)
     usage: dict | None = wire(Opt(Map()), default=None)   # Usage.as_dict()
     error: str | None = wire(Opt(Str()), default=None)
+    index: int = wire(Int(minimum=0), default=0)
 
 
 @message

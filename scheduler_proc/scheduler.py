@@ -10,7 +10,10 @@ every finished chunk go into the radix tree.
 
 from dataclasses import dataclass
 
-from mlxd.protocol import PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest, WorkerError
+from mlxd.protocol import (
+    REPETITION_CONTEXT, PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest,
+    WorkerError,
+)
 from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
 from mlxd.runtime.request_limits import length_error, max_new_tokens
@@ -286,9 +289,12 @@ class Scheduler:
         done = len(req.slot_ids) == req.fill_len
         if done and self.chunking is req:
             self.chunking = None
-        return PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
-                            new_slots, req.sampling, needs_logits=done,
-                            num_generated=len(req.output_ids))
+        p = PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
+                         new_slots, req.sampling, needs_logits=done,
+                         num_generated=len(req.output_ids))
+        if done:
+            _add_sampling_context(p, req)
+        return p
 
     # ---- finishing ---------------------------------------------------------------
 
@@ -317,3 +323,16 @@ class Scheduler:
         entry.finish_reason = reason
         entry.usage = req.usage()
         self._outbox.append(entry)
+
+
+def _add_sampling_context(p: PrefillInput, req: Request) -> None:
+    """What the worker's penalties and min_tokens need to know of the request, sent
+    with its last chunk (again when it resumes after a retraction): the worker keeps
+    no state of a request it released."""
+    sampling = req.sampling
+    if sampling.repetition_penalty != 1.0:
+        p.prompt_tail = req.prompt_ids[-REPETITION_CONTEXT:]
+    if sampling.counts_tokens:
+        p.output_ids = list(req.output_ids)
+    if sampling.min_tokens > len(req.output_ids):
+        p.stop_token_ids = sorted(req.stop_token_ids)

@@ -7,7 +7,14 @@ scheduler's tokens arrive. Sinks are called synchronously and must neither block
 raise. Methods return the messages for the scheduler (TokenizedRequest, Abort,
 GetStats), in order, for the caller to send. Any number of front ends may share one
 core: each request's replies go to the sink it came with.
+
+A request with `n` > 1 runs as n requests in the scheduler (choices), sharing the
+prompt (and so its KV, through the radix cache); each choice's chunks carry its
+`index`, each finishes with its own finish chunk and usage, and aborting, forgetting
+or timing out the client's request ends all of them.
 """
+
+import dataclasses
 
 import itertools
 import logging
@@ -21,7 +28,7 @@ from mlxd.protocol import (
 )
 
 from .detokenizer import IncrementalDetokenizer
-from .params import InvalidRequest, RequestParams, parse_params
+from .params import InvalidRequest, RequestParams, choice_seed, parse_params
 from .request_stream import RequestStream
 from .text import TextCodec
 from .validation import (
@@ -59,14 +66,18 @@ class Pending:
     client: Hashable
     req: GenerateRequest
     sink: Sink
-    rid: int
+    rids: list[int]           # one per choice
     params: RequestParams
     vocab_size: int
     max_chars: int | None     # the longest text that can fit, None if unbounded
     limits: ModelLimits | None
     aborted: bool = False     # the client aborted it before admission
-    tokenized: TokenizedRequest | None = None
+    tokenized: TokenizedRequest | None = None   # choice 0's
     error: ErrorReply | None = None
+
+    @property
+    def rid(self) -> int:
+        return self.rids[0]
 
     @property
     def text_chars(self) -> int:
@@ -97,7 +108,9 @@ class TokenizerCore:
         self.request_timeout = request_timeout   # the server's limit (0: none)
         self.clock = clock
         self.requests: dict[int, _Request] = {}
-        self._rids: dict[Hashable, dict[str, int]] = {}   # client key -> its rid -> rid
+        # client key -> its rid -> the rids of its choices still running (all of them
+        # while pending)
+        self._rids: dict[Hashable, dict[str, list[int]]] = {}
         self._stats_queries: dict[int, _StatsQuery] = {}
         self._pending: dict[int, Pending] = {}   # validated, not yet admitted
         self._next_id = itertools.count(1)   # rids and stats query ids
@@ -139,10 +152,10 @@ class TokenizerCore:
         except InvalidRequest as exc:
             sink(ErrorReply(req.rid, "invalid_request", str(exc)))
             return None
-        pending = Pending(client, req, sink, next(self._next_id), params, vocab_size,
-                          max_chars, self.limits)
+        rids = [next(self._next_id) for _ in range(params.n)]
+        pending = Pending(client, req, sink, rids, params, vocab_size, max_chars, self.limits)
         self._pending[pending.rid] = pending
-        self._rids.setdefault(client, {})[req.rid] = pending.rid
+        self._rids.setdefault(client, {})[req.rid] = list(rids)
         return pending
 
     def encode(self, pending: "Pending") -> None:
@@ -158,28 +171,31 @@ class TokenizerCore:
                                        f"{type(exc).__name__}: {exc}")
 
     def admit(self, pending: "Pending") -> list[ToScheduler]:
-        """Start an encoded request: returns its TokenizedRequest (and its Abort if the
-        client aborted it meanwhile); a rejection goes to its sink. Nothing for a
-        request whose client was forgotten meanwhile."""
+        """Start an encoded request: returns a TokenizedRequest per choice (and their
+        Aborts if the client aborted it meanwhile); a rejection goes to its sink.
+        Nothing for a request whose client was forgotten meanwhile."""
         if self._pending.pop(pending.rid, None) is None:
             return []
         if pending.error is not None:
+            del self._rids[pending.client][pending.req.rid]
             self._unindex(pending.client, pending.req.rid)
             pending.sink(pending.error)
             return []
-        self._admit(pending)
+        choices = _choices(pending)
+        for index, tokenized in enumerate(choices):
+            self._admit(pending, tokenized.rid, index)
         if pending.aborted:
-            return [pending.tokenized, Abort(pending.rid)]
-        return [pending.tokenized]
+            return choices + [Abort(rid) for rid in pending.rids]
+        return choices
 
     def abort(self, client: Hashable, client_rid: str) -> list[Abort]:
         """End the client's request early; its last chunk (finish "abort") follows the
         scheduler's. An rid the client has not running is ignored."""
-        rid = self._rids.get(client, {}).get(client_rid)
-        if rid in self._pending:   # still encoding: `admit` sends the abort after it
-            self._pending[rid].aborted = True
+        rids = self._rids.get(client, {}).get(client_rid, [])
+        if rids and rids[0] in self._pending:   # still encoding: `admit` sends the aborts
+            self._pending[rids[0]].aborted = True
             return []
-        return [] if rid is None else [Abort(rid)]
+        return [Abort(rid) for rid in rids]
 
     def query_stats(self, client: Hashable, client_rid: str, sink: Sink) -> list[GetStats]:
         """Ask the scheduler for its counters; the StatsReply goes to `sink`."""
@@ -190,10 +206,12 @@ class TokenizerCore:
     def forget(self, client: Hashable) -> list[Abort]:
         """The client is gone: its requests are aborted and dropped, and nothing more
         goes to its sinks (its stats queries included)."""
-        rids = list(self._rids.pop(client, {}).values())
-        for rid in [rid for rid in rids if rid in self._pending]:
-            del self._pending[rid]   # `admit` drops it
-            rids.remove(rid)
+        rids = []
+        for choices in self._rids.pop(client, {}).values():
+            if choices[0] in self._pending:
+                del self._pending[choices[0]]   # `admit` drops it
+            else:
+                rids += choices
         for rid in rids:
             del self.requests[rid]
         self._stats_queries = {query_id: q for query_id, q in self._stats_queries.items()
@@ -229,8 +247,8 @@ class TokenizerCore:
         """End every running request of the client with finish_reason "error" and
         `message` (each sink gets its final chunk); they are aborted in the scheduler.
         Requests still being tokenized and stats queries are dropped as by `forget`."""
-        finals = [(rid, self.requests[rid]) for rid in self._rids.get(client, {}).values()
-                  if rid in self.requests]
+        finals = [(rid, self.requests[rid]) for rids in self._rids.get(client, {}).values()
+                  for rid in rids if rid in self.requests]
         for rid, request in finals:
             self._end(rid, request, message)
         return self.forget(client)
@@ -266,11 +284,14 @@ class TokenizerCore:
     def check_integrity(self) -> None:
         """Every request is indexed under its client key and client rid, and only those."""
         indexed = {rid: (client, client_rid) for client, rids in self._rids.items()
-                   for client_rid, rid in rids.items()}
+                   for client_rid, choices in rids.items() for rid in choices}
         known = {rid: (r.client, r.stream.client_rid) for rid, r in self.requests.items()}
-        known.update({rid: (p.client, p.req.rid) for rid, p in self._pending.items()})
+        known.update({rid: (p.client, p.req.rid) for p in self._pending.values()
+                      for rid in p.rids})
         assert indexed == known, (indexed, self.requests, self._pending)
         assert all(self._rids.values()), "a client key without requests is kept"
+        assert all(all(rids.values()) for rids in self._rids.values()), \
+            "a client rid without running choices is kept"
 
     # ---- internals ---------------------------------------------------------
 
@@ -284,21 +305,34 @@ class TokenizerCore:
         return TokenizedRequest(pending.rid, input_ids, params.sampling, params.max_tokens,
                                 stop_ids)
 
-    def _admit(self, pending: "Pending") -> None:
+    def _admit(self, pending: "Pending", rid: int, index: int) -> None:
         params = pending.params
-        stream = RequestStream(pending.req.rid, pending.rid,
+        stream = RequestStream(pending.req.rid, rid,
                                IncrementalDetokenizer(self.codec.decode), params.stop,
-                               pending.req.stream, params.logprobs)
+                               pending.req.stream, params.logprobs, index)
         limits = [t for t in (params.timeout, self.request_timeout) if t]
         deadline = self.clock() + min(limits) if limits else None
-        self.requests[pending.rid] = _Request(pending.client, stream, pending.sink, deadline)
+        self.requests[rid] = _Request(pending.client, stream, pending.sink, deadline)
 
     def _drop(self, rid: int, request: _Request) -> None:
         del self.requests[rid]
-        self._unindex(request.client, request.stream.client_rid)
+        choices = self._rids[request.client][request.stream.client_rid]
+        choices.remove(rid)
+        if not choices:   # the client's request ends with its last choice
+            del self._rids[request.client][request.stream.client_rid]
+            self._unindex(request.client, request.stream.client_rid)
 
     def _unindex(self, client: Hashable, client_rid: str) -> None:
-        rids = self._rids[client]
-        del rids[client_rid]
-        if not rids:   # a key per HTTP connection must not pile up
+        """After `client_rid` left the client's index: drop a key left empty."""
+        if not self._rids[client]:   # a key per HTTP connection must not pile up
             del self._rids[client]
+
+
+def _choices(pending: "Pending") -> list[TokenizedRequest]:
+    """The scheduler's requests for an encoded request, one per choice: the same
+    prompt, each choice's own rid and seed."""
+    first = pending.tokenized
+    return [first] + [
+        dataclasses.replace(first, rid=rid, sampling=dataclasses.replace(
+            first.sampling, seed=choice_seed(first.sampling.seed, index)))
+        for index, rid in enumerate(pending.rids[1:], start=1)]

@@ -13,6 +13,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256      # characters per stop string: the held-back text grows with it
 MAX_SEED = 2**63 - 1
+MAX_PENALTY = 2.0          # presence and frequency, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_CHOICES = 16           # n
 # Below this a temperature is greedy (as in vLLM): dividing logprobs by a smaller one
 # overflows, and a float32 temperature of 0 would give NaN.
 MIN_TEMPERATURE = 1e-5
@@ -31,6 +36,15 @@ class RequestParams:
     ignore_eos: bool = False
     logprobs: bool = False
     timeout: float | None = None   # seconds the whole request may take, server-side
+    n: int = 1                     # choices: samples of the same prompt
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it,
+    so n=1 samples as before; the others get distinct seeds of their own."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % (MAX_SEED + 1)
 
 
 def _number(params, name, default, lo=-math.inf, hi=math.inf, lo_open=False):
@@ -115,8 +129,56 @@ def _timeout(params) -> float | None:
     return _number(params, "timeout", None, lo=0.0, hi=MAX_TIMEOUT, lo_open=True)
 
 
+def _token_id(key, vocab_size) -> int:
+    """A logit_bias key: an int, or a string of one (JSON objects have string keys)."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        key = int(key)
+    if type(key) is not int or not 0 <= key < vocab_size:
+        raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab_size}), "
+                             f"got {key!r}")
+    return key
+
+
+def _logit_bias(params, vocab_size) -> tuple[list[int], list[float]]:
+    """`{token id: bias}` as (ids, biases), each bias in [-100, 100]."""
+    bias = params.get("logit_bias")
+    if bias is None:
+        return [], []
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} "
+                             f"entries, got {len(bias)}")
+    merged: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_id(key, vocab_size)
+        if token in merged:
+            raise InvalidRequest(f"logit_bias names token {token} twice")
+        name = f"logit_bias[{token}]"
+        merged[token] = _number({name: value}, name, None,
+                                lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+    return list(merged), list(merged.values())
+
+
+def _min_tokens(params, max_tokens: int) -> int:
+    value = _integer(params, "min_tokens", 0, 0, 2**31 - 1)
+    if value > max_tokens:
+        raise InvalidRequest(f"min_tokens ({value}) must not exceed max_tokens ({max_tokens})")
+    return value
+
+
+def _penalties(params) -> dict:
+    return dict(
+        presence_penalty=_number(params, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(params, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=_number(params, "repetition_penalty", 1.0, lo=0.0,
+                                   hi=MAX_REPETITION_PENALTY, lo_open=True))
+
+
 KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "timeout"})
+                   "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "timeout",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias", "min_tokens", "n"})
 
 
 def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> RequestParams:
@@ -127,18 +189,24 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
         raise InvalidRequest(f"unknown parameter(s) {unknown}; known: {sorted(KNOWN)}")
     top_k = _integer(params, "top_k", 0, -1, 2**31 - 1)
     logprobs = _flag(params, "logprobs")
+    max_tokens = _integer(params, "max_tokens", default_max_tokens, 1, 2**31 - 1)
+    bias_ids, bias_values = _logit_bias(params, vocab_size)
     sampling = SamplingParams(
         temperature=_temperature(params),
         top_p=_number(params, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=max(top_k, 0),   # -1 means disabled, as in vLLM
         min_p=_number(params, "min_p", 0.0, lo=0.0, hi=1.0),
         seed=_seed(params),
-        top_logprobs=_top_logprobs(params, logprobs))
+        top_logprobs=_top_logprobs(params, logprobs),
+        bias_ids=bias_ids, bias_values=bias_values,
+        min_tokens=_min_tokens(params, max_tokens),
+        **_penalties(params))
     return RequestParams(
         sampling=sampling,
-        max_tokens=_integer(params, "max_tokens", default_max_tokens, 1, 2**31 - 1),
+        max_tokens=max_tokens,
         stop=_stop_strings(params),
         stop_token_ids=_token_ids(params, "stop_token_ids", vocab_size),
         ignore_eos=_flag(params, "ignore_eos"),
         logprobs=logprobs,
-        timeout=_timeout(params))
+        timeout=_timeout(params),
+        n=_integer(params, "n", 1, 1, MAX_CHOICES))

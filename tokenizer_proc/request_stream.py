@@ -11,9 +11,10 @@ from .detokenizer import IncrementalDetokenizer
 
 class RequestStream:
     def __init__(self, client_rid: str, rid: int, detokenizer: IncrementalDetokenizer,
-                 stop: list[str], stream: bool, logprobs: bool):
+                 stop: list[str], stream: bool, logprobs: bool, index: int = 0):
         self.client_rid = client_rid
         self.rid = rid
+        self.index = index   # the choice this is, of a request with n > 1
         self.detokenizer = detokenizer
         self.stop = stop
         self.stream = stream
@@ -69,7 +70,7 @@ class RequestStream:
             self._sent_text, len(self.text) - self._holdback)
         start_text, start_tok = (self._sent_text, self._sent_tokens) if self.stream else (0, 0)
         chunk = StreamChunk(self.client_rid, self.text[start_text:end],
-                            self.token_ids[start_tok:])
+                            self.token_ids[start_tok:], index=self.index)
         if self.want_logprobs:
             chunk.logprobs = self.logprobs[start_tok:]
             tops = self.top_logprobs[start_tok:]

@@ -17,6 +17,7 @@ from . import batch_cache
 from .background import BackgroundJob
 from .decode_batch import DecodeBatch, JoinGroup
 from .kv_pool import KVGeometry, KVPool
+from .penalties import RowPenalties
 from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
 
@@ -215,7 +216,9 @@ class ModelRunner:
         if len(set(rids)) != len(rids) or set(rids) & set(self.batch.rids):
             raise ValueError(f"prefill of a request that is already running: {rids}")
         for p in prefills:
-            if min(p.input_ids) < 0 or max(p.input_ids) >= self.vocab_size:
+            ids = (p.input_ids, p.prompt_tail, p.output_ids, p.stop_token_ids,
+                   p.sampling.bias_ids)
+            if not all(_in_range(part, self.vocab_size) for part in ids):
                 raise ValueError(f"prefill {p.rid}: token id outside [0, {self.vocab_size})")
             self.pool.check_slots(p.prefix_slot_ids)
             self.pool.check_slots(p.new_slot_ids)
@@ -231,11 +234,14 @@ class ModelRunner:
             for cache in caches:
                 batch_cache.keep_rows(cache, idx)
             logits = logits[idx]
-        rows = [RowState(group[i].sampling, self._seed(group[i].sampling),
-                         group[i].num_generated) for i in keep]
+        rows = [self._row_state(group[i]) for i in keep]
         sampled = sample(logits, rows)
         rids = [group[i].rid for i in keep]
         return JoinGroup(rids, rows, caches, sampled.tokens), _Output(rids, rows, sampled)
+
+    def _row_state(self, p: PrefillInput) -> RowState:
+        return RowState(p.sampling, self._seed(p.sampling), p.num_generated,
+                        RowPenalties.for_prefill(p, self.vocab_size))
 
     def _seed(self, sampling) -> int:
         return sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
@@ -265,6 +271,10 @@ class ModelRunner:
         ids, lps = o.sampled.top_ids.tolist(), o.sampled.top_logprobs.tolist()
         return [top_lists(ids[i], lps[i], r.params.top_logprobs) if r.params.top_logprobs
                 else None for i, r in enumerate(o.rows)]
+
+
+def _in_range(ids: list[int], vocab_size: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
 
 
 def _arrays(outputs: list[_Output]) -> list[mx.array]:

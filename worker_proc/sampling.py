@@ -1,8 +1,12 @@
-"""Batched token selection: greedy, temperature, top-k, top-p, min-p, seeded.
+"""Batched token selection: penalties and bias, greedy, temperature, top-k, top-p,
+min-p, seeded.
 
 Every request owns a seed; the random key for its n-th token is derived from
 (seed, n) alone, so a seeded request samples the same tokens whatever else
-shares its batch. Reported logprobs are the model's raw log-softmax.
+shares its batch. Rows with penalties, logit_bias or min_tokens pick from their
+processed logits (penalties.py); the other rows of the batch skip that work.
+Reported logprobs (chosen and top) are always the model's raw log-softmax, before
+any processing, as mlx_lm reports them.
 """
 
 from dataclasses import dataclass
@@ -10,6 +14,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxd.protocol import SamplingParams
+
+from . import penalties
+from .penalties import RowPenalties
 
 _MASK64 = (1 << 64) - 1
 
@@ -26,6 +33,7 @@ class RowState:
     params: SamplingParams
     seed: int
     generated: int = 0   # tokens sampled so far; indexes the random key
+    penalties: RowPenalties | None = None   # only when the params process the logits
 
 
 @dataclass
@@ -74,17 +82,44 @@ def _sample_rows(logprobs: mx.array, rows: list[RowState]) -> mx.array:
     return mx.argmax(x + noise, axis=-1)
 
 
+def _log_softmax(x: mx.array) -> mx.array:
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _processed(logits: mx.array, logprobs: mx.array, rows: list[RowState],
+               idx: list[int]) -> mx.array:
+    """The logprobs to pick from: those of the processed logits in rows `idx`,
+    `logprobs` (raw) in the others."""
+    if len(idx) == len(rows):
+        return _log_softmax(penalties.apply(logits, [r.penalties for r in rows],
+                                            [r.generated for r in rows]))
+    at = mx.array(idx)
+    scores = mx.array(logprobs)   # a copy: the raw logprobs are reported
+    scores[at] = _log_softmax(penalties.apply(
+        logits[at], [rows[i].penalties for i in idx], [rows[i].generated for i in idx]))
+    return scores
+
+
+def _record(tokens: mx.array, rows: list[RowState], idx: list[int]) -> None:
+    for i in idx:
+        rows[i].penalties.record(tokens[i:i + 1])
+
+
 def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
-    """Pick one token per row of `logits` [B, V] and advance each row's state."""
+    """Pick one token per row of `logits` [B, V] and advance each row's state (its
+    count, its penalties' record of the token, lazily)."""
     logits = logits.astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    tokens = mx.argmax(logprobs, axis=-1)
+    logprobs = _log_softmax(logits)
+    processed_idx = [i for i, r in enumerate(rows) if r.penalties is not None]
+    scores = _processed(logits, logprobs, rows, processed_idx) if processed_idx else logprobs
+    tokens = mx.argmax(scores, axis=-1)
     sampled_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(sampled_idx) == len(rows):
-        tokens = _sample_rows(logprobs, rows)
+        tokens = _sample_rows(scores, rows)
     elif sampled_idx:
         idx = mx.array(sampled_idx)
-        tokens[idx] = _sample_rows(logprobs[idx], [rows[i] for i in sampled_idx])
+        tokens[idx] = _sample_rows(scores[idx], [rows[i] for i in sampled_idx])
+    _record(tokens, rows, processed_idx)
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     out = Sampled(tokens, chosen)
     n_top = max(r.params.top_logprobs for r in rows)

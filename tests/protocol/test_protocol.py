@@ -116,7 +116,7 @@ def test_nested_classes_round_trip_through_their_wire_form(nested):
 
 def test_int_fields_accept_ints_for_float_fields():
     msg = decode_as(TokenizedRequest,
-                    [30, 1, [1], [1, 1, 0, 0, None, 0], 4, []])
+                    [30, 1, [1], [1, 1, 0, 0, None, 0, 0, 0, 1, [], [], 0], 4, []])
     assert msg.sampling.temperature == 1.0 and type(msg.sampling.temperature) is float
     assert msg.sampling.greedy is False
 
@@ -212,11 +212,11 @@ def test_wrong_field_counts(msg):
 
 
 def good_sampling():
-    return [0.5, 0.9, 10, 0.1, 42, 2]
+    return [0.5, 0.9, 10, 0.1, 42, 2, 0.0, 0.0, 1.0, [], [], 0]
 
 
 def good_prefill():
-    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0]
+    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], []]
 
 
 def good_entry():
@@ -254,16 +254,18 @@ WRONG_TYPES = [
     (GenerateRequest, ["r", "p", None, None, {}, False], 5, None),
     (AbortRequest, ["r"], 0, 1),
     (AbortRequest, ["r"], 0, b"r"),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 0, None),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 1, None),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 1, b"t"),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 2, [1.0]),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 3, ["x"]),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 3, [True]),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 4, {"a": 1}),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 5, 1),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 6, []),
-    (StreamChunk, ["r", "t", [1], None, None, None, None, None], 7, False),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 0, None),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 1, None),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 1, b"t"),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 2, [1.0]),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 3, ["x"]),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 3, [True]),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 4, {"a": 1}),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 5, 1),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 6, []),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 7, False),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 8, -1),
+    (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 8, None),
     (ErrorReply, ["r", "code", "msg"], 0, 3),
     (ErrorReply, ["r", "code", "msg"], 1, None),
     (ErrorReply, ["r", "code", "msg"], 2, None),
@@ -398,7 +400,7 @@ def test_aligned_step_result_with_top_logprobs_is_accepted():
     ([5, 6], [10]), ([5], [10, 11]), ([], []), ([5, 6], []), ([], [10]),
 ])
 def test_prefill_lengths_must_match(input_ids, new_slot_ids):
-    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0]
+    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], []]
     with pytest.raises(ProtocolError, match="equal length"):
         decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
 
@@ -411,10 +413,10 @@ def test_prefill_num_generated_in_range_is_accepted(num_generated):
     assert step.prefills[0].to_wire() == prefill
 
 
-def test_prefill_num_generated_defaults_to_zero_and_is_the_last_wire_field():
+def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context():
     p = PrefillInput(3, [5], [], [10], SamplingParams())
     assert p.num_generated == 0 and p.needs_logits is True
-    assert p.to_wire()[-1] == 0 and len(p.to_wire()) == 7
+    assert p.to_wire()[6] == 0 and p.to_wire()[7:] == [[], [], []]
     assert RESUMED.to_wire()[6] == 2**40
 
 

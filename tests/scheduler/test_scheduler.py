@@ -8,7 +8,9 @@ from collections import defaultdict
 
 import pytest
 
-from mlxd.protocol import StepResult, TokenizedRequest, Usage, WorkerError
+from mlxd.protocol import (
+    REPETITION_CONTEXT, SamplingParams, StepResult, TokenizedRequest, Usage, WorkerError,
+)
 from mlxd.scheduler_proc.kv_book import KVBook
 from mlxd.scheduler_proc.request import Request, Status
 from mlxd.scheduler_proc.scheduler import SchedulerLimits
@@ -1317,3 +1319,30 @@ def test_a_huge_cached_prefix_still_gets_admitted():
     h.add(make_request(2, prompt=long + [5, 6], max_new=2))
     h.run_until_idle()
     assert len(h.output(2)) == 2 and h.final[2].usage.cached_tokens >= 99
+
+
+# ---- what the worker's penalties and min_tokens are sent ----------------------------
+
+def test_penalised_requests_carry_their_context_with_every_last_prefill_chunk():
+    """The worker rebuilds a penalised row's counts from the last chunk of each
+    admission, a resumed one included: prompt tail, output so far, and the stop ids
+    while min_tokens still holds them back. Plain requests carry none of it."""
+    h = Harness(kv_capacity=64, max_running_requests=8)
+    h.token_fn = by_position
+    penalised = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, min_tokens=30)
+    h.add(*[make_request(rid, n=24 if rid == 1 else 4, max_new=40, stop=(EOS, 3),
+                         sampling=penalised if rid % 2 else None) for rid in range(1, 7)])
+    h.run_until_idle()
+    last_chunks = [p for s in h.steps for p in s.prefills if p.needs_logits]
+    assert any(p.num_generated for p in last_chunks if p.sampling == penalised)
+    for p in last_chunks:
+        if p.sampling != penalised:
+            assert (p.prompt_tail, p.output_ids, p.stop_token_ids) == ([], [], [])
+            continue
+        prompt = prompt_of(p.rid, 24 if p.rid == 1 else 4)
+        assert p.prompt_tail == prompt[-REPETITION_CONTEXT:]
+        assert p.output_ids == h.output(p.rid)[:p.num_generated]
+        assert p.stop_token_ids == ([2, 3] if p.num_generated < 30 else [])
+    for p in (p for s in h.steps for p in s.prefills if not p.needs_logits):
+        assert (p.prompt_tail, p.output_ids, p.stop_token_ids) == ([], [], [])
+    h.assert_idle()

@@ -455,3 +455,81 @@ def test_no_deadline_without_a_timeout(core):
     a = Peer(core, b"a")
     a.submitted("x", prompt="hi")
     assert not core.has_deadlines and core.expire() == []
+
+
+# ---- n choices ----------------------------------------------------------------------
+
+def test_n_choices_share_the_prompt_with_their_own_rids_and_seeds(core):
+    a = Peer(core, b"a")
+    reqs = a.submit("r", prompt="Hello", params={"n": 3, "temperature": 1.0, "seed": 7})
+    assert len(reqs) == 3 and a.got == []
+    assert len({r.rid for r in reqs}) == 3
+    assert all(r.input_ids == reqs[0].input_ids for r in reqs)
+    seeds = [r.sampling.seed for r in reqs]
+    assert seeds[0] == 7 and len(set(seeds)) == 3
+    again = Peer(core, b"b").submit("r", prompt="Hello",
+                                    params={"n": 3, "temperature": 1.0, "seed": 7})
+    assert [r.sampling.seed for r in again] == seeds   # seeded choices are reproducible
+    unseeded = a.submit("u", prompt="Hello", params={"n": 2, "temperature": 1.0})
+    assert [r.sampling.seed for r in unseeded] == [None, None]
+    core.check_integrity()
+
+
+def test_each_choice_streams_with_its_index_and_finishes_on_its_own(core, codec):
+    a = Peer(core, b"a")
+    reqs = a.submit("r", prompt="Hello", stream=True, params={"n": 2})
+    ids = text_ids(codec, "the quick")
+    usage = Usage(len(reqs[0].input_ids), 1, 0)
+    core.on_batch(TokenBatch([entry(reqs[0].rid, ids[:1], "length", usage),
+                              entry(reqs[1].rid, ids[:1])]))
+    first, second = a.got
+    assert (first.rid, first.index, first.finish_reason) == ("r", 0, "length")
+    assert first.usage["completion_tokens"] == 1
+    assert (second.rid, second.index, second.finish_reason) == ("r", 1, None)
+    core.check_integrity()
+    a.got.clear()
+    assert a.rejected("r", prompt="Hi").code == "duplicate_rid"   # choice 1 still runs
+    assert core.abort(b"a", "r") == [Abort(reqs[1].rid)]            # only what runs
+    core.on_batch(TokenBatch([entry(reqs[1].rid, [], "abort", usage)]))
+    assert a.got[-1].index == 1 and a.got[-1].finish_reason == "abort"
+    assert core.stats() == {"streams": 0}
+    core.check_integrity()
+    assert len(a.submit("r", prompt="Hi")) == 1   # the rid is free again
+
+
+def test_a_single_choice_has_index_0(core, codec):
+    a = Peer(core, b"a")
+    req = a.submitted("r", prompt="Hello", params={"n": 1})
+    core.on_batch(TokenBatch([entry(req.rid, text_ids(codec, "the"), "stop")]))
+    [chunk] = a.got
+    assert chunk.index == 0 and chunk.to_wire()[-1] == 0
+
+
+def test_aborting_forgetting_or_timing_out_a_request_ends_every_choice(codec):
+    clock = Clock()
+    core = TokenizerCore(codec, DEFAULT_MAX_TOKENS, LIMITS, clock=clock)
+    a = Peer(core, b"a")
+    aborted = a.submit("x", prompt="hi", params={"n": 3})
+    assert core.abort(b"a", "x") == [Abort(r.rid) for r in aborted]
+    forgotten = Peer(core, b"b").submit("y", prompt="hi", params={"n": 2})
+    assert core.forget(b"b") == [Abort(r.rid) for r in forgotten]
+    late = a.submit("z", prompt="hi", params={"n": 2, "timeout": 1.0})
+    clock.now += 1.5
+    assert core.expire() == [Abort(r.rid) for r in late]
+    assert sorted(c.index for c in a.got) == [0, 1]
+    assert all(c.finish_reason == "error" for c in a.got)
+    core.check_integrity()
+
+
+def test_an_abort_while_encoding_aborts_every_choice_once_admitted(core):
+    a = Peer(core, b"a")
+    pending = validated(core, a, prompt="Hello", params={"n": 2})
+    assert core.abort(b"a", "r") == []
+    first, second, *aborts = core.admit(pending)
+    assert aborts == [Abort(first.rid), Abort(second.rid)]
+    core.check_integrity()
+
+
+@pytest.mark.parametrize("n", [0, 17, 1.0, "2"])
+def test_n_out_of_range_is_refused(core, n):
+    assert "n must be" in Peer(core, b"a").rejected(prompt="hi", params={"n": n}).message

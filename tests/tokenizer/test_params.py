@@ -41,7 +41,8 @@ def test_everything_set():
     assert p.ignore_eos and p.logprobs
     assert set(KNOWN) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                           "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
-                          "timeout"}
+                          "timeout", "presence_penalty", "frequency_penalty",
+                          "repetition_penalty", "logit_bias", "min_tokens", "n"}
 
 
 # ---- valid values --------------------------------------------------------------------
@@ -200,7 +201,7 @@ def test_stop_token_ids_bound_is_the_vocab_size():
 @pytest.mark.parametrize("params,named", [
     ({"max_new_tokens": 5}, "max_new_tokens"),
     ({"temprature": 0.5}, "temprature"),
-    ({"n": 2, "temperature": 1.0}, "n"),
+    ({"best_of": 2, "temperature": 1.0}, "best_of"),
     ({"stream": True}, "stream"),
     ({"": 1}, "''"),
 ])
@@ -227,3 +228,61 @@ def test_timeout_is_a_positive_number_of_seconds():
     for bad in (0, -1, "1", float("inf"), 1e7):
         with pytest.raises(InvalidRequest, match="timeout"):
             parse_params({"timeout": bad}, 512, 16)
+
+
+# ---- penalties, logit_bias, min_tokens -------------------------------------------------
+
+def test_penalties_bias_and_min_tokens_reach_the_sampling_params():
+    p = parse(presence_penalty=1.5, frequency_penalty=-2, repetition_penalty=1.3,
+              logit_bias={"7": -100, 11: 2.5}, min_tokens=4, max_tokens=9)
+    s = p.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (1.5, -2.0, 1.3)
+    assert (s.bias_ids, s.bias_values, s.min_tokens) == ([7, 11], [-100.0, 2.5], 4)
+    assert type(s.frequency_penalty) is float and s.processes_logits
+
+
+def test_no_penalties_by_default():
+    s = parse().sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (s.bias_ids, s.bias_values, s.min_tokens) == ([], [], 0)
+    assert not s.processes_logits
+    assert not parse(logit_bias={}, min_tokens=0, repetition_penalty=1).sampling.processes_logits
+
+
+def test_min_tokens_may_equal_max_tokens():
+    assert parse(min_tokens=5, max_tokens=5).sampling.min_tokens == 5
+    assert parse(min_tokens=DEFAULT_MAX).sampling.min_tokens == DEFAULT_MAX
+
+
+def test_logit_bias_takes_up_to_300_entries():
+    bias = {str(t): 1.0 for t in range(300)}
+    assert len(parse(logit_bias=bias).sampling.bias_ids) == 300
+    with pytest.raises(InvalidRequest, match="at most 300"):
+        parse(logit_bias={**bias, "300": 1.0})
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("presence_penalty", 2.5, r"presence_penalty must be in \[-2.0, 2.0\]"),
+    ("presence_penalty", "1", "presence_penalty must be a finite number"),
+    ("frequency_penalty", -2.01, r"frequency_penalty must be in \[-2.0, 2.0\]"),
+    ("frequency_penalty", math.nan, "frequency_penalty must be a finite number"),
+    ("frequency_penalty", None, "frequency_penalty must be a finite number"),
+    ("repetition_penalty", 0, r"repetition_penalty must be in \(0.0, 100.0\]"),
+    ("repetition_penalty", -1.0, "repetition_penalty must be in"),
+    ("repetition_penalty", math.inf, "repetition_penalty must be a finite number"),
+    ("repetition_penalty", True, "repetition_penalty must be a finite number"),
+    ("min_tokens", -1, r"min_tokens must be in \[0, "),
+    ("min_tokens", 2.0, "min_tokens must be an integer"),
+    ("min_tokens", DEFAULT_MAX + 1, "min_tokens .* must not exceed max_tokens"),
+    ("logit_bias", [[1, 2]], "logit_bias must map token ids to numbers"),
+    ("logit_bias", {"a": 1}, r"logit_bias keys must be token ids in \[0, 512\)"),
+    ("logit_bias", {"512": 1}, "logit_bias keys must be token ids"),
+    ("logit_bias", {-1: 1}, "logit_bias keys must be token ids"),
+    ("logit_bias", {1.0: 1}, "logit_bias keys must be token ids"),
+    ("logit_bias", {"3": 100.5}, r"logit_bias\[3\] must be in \[-100.0, 100.0\]"),
+    ("logit_bias", {"3": "1"}, r"logit_bias\[3\] must be a finite number"),
+    ("logit_bias", {"3": 1, 3: 2}, "logit_bias names token 3 twice"),
+])
+def test_invalid_penalties_name_the_parameter(name, value, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse(**{name: value})

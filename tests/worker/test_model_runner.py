@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.protocol import PrefillInput, SamplingParams, Step
+from mlxd.protocol import REPETITION_CONTEXT, PrefillInput, SamplingParams, Step
+from penalty_reference import reference_penalised_tokens
 from support import PROMPTS, encode, load_reference, reference_tokens
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
@@ -325,3 +326,73 @@ def test_released_rows_wait_for_the_next_join_and_every_output_stays_exact(llama
         d.step()
     for r in (3, 4, 5, 6, 7, 8, 9):
         assert_matches_reference(llama_model, ids[r], d.out[r])
+
+
+# ---- penalties, logit_bias, min_tokens in the batch ---------------------------------
+
+PENALISED = {
+    # the bias brings token 5 back and again, the penalties push it away
+    2: SamplingParams(presence_penalty=2.0, frequency_penalty=3.0, bias_ids=[5],
+                      bias_values=[30.0]),
+    4: SamplingParams(repetition_penalty=1.6, bias_ids=[7, 11], bias_values=[3.0, -5.0]),
+    5: SamplingParams(frequency_penalty=2.0, repetition_penalty=1.2, min_tokens=4),
+}
+
+
+def penalised_prefill(d: Driver, rid: int, prompt: list[int], output: list[int],
+                      stop_ids=()) -> PrefillInput:
+    """What the scheduler sends to start (or, with `output`, resume) a penalised row."""
+    ids = prompt + output
+    return PrefillInput(rid, ids, [], d.new_slots(rid, len(ids)), PENALISED[rid],
+                        num_generated=len(output), prompt_tail=prompt[-REPETITION_CONTEXT:],
+                        output_ids=list(output), stop_token_ids=list(stop_ids))
+
+
+def run_mixed(model_path, overlap: bool, retract_at: int | None = None):
+    """Plain rows 1 and 3 share the batch with penalised rows 2, 4 and 5; with
+    `retract_at`, rows 2 and 5 are released at that step and resumed the next with
+    prompt + output, as after a retraction."""
+    d = Driver(model_path)
+    d.runner.overlap = overlap
+    ids = {rid: encode(model_path, PROMPTS[rid]) for rid in (1, 2, 3, 4, 5)}
+    # row 5's stop ids are the tokens it would pick first: min_tokens must hold them back
+    stops = {5: [t for t, _ in reference_tokens(model_path, ids[5], 2, ignore_eos=True)]}
+    d.step([d.prefill(1, ids[1]), d.prefill(3, ids[3])]
+           + [penalised_prefill(d, rid, ids[rid], [], stops.get(rid, ())) for rid in PENALISED])
+    for step in range(1, MAX_TOKENS):
+        if step == retract_at:
+            d.step(releases=[2, 5])
+            d.step([penalised_prefill(d, rid, ids[rid], [t for t, _ in d.out[rid]],
+                                      stops.get(rid, ())) for rid in (2, 5)])
+        else:
+            d.step()
+    return d, ids, stops
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+@pytest.mark.parametrize("retract_at", [None, 6], ids=["running", "resumed"])
+def test_penalised_rows_share_the_batch_and_decode_as_the_reference(llama_model, overlap,
+                                                                   retract_at):
+    d, ids, stops = run_mixed(llama_model, overlap, retract_at)
+    for rid in (1, 3):   # the plain rows: what they get alone
+        alone = Driver(llama_model)
+        alone.step([alone.prefill(rid, ids[rid])])
+        for _ in range(len(d.out[rid]) - 1):
+            alone.step()
+        assert [t for t, _ in d.out[rid]] == [t for t, _ in alone.out[rid]]
+        assert max(abs(a[1] - b[1]) for a, b in zip(d.out[rid], alone.out[rid])) < 1e-5
+    for rid, params in PENALISED.items():
+        n = len(d.out[rid])
+        want = reference_penalised_tokens(llama_model, ids[rid], params, n, stops.get(rid, ()))
+        assert [t for t, _ in d.out[rid]] == want, rid
+
+
+def test_penalised_rows_report_the_raw_logprobs(llama_model):
+    """The chosen tokens' logprobs are the model's log-softmax before processing."""
+    d, ids, _ = run_mixed(llama_model, overlap=False)
+    model, _ = load_reference(llama_model)
+    tokens = [t for t, _ in d.out[4]]
+    logits = model(mx.array([ids[4] + tokens[:-1]]))[0, len(ids[4]) - 1:].astype(mx.float32)
+    raw = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = raw[mx.arange(len(tokens)), mx.array(tokens)].tolist()
+    assert max(abs(a - b) for (_, a), b in zip(d.out[4], want)) < 1e-3
