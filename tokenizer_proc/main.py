@@ -35,6 +35,7 @@ from mlxd.runtime.lifecycle import die_with_parent, setup_logging
 
 from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
+from .http import HttpFrontEnd
 from .text import TextCodec
 from .throttled_log import ThrottledLog
 from .validation import ModelLimits, max_prompt_chars
@@ -119,6 +120,7 @@ class TokenizerServer:
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
         self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
         self._log_bad_frame = ThrottledLog(log, logging.ERROR)
+        self.http_address: str | None = None   # the HTTP front end's, once bound
 
     @property
     def sockets(self):
@@ -146,7 +148,8 @@ class TokenizerServer:
         self.clients.sock.bind(self.cfg.client_addr)
         log.info("client frames are capped at %d bytes", max_bytes)
         if self.to_launcher:
-            await self.to_launcher.send(encode(Ready("tokenizer", self.address)))
+            await self.to_launcher.send(encode(Ready("tokenizer", self.address,
+                                                     self.http_address)))
         log.info("ready: serving clients on %s", self.address)
 
     async def _client_loop(self) -> None:
@@ -180,13 +183,14 @@ class TokenizerServer:
             self._replies.append((client, protocol_error_reply(exc)))
             return []
         if isinstance(msg, GenerateRequest):
-            return self._submit(client, msg)
+            return self.submit(client, msg, self._sink(client))
         return self.core.handle(client, msg, self._sink(client))
 
-    def _submit(self, client: bytes, req: GenerateRequest) -> list[ToScheduler]:
-        """Short prompts are encoded at once; long ones in a thread, so that they hold
-        up no one else (the core keeps their rid, and an abort, meanwhile)."""
-        pending = self.core.validate(client, req, self._sink(client))
+    def submit(self, client, req: GenerateRequest, sink: Sink) -> list[ToScheduler]:
+        """A request of any front end. Short prompts are encoded at once; long ones in a
+        thread, so that they hold up no one else (the core keeps their rid, and an
+        abort, meanwhile)."""
+        pending = self.core.validate(client, req, sink)
         if pending is None:
             return []
         if pending.text_chars < INLINE_CHARS:
@@ -313,11 +317,16 @@ async def serve(cfg: TokenizerConfig) -> None:
     codec = TextCodec(cfg.flags.model)
     ctx = zmq.asyncio.Context()
     server = TokenizerServer(cfg, codec, ctx)
+    flags = cfg.flags
+    http = HttpFrontEnd(server, flags.http_host, flags.http_port,
+                        flags.served_model_name or codec.path.name, flags.api_key)
     try:
+        server.http_address = await http.start()   # 503 until the scheduler is ready
         await server.run()
     except asyncio.CancelledError:
         log.info("shutting down")
     finally:
+        await http.stop()
         server.close_encoder()
         for sock in server.sockets:
             sock.close(linger=0)
