@@ -50,6 +50,12 @@ def _guarded(api: Api, route: Route):
     return handle
 
 
+def _open(api: Api, route: Route):
+    async def handle(request: Request):
+        return await route(api, request)
+    return handle
+
+
 def build_app(api: Api) -> FastAPI:
     app = FastAPI(title="mlxd", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
@@ -62,8 +68,8 @@ def build_app(api: Api) -> FastAPI:
               ("POST", "/detokenize"): detokenize}
     for (method, path), route in routes.items():
         app.add_api_route(path, _guarded(api, route), methods=[method])
-    app.add_api_route("/health", lambda: health(api), methods=["GET"])
-    app.add_api_route("/metrics", lambda: metrics(api), methods=["GET"])
+    for path, route in (("/health", health), ("/metrics", metrics)):
+        app.add_api_route(path, _open(api, route), methods=["GET"])
     known = {path for _, path in routes} | set(OPEN_PATHS)
     app.add_middleware(CountRequests, api=api, known=known)
     return app
@@ -108,13 +114,13 @@ async def model(api: Api, request: Request):
     return JSONResponse(_model_card(api))
 
 
-async def health(api: Api):
+async def health(api: Api, request: Request):
     if api.front.core.limits is None:
         return JSONResponse({"status": "starting"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-async def metrics(api: Api):
+async def metrics(api: Api, request: Request):
     stats = None
     if api.front.core.limits is not None:
         call = Call(api.front)

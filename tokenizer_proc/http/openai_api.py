@@ -123,6 +123,9 @@ class _Render:
                 if error:
                     yield data(openai_body(error))
                     return
+                if not (text or chunk.finish_reason or not choice.seen or
+                        (self.logprobs and chunk.token_ids)):
+                    continue   # tokens whose text is held back (a partial character)
                 event = {**self.head, "object": self.CHUNK_OBJECT,
                          "choices": [self.chunk_choice(choice, chunk, text)]}
                 yield data({**event, "usage": None} if include_usage else event)
