@@ -73,7 +73,7 @@ async def completions(api: Api, request: Request):
     inputs = prompt_inputs(body.prompt)
     params = core_params(body, body.max_tokens, logprobs=body.logprobs is not None or None,
                          top_logprobs=body.logprobs or None)
-    renamed = {"top_logprobs": "logprobs", "input_ids": "prompt"}
+    renamed = {"top_logprobs": "logprobs", "input_ids": "prompt", "prompt": "prompt"}
     gen = Generation(api.front, api.metrics, lambda e: core_error(e, params, renamed))
     echo = [echoed_prompt(api, given) for given in inputs] if body.echo else None
     await gen.begin(generate_requests(inputs, params, body.stream), request.receive, n)
