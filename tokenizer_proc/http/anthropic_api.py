@@ -6,14 +6,13 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from .anthropic_schema import MessagesRequest, TextBlock
 from .choices import Choice, Outputs
 from .context import Api, read_body
 from .errors import ApiError, anthropic_body
 from .generation import Generation, failed
-from .openai_api import sse_response
+from .openai_api import respond
 from .requests import core_error, generate_requests
 from .sse import event
 
@@ -44,9 +43,7 @@ async def messages(api: Api, request: Request):
     requests = generate_requests([{"messages": chat_messages(body)}], params, body.stream)
     await gen.begin(requests, request.receive)
     render = MessageRender(api, body.stop_sequences or [])
-    if body.stream:
-        return sse_response(render.events(gen.replies()))
-    return JSONResponse(await render.response(gen.replies()))
+    return await respond(gen, body.stream, render.response, render.events)
 
 
 class MessageRender:

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .calls import Disconnected
 from .choices import Outputs, chat_logprobs, completion_logprobs
 from .context import Api, read_body
 from .errors import ApiError, bad_request, openai_body
@@ -56,10 +57,9 @@ async def chat_completions(api: Api, request: Request):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": api.model_name}
     render = ChatRender(api, head, Outputs(n), body.logprobs)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(render.events(gen.replies(), include_usage))
-    return JSONResponse(await render.response(gen.replies()))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await respond(gen, body.stream, render.response,
+                         lambda chunks: render.events(chunks, include_usage))
 
 
 async def completions(api: Api, request: Request):
@@ -80,10 +80,9 @@ async def completions(api: Api, request: Request):
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": api.model_name}
     render = CompletionRender(api, head, Outputs(n, echo), body.logprobs is not None)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(render.events(gen.replies(), include_usage))
-    return JSONResponse(await render.response(gen.replies()))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await respond(gen, body.stream, render.response,
+                         lambda chunks: render.events(chunks, include_usage))
 
 
 def echoed_prompt(api: Api, given: dict) -> str:
@@ -92,9 +91,28 @@ def echoed_prompt(api: Api, given: dict) -> str:
     return api.codec.decode(given["input_ids"])
 
 
-def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+async def respond(gen: Generation, stream: bool, whole, events):
+    """The generation's answer: `whole(chunks)` as JSON, or `events(chunks)` as
+    server-sent events; the call is closed however it ends."""
+    if stream:
+        return StreamingResponse(_closing(gen, events(gen.replies())),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        return JSONResponse(await whole(gen.replies()))
+    finally:
+        await gen.call.close()
+
+
+async def _closing(gen: Generation, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The events until the stream ends or its client goes; then the call is closed."""
+    try:
+        async for piece in events:
+            yield piece
+    except Disconnected:
+        pass
+    finally:
+        await gen.call.close()
 
 
 class _Render:
