@@ -151,3 +151,14 @@ def test_not_ready_is_503_in_each_shape(http):
 def test_bad_bodies_are_400_not_422(http, body):
     r = http.post("/v1/chat/completions", content=body, headers={"Authorization": "Bearer k"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_too_large_is_refused_while_it_is_read(http, monkeypatch):
+    from mlxd.tokenizer_proc.http import context
+
+    monkeypatch.setattr(context, "MAX_BODY_BYTES", 100)
+    auth = {"Authorization": "Bearer k"}
+    r = http.post("/v1/completions", content=b"x" * 101, headers=auth)
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=iter([b"x" * 60, b"x" * 60]), headers=auth)
+    assert r.status_code == 413   # no length declared: counted as it comes

@@ -47,10 +47,7 @@ class Api:
 async def read_body(request: Request, model: type[BaseModel]):
     """The request's JSON body as `model`: 400 for bad JSON or a body that does not
     fit, 413 past MAX_BODY_BYTES."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
-    raw = await request.body()
+    raw = await _body(request)
     try:
         body = json.loads(raw)
     except ValueError as exc:   # UnicodeDecodeError included
@@ -61,3 +58,18 @@ async def read_body(request: Request, model: type[BaseModel]):
         return model.model_validate(drop_nulls(body))
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+async def _body(request: Request) -> bytes:
+    """The body, refused (413) as soon as it passes MAX_BODY_BYTES, whether or not
+    it declared its length."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+        parts.append(part)
+    return b"".join(parts)
