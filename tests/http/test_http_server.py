@@ -2,7 +2,6 @@
 (and raw httpx for what they would not send), against mlx_lm and the ZeroMQ SDK."""
 
 import asyncio
-import json
 
 import anthropic
 import httpx
@@ -11,8 +10,7 @@ import pytest
 
 from mlxd import AsyncClient, Client
 from mlxd.tokenizer_proc import params as core_params
-from support import PROMPTS, encode, load_reference, reference_tokens, requests_in_server, \
-    wait_until
+from support import PROMPTS, encode, load_reference, reference_tokens
 
 MAX_TOKENS = 24
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -42,16 +40,23 @@ def model_name(model_path: str) -> str:
     return Path(model_path).name
 
 
-async def _http_completions(server, model, prompts):
+async def _http_completions(server, model_path, prompts, stream: bool):
+    """(text, tokens, token logprobs, finish_reason, completion tokens) per prompt; the
+    prompts go as token ids, so that the tokens compare with mlx_lm's."""
     async with openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="none",
                                   timeout=60, max_retries=0) as client:
-        return await asyncio.gather(*(client.completions.create(
-            model=model, prompt=encode(model_path_of(server), p), max_tokens=MAX_TOKENS,
-            temperature=0, logprobs=0) for p in prompts))
-
-
-def model_path_of(server) -> str:
-    return server.model_path
+        async def one(prompt):
+            r = await client.completions.create(
+                model=model_name(model_path), prompt=encode(model_path, prompt),
+                max_tokens=MAX_TOKENS, temperature=0, logprobs=0, stream=stream,
+                **({"stream_options": {"include_usage": True}} if stream else {}))
+            chunks = [c async for c in r] if stream else [r]
+            choices = [c.choices[0] for c in chunks if c.choices]
+            return ("".join(c.text for c in choices),
+                    [t for c in choices if c.logprobs for t in c.logprobs.tokens],
+                    [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs],
+                    choices[-1].finish_reason, chunks[-1].usage.completion_tokens)
+        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 async def _sdk_generate(address, prompts):
@@ -59,20 +64,19 @@ async def _sdk_generate(address, prompts):
         return await asyncio.gather(*(c.generate(p, max_tokens=MAX_TOKENS) for p in prompts))
 
 
-def test_greedy_over_http_equals_the_sdk_and_mlx_lm_for_8_concurrent(server, llama_model):
-    server.model_path = llama_model
-    http = asyncio.run(_http_completions(server, model_name(llama_model), PROMPTS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_over_http_equals_the_sdk_and_mlx_lm_for_8_concurrent(server, llama_model,
+                                                                     stream):
+    http = asyncio.run(_http_completions(server, llama_model, PROMPTS, stream))
     sdk = asyncio.run(_sdk_generate(server.address, PROMPTS))
     _, tokenizer = load_reference(llama_model)
-    for prompt, h, s in zip(PROMPTS, http, sdk):
+    for prompt, (text, tokens, logprobs, finish, n), s in zip(PROMPTS, http, sdk):
         ref = reference_tokens(llama_model, encode(llama_model, prompt), MAX_TOKENS)
-        choice = h.choices[0]
-        assert choice.logprobs.tokens == [tokenizer.decode([t]) for t, _ in ref], prompt
-        assert max(abs(a - b) for a, (_, b) in zip(choice.logprobs.token_logprobs, ref)) < 1e-3
-        assert choice.text == s.text == tokenizer.decode([t for t, _ in ref],
-                                                         skip_special_tokens=True)
-        assert choice.finish_reason == s.finish_reason
-        assert h.usage.completion_tokens == len(ref)
+        assert tokens == [tokenizer.decode([t]) for t, _ in ref], prompt
+        assert max(abs(a - b) for a, (_, b) in zip(logprobs, ref)) < 1e-3
+        assert text == s.text == tokenizer.decode([t for t, _ in ref], skip_special_tokens=True)
+        assert finish == s.finish_reason
+        assert n == len(ref) == len(s.token_ids)
 
 
 def test_chat_streamed_equals_not_streamed_and_the_sdk(oai, server, llama_model):
@@ -208,6 +212,9 @@ def bad_inputs(name):
         ("/v1/completions", {"model": name, "prompt": "x", "stream": True, "seed": -1}, 400,
          "seed"),
         ("/v1/completions", {"model": name, "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": name, "prompt": [10 ** 9], "echo": True}, 400, "prompt"),
+        ("/v1/completions", {"model": name, "prompt": "x", "stream_options": {
+            "include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {"model": name, "prompt": "x", "best_of": 2}, 400, "best_of"),
         ("/v1/messages", {"model": name, "messages": CHAT}, 400, None),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),

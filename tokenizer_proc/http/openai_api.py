@@ -44,6 +44,7 @@ async def chat_completions(api: Api, request: Request):
     api.check_model(body.model)
     api.check_ready()
     n = choices_per_request(body)
+    include_usage = usage_in_stream(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = core_params(body, max_tokens, logprobs=body.logprobs or None,
@@ -57,7 +58,6 @@ async def chat_completions(api: Api, request: Request):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": api.model_name}
     render = ChatRender(api, head, Outputs(n), body.logprobs)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await respond(gen, body.stream, render.response,
                          lambda chunks: render.events(chunks, include_usage))
 
@@ -70,19 +70,28 @@ async def completions(api: Api, request: Request):
         raise bad_request("echo with logprobs is not supported: prompt tokens' logprobs "
                           "are not computed", "echo")
     n = choices_per_request(body)
+    include_usage = usage_in_stream(body)
     inputs = prompt_inputs(body.prompt)
     params = core_params(body, body.max_tokens, logprobs=body.logprobs is not None or None,
                          top_logprobs=body.logprobs or None)
     renamed = {"top_logprobs": "logprobs", "input_ids": "prompt", "prompt": "prompt"}
     gen = Generation(api.front, api.metrics, lambda e: core_error(e, params, renamed))
-    echo = [echoed_prompt(api, given) for given in inputs] if body.echo else None
     await gen.begin(generate_requests(inputs, params, body.stream), request.receive, n)
+    echo = [echoed_prompt(api, given) for given in inputs] if body.echo else None   # valid ids
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": api.model_name}
     render = CompletionRender(api, head, Outputs(n, echo), body.logprobs is not None)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await respond(gen, body.stream, render.response,
                          lambda chunks: render.events(chunks, include_usage))
+
+
+def usage_in_stream(body) -> bool:
+    """`stream_options.include_usage`; stream options without a stream are refused."""
+    if body.stream_options is None:
+        return False
+    if not body.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    return body.stream_options.include_usage
 
 
 def echoed_prompt(api: Api, given: dict) -> str:
