@@ -3,14 +3,12 @@ or not: the scheduler shows it gone and its KV freed. The model has a long conte
 so that its requests would otherwise run on for a long while."""
 
 import asyncio
-import dataclasses
 
 import httpx
 import pytest
 
-from conftest import LLAMA
 from mlxd import Client
-from mlxd.model_store.tiny import build_tiny_model
+from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import Server, requests_in_server, wait_until
 
 STREAMS = 4
@@ -19,7 +17,9 @@ CONTEXT = 32768
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    spec = dataclasses.replace(LLAMA, max_position_embeddings=CONTEXT)
+    spec = TinySpec(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=256, vocab_size=512, seed=0,
+                    max_position_embeddings=CONTEXT)
     model = build_tiny_model(tmp_path_factory.mktemp("models") / "long", spec)
     srv = Server(str(model), "--kv-capacity", str(6 * CONTEXT), "--log-level", "warning")
     yield srv
