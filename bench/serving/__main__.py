@@ -1,6 +1,6 @@
 """Serving benchmark: mlxd vs mlx_lm.server, same model, same traffic.
 
-    python -m bench.serving                               # both systems, all traces (~15-25 min)
+    python -m bench.serving                               # all systems, all traces (~25-40 min)
     python -m bench.serving --systems mlxd --traces burst --num-requests 8
     python -m bench.serving --trace DIR/trace-burst.jsonl # replay saved traces
     python -m bench.serving --model smollm2 --out bench/results/serving-smollm2
@@ -10,7 +10,8 @@ random-weight bench model of bench/common.py, in a variant with an 8192-token
 context for the long prompts), on loopback, each with the same BLAS preloaded
 (bench/common.py blas_env(); mlxd's launcher does it for its worker). mlxd is
 started with launch.py (`--mlxd-args` appended) and driven through the async
-SDK; mlx_lm.server (`python -m mlx_lm.server`, `--mlx-lm-args` appended) through
+SDK (system `mlxd`) and, in a second run, through its HTTP API like mlx_lm.server
+(`mlxd_http`, with `ignore_eos`; its table row `http/sdk` is HTTP over SDK); mlx_lm.server (`python -m mlx_lm.server`, `--mlx-lm-args` appended) through
 its OpenAI-style HTTP endpoints with `"stream": true`. Every process started
 here is stopped on exit, errors and Ctrl-C included.
 

@@ -2,9 +2,10 @@
 their own tokenizer code (to check that both see the same prompt tokens).
 
 mlxd is driven through its async SDK (`mlxd`) or its OpenAI-compatible HTTP API
-(`mlxd_http`, the same client as mlx_lm.server's with `ignore_eos`);
-mlx_lm.server through its OpenAI-style HTTP endpoints with `"stream": true` (SSE lines `data: {json}`, comment lines
-`: keepalive n/m` while a prompt is processed, then `data: [DONE]`).
+(`mlxd_http`, the same client as mlx_lm.server's with `ignore_eos`); mlx_lm.server
+through its OpenAI-style HTTP endpoints with `"stream": true` (SSE lines
+`data: {json}`, comment lines `: keepalive n/m` while a prompt is processed, then
+`data: [DONE]`).
 
 mlx_lm.server has no `ignore_eos`: every EOS id of the model (as mlx_lm loads
 them: config.json / generation_config.json plus the tokenizer's) gets a logit
