@@ -11,8 +11,9 @@ context for the long prompts), on loopback, each with the same BLAS preloaded
 (bench/common.py blas_env(); mlxd's launcher does it for its worker). mlxd is
 started with launch.py (`--mlxd-args` appended) and driven through the async
 SDK (system `mlxd`) and, in a second run, through its HTTP API like mlx_lm.server
-(`mlxd_http`, with `ignore_eos`; its table row `http/sdk` is HTTP over SDK); mlx_lm.server (`python -m mlx_lm.server`, `--mlx-lm-args` appended) through
-its OpenAI-style HTTP endpoints with `"stream": true`. Every process started
+(`mlxd_http`, with `ignore_eos`; its table row `http/sdk` is HTTP over SDK);
+mlx_lm.server (`python -m mlx_lm.server`, `--mlx-lm-args` appended) through its
+OpenAI-style HTTP endpoints with `"stream": true`. Every process started
 here is stopped on exit, errors and Ctrl-C included.
 
 Traffic (bench/serving/traces.py), drawn from `--seed` and saved as JSONL in
