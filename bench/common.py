@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from mlxd.launcher import read_ready_address
+from mlxd.launcher import HTTP_PREFIX, READY_PREFIX, read_ready_addresses
 from mlxd.model_store.tiny import TinySpec, build_tiny_model, default_cache_dir
 
 # ~40M parameters: hidden 512, 8 layers, vocab 32000, tied embeddings.
@@ -56,13 +56,14 @@ class MlxdServer:
     def __init__(self, model: str, *args: str):
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--model", model, "--port", "0",
-             "--log-level", "warning", *args],
+             "--http-port", "0", "--log-level", "warning", *args],
             cwd=ROOT, stdout=subprocess.PIPE, text=True)
         try:   # an interrupted wait (Ctrl-C, SIGTERM) must not leave the launcher running
-            self.address = read_ready_address(self.proc.stdout, 600)
+            found = read_ready_addresses(self.proc.stdout, 600)
         except BaseException:
             self.stop()
             raise
+        self.address, self.http_url = found.get(READY_PREFIX), found.get(HTTP_PREFIX)
         if self.address is None:
             self.stop()
             raise RuntimeError("mlxd did not start")

@@ -42,6 +42,7 @@ STOP_GRACE_SECONDS = 4.0
 IPC_PREFIX = "mlxd-"
 PID_FILE = "launcher.pid"   # in the ipc folder: which launcher owns it
 READY_PREFIX = "mlxd ready: "
+HTTP_PREFIX = "mlxd http: "
 
 
 def resolve_model(model: str) -> str:
@@ -72,6 +73,12 @@ def resolve_model(model: str) -> str:
         sys.exit(f"mlxd: --model {model!r} is not a model folder (no config.json) "
                  "nor a .gguf file")
     return model
+
+
+def served_name(asked: str, folder: str) -> str:
+    """The model name the HTTP API reports by default: the name of the folder or file
+    asked for (`demo` and the default model: the folder they resolved to)."""
+    return Path(asked if asked and asked != "demo" else folder).name.removesuffix(".gguf")
 
 
 def find_blas(choice: str, system_lib: str = "/usr/lib") -> str | None:
@@ -213,7 +220,9 @@ class Launcher:
         return f"ipc://{self.ipc_dir}/{name}"
 
     def start(self, model: str) -> None:
-        flags = dataclasses.replace(self.cfg, model=model)   # the resolved folder
+        flags = dataclasses.replace(   # the resolved folder, and the defaults derived
+            self.cfg, model=model, http_host=self.cfg.http_host or self.cfg.host,
+            served_model_name=self.cfg.served_model_name or served_name(self.cfg.model, model))
         common = dict(flags=flags, parent_pid=os.getpid())
         worker = WorkerConfig(input_addr=self._ipc("worker_in"),
                               output_addr=self._ipc("worker_out"),
@@ -254,10 +263,10 @@ class Launcher:
                         "BLAS. Install one: apt-get install libopenblas0-pthread")
         return env
 
-    def wait_ready(self) -> str:
-        """Block until every child is READY; the client address."""
+    def wait_ready(self) -> tuple[str, str]:
+        """Block until every child is READY; the client address and the HTTP API's."""
         pending = {WORKER, "scheduler", "tokenizer"}
-        address = ""
+        address = http_address = ""
         deadline = time.monotonic() + self.cfg.ready_timeout
         while pending:
             self._check_children()
@@ -268,7 +277,8 @@ class Launcher:
             if msg is not None:
                 pending.discard(msg.process)
                 address = msg.address or address
-        return address
+                http_address = msg.http_address or http_address
+        return address, http_address
 
     def watch(self) -> None:
         while True:
@@ -358,18 +368,26 @@ def warn_if_exposed(cfg: ServerFlags) -> None:
 def read_ready_address(stdout, timeout: float) -> str | None:
     """For programs that start the launcher: the address from its ready line on
     `stdout` (a text stream), or None if it did not come within `timeout` seconds."""
-    found: list[str] = []
+    return read_ready_addresses(stdout, timeout).get(READY_PREFIX)
+
+
+def read_ready_addresses(stdout, timeout: float) -> dict[str, str]:
+    """The launcher's address lines up to its ready line, by prefix (READY_PREFIX,
+    HTTP_PREFIX); without READY_PREFIX if it did not come within `timeout` seconds."""
+    found: dict[str, str] = {}
 
     def read():
         for line in stdout:
-            if line.startswith(READY_PREFIX):
-                found.append(line[len(READY_PREFIX):].strip())
+            for prefix in (HTTP_PREFIX, READY_PREFIX):
+                if line.startswith(prefix):
+                    found[prefix] = line[len(prefix):].strip()
+            if READY_PREFIX in found:
                 return
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout)
-    return found[0] if found else None
+    return dict(found)
 
 
 class ChildFailure(RuntimeError):
@@ -398,8 +416,9 @@ def main(argv=None) -> int:
         return 1
     try:
         launcher.start(resolve_model(cfg.model))
-        address = launcher.wait_ready()
+        address, http_address = launcher.wait_ready()
         launcher.publish_key(address)
+        print(f"{HTTP_PREFIX}{http_address}", flush=True)
         print(f"{READY_PREFIX}{address}", flush=True)
         launcher.watch()
     except ChildFailure as exc:

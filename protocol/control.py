@@ -6,8 +6,10 @@ from .message import message
 
 @message
 class Ready:
-    """A process is up (to the launcher). The tokenizer's carries its client address."""
+    """A process is up (to the launcher). The tokenizer's carries its client address
+    and its HTTP API's bound address (`http://HOST:PORT`)."""
 
     TAG = 1
     process: str = wire(Str())
     address: str | None = wire(Opt(Str()), default=None)
+    http_address: str | None = wire(Opt(Str()), default=None)

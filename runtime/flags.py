@@ -47,6 +47,13 @@ class ServerFlags:
         "on first use, whose public key local clients find on their own",
         (TOKENIZER,), shown="per user")
     port: int = flag(8100, "client TCP port; 0 picks a free one", minimum=0)
+    http_host: str = flag(
+        "", "address the HTTP API (OpenAI / Anthropic compatible) binds to", (TOKENIZER,),
+        shown="--host")
+    http_port: int = flag(8000, "HTTP API port; 0 picks a free one", (TOKENIZER,), minimum=0)
+    served_model_name: str = flag(
+        "", "the model name the HTTP API reports and accepts", (TOKENIZER,),
+        shown="the model's folder or file name")
     max_running_requests: int = flag(
         64, "most requests decoded together", (WORKER, SCHEDULER), minimum=1)
     max_prefill_tokens: int = flag(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import zmq
 
-from mlxd.launcher import read_ready_address
+from mlxd.launcher import HTTP_PREFIX, READY_PREFIX, read_ready_addresses
 from mlxd.protocol import Decoder, ErrorReply, StreamChunk
 from mlxd.protocol import encode as encode_message
 from mlxd.runtime.keys import connect_with_curve, server_key_for
@@ -115,24 +115,25 @@ class Server:
         self.child_pids: list[int] = []
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--model", str(model_path),
-             "--port", "0", "--host", "127.0.0.1", *args],
+             "--port", "0", "--http-port", "0", "--host", "127.0.0.1", *args],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True, env=env)
         threading.Thread(target=self._pump_stderr, daemon=True).start()
-        self.address = self._wait_ready(ready_timeout)
+        self.address, self.http_url = self._wait_ready(ready_timeout)
         self.child_pids = children_of(self.proc.pid)
 
     def _pump_stderr(self) -> None:
         for line in self.proc.stderr:
             self.stderr_lines.append(line.rstrip("\n"))
 
-    def _wait_ready(self, timeout: float) -> str:
-        address = read_ready_address(self.proc.stdout, timeout)
-        if address is None:
+    def _wait_ready(self, timeout: float) -> tuple[str, str | None]:
+        """The client address and the HTTP API's base URL (`http://HOST:PORT`)."""
+        found = read_ready_addresses(self.proc.stdout, timeout)
+        if READY_PREFIX not in found:
             self.stop()
             raise RuntimeError("server did not become ready:\n" +
                                "\n".join(self.stderr_lines[-40:]))
-        return address
+        return found[READY_PREFIX], found.get(HTTP_PREFIX)
 
     def child(self, name: str) -> int:
         """The pid of the live child `name` (a restarted worker's: a new pid)."""

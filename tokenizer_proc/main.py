@@ -35,9 +35,9 @@ from mlxd.runtime.keys import BadKey, randomize_routing_ids, read_secret_key, se
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
 
 from .auth import key_matches
-
 from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
+from .http import HttpFrontEnd
 from .text import TextCodec
 from .throttled_log import ThrottledLog
 from .validation import ModelLimits, max_prompt_chars
@@ -124,6 +124,7 @@ class TokenizerServer:
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
         self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
         self._log_bad_frame = ThrottledLog(log, logging.ERROR)
+        self.http_address: str | None = None   # the HTTP front end's, once bound
 
     def _secure_client_socket(self, flags: ServerFlags) -> None:
         """CURVE with the key in `--curve-secret-key` (the launcher always gives one);
@@ -160,7 +161,8 @@ class TokenizerServer:
         self.clients.sock.bind(self.cfg.client_addr)
         log.info("client frames are capped at %d bytes", max_bytes)
         if self.to_launcher:
-            await self.to_launcher.send(encode(Ready("tokenizer", self.address)))
+            await self.to_launcher.send(encode(Ready("tokenizer", self.address,
+                                                     self.http_address)))
         log.info("ready: serving clients on %s", self.address)
 
     async def _client_loop(self) -> None:
@@ -199,13 +201,14 @@ class TokenizerServer:
                 msg.rid, "unauthorized", "missing or wrong API key (the server has --api-key)")))
             return []
         if isinstance(msg, GenerateRequest):
-            return self._submit(client, msg)
+            return self.submit(client, msg, self._sink(client))
         return self.core.handle(client, msg, self._sink(client))
 
-    def _submit(self, client: bytes, req: GenerateRequest) -> list[ToScheduler]:
-        """Short prompts are encoded at once; long ones in a thread, so that they hold
-        up no one else (the core keeps their rid, and an abort, meanwhile)."""
-        pending = self.core.validate(client, req, self._sink(client))
+    def submit(self, client, req: GenerateRequest, sink: Sink) -> list[ToScheduler]:
+        """A request of any front end. Short prompts are encoded at once; long ones in a
+        thread, so that they hold up no one else (the core keeps their rid, and an
+        abort, meanwhile)."""
+        pending = self.core.validate(client, req, sink)
         if pending is None:
             return []
         if pending.text_chars < INLINE_CHARS:
@@ -336,11 +339,16 @@ async def serve(cfg: TokenizerConfig) -> None:
     except BadKey as exc:
         ctx.destroy(linger=0)
         raise SystemExit(f"mlxd tokenizer: {exc}") from None
+    flags = cfg.flags
+    http = HttpFrontEnd(server, flags.http_host, flags.http_port,
+                        flags.served_model_name or codec.path.name, flags.api_key)
     try:
+        server.http_address = await http.start()   # 503 until the scheduler is ready
         await server.run()
     except asyncio.CancelledError:
         log.info("shutting down")
     finally:
+        await http.stop()
         server.close_encoder()
         for sock in server.sockets:
             sock.close(linger=0)

@@ -1,6 +1,6 @@
 """Serving benchmark: mlxd vs mlx_lm.server, same model, same traffic.
 
-    python -m bench.serving                               # both systems, all traces (~15-25 min)
+    python -m bench.serving                               # all systems, all traces (~25-40 min)
     python -m bench.serving --systems mlxd --traces burst --num-requests 8
     python -m bench.serving --trace DIR/trace-burst.jsonl # replay saved traces
     python -m bench.serving --model smollm2 --out bench/results/serving-smollm2
@@ -10,8 +10,10 @@ random-weight bench model of bench/common.py, in a variant with an 8192-token
 context for the long prompts), on loopback, each with the same BLAS preloaded
 (bench/common.py blas_env(); mlxd's launcher does it for its worker). mlxd is
 started with launch.py (`--mlxd-args` appended) and driven through the async
-SDK; mlx_lm.server (`python -m mlx_lm.server`, `--mlx-lm-args` appended) through
-its OpenAI-style HTTP endpoints with `"stream": true`. Every process started
+SDK (system `mlxd`) and, in a second run, through its HTTP API like mlx_lm.server
+(`mlxd_http`, with `ignore_eos`; its table row `http/sdk` is HTTP over SDK);
+mlx_lm.server (`python -m mlx_lm.server`, `--mlx-lm-args` appended) through its
+OpenAI-style HTTP endpoints with `"stream": true`. Every process started
 here is stopped on exit, errors and Ctrl-C included.
 
 Traffic (bench/serving/traces.py), drawn from `--seed` and saved as JSONL in
@@ -171,15 +173,16 @@ def check_context(traces: list[Trace], context: int) -> None:
 
 
 def start_system(system: str, model: str, args):
-    if system == "mlxd":
+    if system in ("mlxd", "mlxd_http"):
         return MlxdProcess(model, shlex.split(args.mlxd_args))
     return MlxLmProcess(model, shlex.split(args.mlx_lm_args))
 
 
 async def drive_system(system: str, proc, traces: list[Trace], args, codecs: PromptCodecs,
                        warm_prompt: str, progress) -> dict:
-    driver = (proc.driver(args.timeout) if system == "mlxd"
-              else proc.driver(args.timeout, codecs.mlx_lm_eos_ids))
+    driver = (proc.driver(args.timeout) if system == "mlxd" else
+              proc.http_driver(args.timeout) if system == "mlxd_http" else
+              proc.driver(args.timeout, codecs.mlx_lm_eos_ids))
     out = {}
     try:
         await warm_up(driver, warm_prompt, args.timeout)
@@ -252,8 +255,11 @@ def trace_result(trace: Trace, runs: dict[str, dict]) -> dict:
                            "first_error": first_error,
                            "requests": [r.to_json() for r in records]}
     result = {"header": trace.header, "systems": systems}
-    if all("metrics" in systems.get(s, {}) for s in SYSTEMS):
+    if all("metrics" in systems.get(s, {}) for s in ("mlxd", "mlx_lm")):
         result["ratio"] = ratios(systems["mlxd"]["metrics"], systems["mlx_lm"]["metrics"])
+    if all("metrics" in systems.get(s, {}) for s in ("mlxd_http", "mlxd")):
+        result["http_over_sdk"] = ratios(systems["mlxd_http"]["metrics"],
+                                         systems["mlxd"]["metrics"])
     return result
 
 
@@ -270,7 +276,7 @@ def meta(args, model: str, codecs: PromptCodecs) -> dict:
 
 
 def ignore_eos_note(codecs: PromptCodecs) -> dict:
-    return {"mlxd": "ignore_eos=true",
+    return {"mlxd": "ignore_eos=true", "mlxd_http": "ignore_eos: true",
             "mlx_lm": f"logit_bias {EOS_BIAS:g} on the EOS ids {codecs.mlx_lm_eos_ids} "
                       "(mlx_lm.server has no ignore_eos)"}
 
@@ -299,7 +305,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None,
                     help="model folder, or 'smollm2'; default: the ~40M bench model, 8k context")
     ap.add_argument("--systems", type=_csv(str), default=list(SYSTEMS),
-                    help="comma-separated: mlxd,mlx_lm (default both)")
+                    help="comma-separated: mlxd,mlx_lm,mlxd_http (default all; mlxd_http is "
+                         "mlxd through its HTTP API)")
     ap.add_argument("--traces", type=_csv(str), default=list(KINDS),
                     help=f"comma-separated kinds to generate: {','.join(KINDS)}")
     ap.add_argument("--trace", action="append", default=[],

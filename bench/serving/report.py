@@ -10,7 +10,8 @@ from pathlib import Path
 
 from bench.serving.metrics import METRICS, itl_samples, winner
 
-LABELS = {"mlxd": "mlxd", "mlx_lm": "mlx_lm.server", "tie": "tie"}
+LABELS = {"mlxd": "mlxd", "mlx_lm": "mlx_lm.server", "mlxd_http": "mlxd (HTTP)",
+          "tie": "tie"}
 
 
 def _fmt(key: str, value) -> str:
@@ -45,9 +46,14 @@ def format_table(results: dict) -> str:
                 mark = {"mlxd": "+", "mlx_lm": "-", None: " "}[winner(key, r)]
                 cells.append("-" if r is None else f"{r:.2f}{mark}")
             lines.append(f"{name:<14}{'mlxd/mlx_lm':<15}" + "".join(f"{c:>{width}}" for c in cells))
+        if trace.get("http_over_sdk"):
+            cells = ["-" if (r := trace["http_over_sdk"].get(key)) is None else f"{r:.2f}"
+                     for key, *_ in METRICS]
+            lines.append(f"{name:<14}{'http/sdk':<15}" + "".join(f"{c:>{width}}" for c in cells))
         lines.append("")
     lines.append("ratio = mlxd / mlx_lm.server; '+' where mlxd is better (higher req/s and "
-                 "tok/s, lower latency), '-' where mlx_lm.server is.")
+                 "tok/s, lower latency), '-' where mlx_lm.server is; http/sdk = mlxd over "
+                 "its HTTP API / mlxd through its SDK.")
     lines.append("TTFT: send to first token; ITL: gap between streamed chunks per token; "
                  "E2E: send to last reply.")
     return "\n".join(lines)

@@ -1,9 +1,11 @@
-"""The two systems of bench/serving/: their server processes, their clients,
-and their own tokenizer code (to check that both see the same prompt tokens).
+"""The systems of bench/serving/: their server processes, their clients, and
+their own tokenizer code (to check that both see the same prompt tokens).
 
-mlxd is driven through its async SDK; mlx_lm.server through its OpenAI-style
-HTTP endpoints with `"stream": true` (SSE lines `data: {json}`, comment lines
-`: keepalive n/m` while a prompt is processed, then `data: [DONE]`).
+mlxd is driven through its async SDK (`mlxd`) or its OpenAI-compatible HTTP API
+(`mlxd_http`, the same client as mlx_lm.server's with `ignore_eos`); mlx_lm.server
+through its OpenAI-style HTTP endpoints with `"stream": true` (SSE lines
+`data: {json}`, comment lines `: keepalive n/m` while a prompt is processed, then
+`data: [DONE]`).
 
 mlx_lm.server has no `ignore_eos`: every EOS id of the model (as mlx_lm loads
 them: config.json / generation_config.json plus the tokenizer's) gets a logit
@@ -27,7 +29,7 @@ from bench.common import MlxdServer, blas_env
 
 EOS_BIAS = -1e9
 CONNECT_RETRIES = 8
-SYSTEMS = ("mlxd", "mlx_lm")
+SYSTEMS = ("mlxd", "mlx_lm", "mlxd_http")
 
 
 @dataclass
@@ -71,13 +73,15 @@ class PromptCodecs:
         return self.mlxd.has_chat_template and self.mlx_lm.has_chat_template
 
     def text_ids(self, prompt: str) -> dict[str, list[int]]:
-        return {"mlxd": self.mlxd.encode_prompt(prompt), "mlx_lm": self.mlx_lm.encode(prompt)}
+        ids = self.mlxd.encode_prompt(prompt)
+        return {"mlxd": ids, "mlxd_http": ids, "mlx_lm": self.mlx_lm.encode(prompt)}
 
     def chat_ids(self, messages: list[dict]) -> dict[str, list[int]]:
         # as mlx_lm.server's _tokenize does for a chat request without tools
         theirs = self.mlx_lm.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=True, tools=None, tokenize=True)
-        return {"mlxd": self.mlxd.encode_chat(messages), "mlx_lm": list(theirs)}
+        ids = self.mlxd.encode_chat(messages)
+        return {"mlxd": ids, "mlxd_http": ids, "mlx_lm": list(theirs)}
 
 
 # ---- clients --------------------------------------------------------------------
@@ -198,6 +202,22 @@ class MlxLmDriver:
         await self.http.aclose()
 
 
+class MlxdHttpDriver(MlxLmDriver):
+    """mlxd's HTTP API, driven like mlx_lm.server's; output lengths by `ignore_eos`."""
+
+    name = "mlxd_http"
+
+    def __init__(self, base_url: str, timeout: float, model_name: str):
+        super().__init__(base_url, timeout, [])
+        self.model_name = model_name
+
+    def _body(self, prompt, messages, max_tokens) -> tuple[str, dict]:
+        path, body = super()._body(prompt, messages, max_tokens)
+        del body["logit_bias"]
+        body.update(model=self.model_name, ignore_eos=True)
+        return path, body
+
+
 # ---- server processes -----------------------------------------------------------
 
 
@@ -209,12 +229,16 @@ class MlxdProcess:
     def __init__(self, model: str, flags: list[str]):
         self.server = MlxdServer(model, *flags)   # stops the launcher if interrupted
         self.address = self.server.address
+        self.model_name = Path(model).name   # the HTTP API's default served name
 
     def alive(self) -> bool:
         return self.server.proc.poll() is None
 
     def driver(self, timeout: float) -> MlxdDriver:
         return MlxdDriver(self.address, timeout)
+
+    def http_driver(self, timeout: float) -> MlxdHttpDriver:
+        return MlxdHttpDriver(self.server.http_url, timeout, self.model_name)
 
     def stop(self) -> None:
         self.server.stop()

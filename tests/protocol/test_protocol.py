@@ -40,6 +40,7 @@ TIMING = StepTiming(compute_ms=12.25, wait_ms=0.5, idle_ms=0.0, ahead_wait_ms=0.
 SAMPLES = [
     Ready("scheduler"),
     Ready("tokenizer", "tcp://127.0.0.1:5555"),
+    Ready("tokenizer", "tcp://127.0.0.1:5555", "http://127.0.0.1:8000"),
     WorkerReady(LIMITS),
     SchedulerReady(LIMITS, max_running_requests=64),
     GenerateRequest("r1"),
@@ -235,10 +236,11 @@ def replace(values, index, value):
 
 # (class, good wire fields, index, bad value)
 WRONG_TYPES = [
-    (Ready, ["tokenizer", "tcp://h:1"], 0, 5),
-    (Ready, ["tokenizer", "tcp://h:1"], 0, None),
-    (Ready, ["tokenizer", "tcp://h:1"], 1, [1, 2]),
-    (Ready, ["tokenizer", "tcp://h:1"], 1, {"address": "tcp://h:1"}),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 0, 5),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 0, None),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 1, [1, 2]),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 1, {"address": "tcp://h:1"}),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 2, 8000),
     (SchedulerReady, [LIMITS.to_wire(), 64], 1, 0),
     (SchedulerReady, [LIMITS.to_wire(), 64], 1, None),
     (SchedulerReady, [LIMITS.to_wire(), 64], 0, LIMITS.as_dict()),

@@ -33,7 +33,10 @@ def test_every_installed_package_is_inside_mlxd():
     for package, folder in dirs.items():
         assert (ROOT / folder / "__init__.py").is_file(), (package, folder)
     source = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
-    assert source == set(dirs.values())
+    assert source == {folder for folder in dirs.values() if "/" not in folder}
+    nested = {str(p.parent.relative_to(ROOT)) for folder in source
+              for p in (ROOT / folder).glob("*/__init__.py")}
+    assert nested == {folder for folder in dirs.values() if "/" in folder}
     assert "py-modules" not in config   # no top-level module either
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"mlxd": "mlxd.launcher:main"}

@@ -71,7 +71,7 @@ class TokenizerProc(ProcHarness):
                          "--client-addr", self.client_addr, "--input-addr", self.ipc("input"),
                          "--scheduler-input-addr", self.ipc("sched"),
                          "--ready-addr", self.ipc("ready"),
-                         "--default-max-tokens", str(DEFAULT_MAX_TOKENS))
+                         "--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--http-port", "0")
         self.batches.send(encode(SchedulerReady(self.limits, max_running_requests=64)))
         self.ready = self._recv(self.launcher, Decoder(Ready), "the launcher's Ready",
                                 READY_TIMEOUT)

@@ -1,0 +1,168 @@
+"""The FastAPI application: routes, API key, request counting.
+
+Every generation goes through the tokenizer's core like a ZeroMQ client's
+(generation.py); /tokenize and /detokenize use its codec directly."""
+
+import hmac
+import time
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from mlxd.tokenizer_proc.params import InvalidRequest
+from mlxd.tokenizer_proc.validation import max_prompt_chars, model_vocab_size
+
+from . import anthropic_api, openai_api
+from .calls import Call, Disconnected
+from .context import Api, read_body
+from .errors import ApiError, bad_request, install_error_handlers
+from .openai_api import chat_messages
+from .openai_schema import DetokenizeRequest, TokenizeRequest
+
+OPEN_PATHS = ("/health", "/metrics")   # no API key asked
+CLIENT_GONE = 499   # the status logged for a request whose client went away (nginx's)
+
+
+def authorize(api: Api, request: Request) -> None:
+    """401 unless the request carries the key: `Authorization: Bearer KEY` or
+    Anthropic's `x-api-key: KEY`."""
+    if not api.api_key:
+        return
+    bearer = request.headers.get("authorization", "")
+    given = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key")
+    if given is None or not hmac.compare_digest(given.encode(), api.api_key.encode()):
+        raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY "
+                            "(or x-api-key: KEY)", code="invalid_api_key")
+
+
+Route = Callable[[Api, Request], Awaitable[Response]]
+
+
+def _guarded(api: Api, route: Route):
+    """The route behind the API key; a client gone meanwhile gets nothing."""
+    async def handle(request: Request):
+        authorize(api, request)
+        try:
+            return await route(api, request)
+        except Disconnected:
+            return Response(status_code=CLIENT_GONE)
+    return handle
+
+
+def _open(api: Api, route: Route):
+    async def handle(request: Request):
+        return await route(api, request)
+    return handle
+
+
+def build_app(api: Api) -> FastAPI:
+    app = FastAPI(title="mlxd", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    routes = {("POST", "/v1/chat/completions"): openai_api.chat_completions,
+              ("POST", "/v1/completions"): openai_api.completions,
+              ("POST", "/v1/messages"): anthropic_api.messages,
+              ("GET", "/v1/models"): models,
+              ("GET", "/v1/models/{model:path}"): model,
+              ("POST", "/tokenize"): tokenize,
+              ("POST", "/detokenize"): detokenize}
+    for (method, path), route in routes.items():
+        app.add_api_route(path, _guarded(api, route), methods=[method])
+    for path, route in (("/health", health), ("/metrics", metrics)):
+        app.add_api_route(path, _open(api, route), methods=["GET"])
+    known = {path for _, path in routes} | set(OPEN_PATHS)
+    app.add_middleware(CountRequests, api=api, known=known)
+    return app
+
+
+class CountRequests:
+    """ASGI middleware: each response's status, by endpoint (paths not served count
+    as `other`, so that their number stays bounded)."""
+
+    def __init__(self, app, api: Api, known: set[str]):
+        self.app, self.api, self.known = app, api, known
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in self.known else \
+            "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.api.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, counting_send)
+
+
+def _model_card(api: Api) -> dict:
+    limits = api.front.core.limits
+    card = {"id": api.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "mlxd"}
+    if limits is not None and limits.max_context:
+        card["max_model_len"] = limits.max_context
+    return card
+
+
+async def models(api: Api, request: Request):
+    return JSONResponse({"object": "list", "data": [_model_card(api)]})
+
+
+async def model(api: Api, request: Request):
+    api.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(api))
+
+
+async def health(api: Api, request: Request):
+    if api.front.core.limits is None:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(api: Api, request: Request):
+    stats = None
+    if api.front.core.limits is not None:
+        call = Call(api.front)
+        try:
+            stats = await call.stats()
+        except TimeoutError:   # the scheduler is busy: the front end's own figures
+            pass
+        finally:
+            await call.close()
+    return Response(api.metrics.render(stats),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def tokenize(api: Api, request: Request):
+    """vLLM's /tokenize: a prompt (as /v1/completions encodes it) or chat messages
+    (as /v1/chat/completions renders them)."""
+    body = await read_body(request, TokenizeRequest)
+    api.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of prompt or messages")
+    limits = api.front.core.limits
+    max_chars = max_prompt_chars(limits, api.codec.max_chars_per_token)
+    if body.prompt is not None and max_chars is not None and len(body.prompt) > max_chars:
+        raise bad_request(f"the prompt has {len(body.prompt)} characters; at most "
+                          f"{max_chars} can fit the model's context", "prompt")
+    try:
+        if body.messages is not None:
+            tokens = api.codec.encode_chat(chat_messages(body.messages))
+        elif body.add_special_tokens:
+            tokens = api.codec.encode_prompt(body.prompt)
+        else:
+            tokens = api.codec.tokenizer.encode(body.prompt, add_special_tokens=False)
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), "messages") from None
+    return JSONResponse({"tokens": tokens, "count": len(tokens),
+                         "max_model_len": limits.max_context if limits else None})
+
+
+async def detokenize(api: Api, request: Request):
+    body = await read_body(request, DetokenizeRequest)
+    api.check_model(body.model)
+    vocab = model_vocab_size(api.front.core.limits, api.codec)
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
+    return JSONResponse({"prompt": api.codec.decode(body.tokens)})

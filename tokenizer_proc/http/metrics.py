@@ -1,0 +1,64 @@
+"""Prometheus metrics of the HTTP front end (`GET /metrics`), with prometheus_client
+in a registry of the front end's own.
+
+Counters and histograms are fed as requests run; the scheduler's counters (running,
+waiting, KV slots, retractions, step time) are read from its stats at each scrape."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mlxd.protocol import StreamChunk
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# scheduler stats key -> gauge name, help
+STATS_GAUGES = {
+    "running": ("mlxd_requests_running", "requests being decoded"),
+    "waiting": ("mlxd_requests_waiting", "requests waiting to run"),
+    "used_slots": ("mlxd_kv_slots_used", "KV slots held by running requests"),
+    "cached_slots": ("mlxd_kv_slots_cached", "KV slots in the prefix cache"),
+    "capacity": ("mlxd_kv_slots_capacity", "KV pool size in tokens"),
+    "retractions": ("mlxd_retractions", "requests retracted so far (KV ran out)"),
+}
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mlxd_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.finish = Counter("mlxd_request_finished", "generations by finish reason",
+                              ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("mlxd_prompt_tokens", "prompt tokens", registry=r)
+        self.generation_tokens = Counter("mlxd_generation_tokens", "generated tokens",
+                                         registry=r)
+        self.cached_tokens = Counter("mlxd_prefix_cache_hit_tokens",
+                                     "prompt tokens whose KV came from the prefix cache",
+                                     registry=r)
+        self.ttft = Histogram("mlxd_time_to_first_token_seconds", "time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("mlxd_inter_token_latency_seconds",
+                                     "time between tokens", buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("mlxd_e2e_request_latency_seconds", "request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.gauges = {key: Gauge(name, text, registry=r)
+                       for key, (name, text) in STATS_GAUGES.items()}
+        self.step_ms = Gauge("mlxd_worker_step_ms", "worker compute time per step "
+                             "(mean over recent steps)", registry=r)
+
+    def finished(self, chunk: StreamChunk, seconds: float) -> None:
+        self.finish.labels(chunk.finish_reason).inc()
+        self.e2e.observe(seconds)
+        if chunk.usage:
+            self.prompt_tokens.inc(chunk.usage.get("prompt_tokens", 0))
+            self.generation_tokens.inc(chunk.usage.get("completion_tokens", 0))
+            self.cached_tokens.inc(chunk.usage.get("cached_tokens", 0))
+
+    def render(self, stats: dict | None) -> bytes:
+        """The text exposition, the gauges set from the scheduler's `stats` if given."""
+        for key, gauge in self.gauges.items():
+            if isinstance((stats or {}).get(key), (int, float)):
+                gauge.set(stats[key])
+        compute = ((stats or {}).get("timing") or {}).get("compute_ms")
+        if isinstance(compute, dict) and isinstance(compute.get("mean"), (int, float)):
+            self.step_ms.set(compute["mean"])
+        return generate_latest(self.registry)

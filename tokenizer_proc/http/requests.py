@@ -1,0 +1,59 @@
+"""From an HTTP body to the core's GenerateRequests: the parameters the core takes
+(OpenAI names, params.py), and back from the core's errors to the parameter they name."""
+
+import re
+
+from mlxd.protocol import ErrorReply, GenerateRequest
+
+from .errors import ApiError, bad_request
+
+# Passed to the core under the same name whenever sent; the core validates them.
+PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+          "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "timeout")
+
+
+def core_params(body, max_tokens: int | None, **extra) -> dict:
+    """The core's params for an OpenAI body: what it sent of PASSED, `max_tokens`,
+    `n` (left out when 1, the default), `logit_bias` with token-id keys, and `extra`."""
+    params = {name: getattr(body, name) for name in PASSED if getattr(body, name) is not None}
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    if body.n is not None and body.n != 1:
+        params["n"] = body.n
+    if body.logit_bias is not None:
+        params["logit_bias"] = token_keyed(body.logit_bias)
+    params.update({k: v for k, v in extra.items() if v is not None})
+    return params
+
+
+def token_keyed(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias has token ids as JSON object keys, so as strings."""
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+
+
+def choices_per_request(body) -> int:
+    if body.n is not None and body.n < 1:
+        raise bad_request(f"n must be at least 1, got {body.n}", "n")
+    return body.n or 1
+
+
+def generate_requests(inputs: list[dict], params: dict, stream: bool) -> list[GenerateRequest]:
+    """One request per input (its `prompt`, `messages` or `input_ids`), rid = its index."""
+    return [GenerateRequest(str(i), params=params, stream=stream, **given)
+            for i, given in enumerate(inputs)]
+
+
+def core_error(reply: ErrorReply, params: dict, renamed: dict[str, str]) -> ApiError:
+    """The core refused a request: 400 naming the parameter its message names first
+    (`renamed` maps core names, and `prompt`, to the body's), 500 if it failed."""
+    if reply.code != "invalid_request":
+        return ApiError(500, f"{reply.code}: {reply.message}")
+    names = set(params) | set(renamed)
+    found = [(m.start(), name) for name in names
+             if (m := re.search(rf"\b{re.escape(name)}\b", reply.message))]
+    param = min(found)[1] if found else None
+    return bad_request(reply.message, renamed.get(param, param))
