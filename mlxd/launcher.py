@@ -358,11 +358,14 @@ class Launcher:
 
 def warn_if_exposed(cfg: ServerFlags) -> None:
     """A server reachable from other machines without an API key: say so, loudly."""
-    if keys.is_loopback_host(cfg.host) or cfg.api_key:
+    exposed = [h for h in dict.fromkeys([cfg.host, cfg.http_host or cfg.host])
+               if not keys.is_loopback_host(h)]
+    if not exposed or cfg.api_key:
         return
-    log.warning("\n%s\nWARNING: the client socket listens on %s, reachable from other "
-                "machines, with no --api-key: anyone who obtains the server's public key "
-                "can use it. Set --api-key (or MLXD_API_KEY).\n%s", "!" * 78, cfg.host, "!" * 78)
+    log.warning("\n%s\nWARNING: mlxd listens on %s, reachable from other machines, with "
+                "no --api-key: anyone who can reach it (over HTTP) or obtains the server's "
+                "public key (ZeroMQ) can use it. Set --api-key (or MLXD_API_KEY).\n%s",
+                "!" * 78, " and ".join(exposed), "!" * 78)
 
 
 def read_ready_address(stdout, timeout: float) -> str | None:

@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from mlxd import AsyncClient, Client
-from mlxd.tokenizer_proc import params as core_params
 from support import PROMPTS, encode, load_reference, reference_tokens
 
 MAX_TOKENS = 24
@@ -176,12 +175,47 @@ def test_anthropic_messages_equal_openai_chat(server, oai, llama_model):
         assert exc.value.body["type"] == "error"
 
 
-@pytest.mark.skipif("n" not in core_params.KNOWN, reason="the core does not take n yet")
 def test_n_choices(oai, llama_model):
-    r = oai.chat.completions.create(model=model_name(llama_model), messages=CHAT,
-                                    max_tokens=8, n=2, temperature=1.0, seed=3)
-    assert [c.index for c in r.choices] == [0, 1]
-    assert all(c.finish_reason for c in r.choices)
+    name = model_name(llama_model)
+    ask = dict(model=name, messages=CHAT, max_tokens=8, n=3, temperature=1.0, seed=3)
+    r = oai.chat.completions.create(**ask)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    texts = [c.message.content for c in r.choices]
+    assert [c.message.content for c in oai.chat.completions.create(**ask).choices] == texts
+    assert len(set(texts)) > 1   # each choice samples on its own
+    assert 3 <= r.usage.completion_tokens <= 3 * 8
+    streamed = {}
+    for chunk in oai.completions.create(model=name, prompt=PROMPTS[0], max_tokens=6, n=2,
+                                        stream=True, temperature=0):
+        for c in chunk.choices:
+            entry = streamed.setdefault(c.index, ["", None])
+            entry[0] += c.text
+            entry[1] = c.finish_reason or entry[1]
+    assert sorted(streamed) == [0, 1] and all(f for _, f in streamed.values())
+    assert streamed[0][0] == streamed[1][0]   # greedy: both choices alike
+
+
+def test_penalties_and_logit_bias_pass_through(oai, server, llama_model):
+    name = model_name(llama_model)
+    token = encode(llama_model, " Paris")[-1]
+    _, tokenizer = load_reference(llama_model)
+    r = oai.completions.create(model=name, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                               logit_bias={str(token): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 5
+    penalties = dict(frequency_penalty=2.0, presence_penalty=-1.5, repetition_penalty=1.7)
+    over_http = oai.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12,
+                                       temperature=0, logprobs=0, extra_body={
+                                           "repetition_penalty": 1.7},
+                                       frequency_penalty=2.0, presence_penalty=-1.5)
+    with Client(server.address, timeout=60) as sdk:   # formulas: tests/worker, tests/server
+        direct = sdk.generate(PROMPTS[0], max_tokens=12, **penalties, logprobs=True)
+    assert over_http.choices[0].text == direct.text
+    assert over_http.choices[0].logprobs.token_logprobs == pytest.approx(direct.logprobs,
+                                                                         abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model=name, prompt="x", max_tokens=2, presence_penalty=3)
+    assert exc.value.body["param"] == "presence_penalty"
 
 
 def _long_prompt_ids(n: int) -> list[int]:

@@ -76,8 +76,7 @@ def test_choices_are_grouped_by_request_and_index():
     out = Outputs(n=2, echo=["P0", "P1"])
     usage = {"prompt_tokens": 4, "completion_tokens": 1, "cached_tokens": 2}
     for rid, index, text in [("1", 1, "b"), ("0", 0, "a"), ("1", 0, "c")]:
-        fields = StreamChunk(rid, text, [5], finish_reason="stop", usage=usage).as_dict()
-        out.add(SimpleNamespace(**fields, index=index))   # as chunks of n > 1 carry it
+        out.add(StreamChunk(rid, text, [5], finish_reason="stop", usage=usage, index=index))
     assert [(c.index, c.text) for c in out.in_order()] == [(0, "P0a"), (2, "P1c"), (3, "P1b")]
     assert out.usage() == {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11,
                            "prompt_tokens_details": {"cached_tokens": 4}}

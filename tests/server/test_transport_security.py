@@ -225,8 +225,10 @@ def test_an_exposed_server_without_an_api_key_is_warned_about(caplog):
     from mlxd.launcher import warn_if_exposed
     from mlxd.runtime.flags import ServerFlags
 
-    for host, api_key, warned in [("127.0.0.1", "", False), ("0.0.0.0", "", True),
-                                  ("0.0.0.0", "k", False), ("::1", "", False)]:
+    for host, http_host, api_key, warned in [
+            ("127.0.0.1", "", "", False), ("0.0.0.0", "", "", True),
+            ("0.0.0.0", "", "k", False), ("::1", "", "", False),
+            ("127.0.0.1", "0.0.0.0", "", True), ("0.0.0.0", "localhost", "", True)]:
         caplog.clear()
-        warn_if_exposed(ServerFlags(host=host, api_key=api_key))
-        assert ("WARNING" in caplog.text) == warned, (host, api_key)
+        warn_if_exposed(ServerFlags(host=host, http_host=http_host, api_key=api_key))
+        assert ("WARNING" in caplog.text) == warned, (host, http_host, api_key)

@@ -33,7 +33,7 @@ class Outputs:
     def add(self, chunk: StreamChunk) -> tuple[Choice, str]:
         """Record a chunk; returns its choice and the text it adds (the echoed prompt
         comes before a choice's first text)."""
-        which = getattr(chunk, "index", 0) or 0
+        which = chunk.index
         index = int(chunk.rid) * self.n + which
         choice = self.choices.get(index)
         text = chunk.text
