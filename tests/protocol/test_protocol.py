@@ -244,18 +244,20 @@ WRONG_TYPES = [
     (SchedulerReady, [LIMITS.to_wire(), 64], 1, 0),
     (SchedulerReady, [LIMITS.to_wire(), 64], 1, None),
     (SchedulerReady, [LIMITS.to_wire(), 64], 0, LIMITS.as_dict()),
-    (GenerateRequest, ["r", "p", None, None, {}, False], 1, 5),
-    (GenerateRequest, ["r", None, [{"role": "user"}], None, {}, False], 2, {"role": "user"}),
-    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, "1 2"),
-    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, [1, "2"]),
-    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, [1, 2.0]),
-    (GenerateRequest, ["r", None, None, [1, 2], {}, False], 3, [True, 2]),
-    (GenerateRequest, ["r", "p", None, None, {}, False], 4, None),
-    (GenerateRequest, ["r", "p", None, None, {}, False], 4, [["temperature", 1]]),
-    (GenerateRequest, ["r", "p", None, None, {}, False], 5, 0),
-    (GenerateRequest, ["r", "p", None, None, {}, False], 5, None),
-    (AbortRequest, ["r"], 0, 1),
-    (AbortRequest, ["r"], 0, b"r"),
+    (GenerateRequest, ["r", "p", None, None, {}, False, ""], 1, 5),
+    (GenerateRequest, ["r", None, [{"role": "user"}], None, {}, False, ""], 2, {"role": "user"}),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False, ""], 3, "1 2"),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False, ""], 3, [1, "2"]),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False, ""], 3, [1, 2.0]),
+    (GenerateRequest, ["r", None, None, [1, 2], {}, False, ""], 3, [True, 2]),
+    (GenerateRequest, ["r", "p", None, None, {}, False, ""], 4, None),
+    (GenerateRequest, ["r", "p", None, None, {}, False, ""], 4, [["temperature", 1]]),
+    (GenerateRequest, ["r", "p", None, None, {}, False, ""], 5, 0),
+    (GenerateRequest, ["r", "p", None, None, {}, False, ""], 5, None),
+    (AbortRequest, ["r", ""], 0, 1),
+    (AbortRequest, ["r", ""], 0, b"r"),
+    (AbortRequest, ["r", ""], 1, 5),
+    (GenerateRequest, ["r", "p", None, None, {}, False, ""], 6, None),
     (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 0, None),
     (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 1, None),
     (StreamChunk, ["r", "t", [1], None, None, None, None, None, 0], 1, b"t"),
@@ -486,7 +488,7 @@ def test_generate_request_error_carries_rid(fields):
     assert info.value.rid == "abc"
 
 
-@pytest.mark.parametrize("fields", [[], [5, "p", None, None, {}, False], [None], [b"abc"]])
+@pytest.mark.parametrize("fields", [[], [5, "p", None, None, {}, False, ""], [None], [b"abc"]])
 def test_generate_request_error_without_readable_rid(fields):
     with pytest.raises(ProtocolError) as info:
         decode_as(GenerateRequest, [GenerateRequest.TAG, *fields])
