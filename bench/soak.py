@@ -10,6 +10,7 @@ Client behaviours, drawn at random per request by --clients concurrent loops:
   vanish     a client of its own that closes mid-stream (no abort from the caller)
   slow       read the stream slowly (a sleep between chunks)
   deadline   a short client-side timeout on a long request
+  timeout    a short server-side deadline (the request's `timeout`) on a long stream
 
 Printed: requests by behaviour and outcome, lost chunks (a finished stream whose
 tokens do not add up to its usage, or a request that never got a finish: must be 0),
@@ -26,7 +27,7 @@ import time
 from bench.common import MlxdServer, bench_model, machine_summary, random_prompts, tokenizer_vocab
 from mlxd import AsyncClient, MlxdError
 
-BEHAVIOURS = ("stream", "generate", "abort", "vanish", "slow", "deadline")
+BEHAVIOURS = ("stream", "generate", "abort", "vanish", "slow", "deadline", "timeout")
 
 
 def process_rss_mb(launcher_pid: int) -> dict[str, float]:
@@ -97,6 +98,9 @@ async def _one(client: AsyncClient, address: str, behaviour: str, prompt: list[i
                 outcome = (await short.generate(**{**params, "max_tokens": 512})).finish_reason
             finally:
                 await short.close()
+        elif behaviour == "timeout":
+            stream = client.stream(**{**params, "max_tokens": 512, "timeout": 0.5})
+            outcome = await _consume(stream, behaviour, rng, tally)
         else:
             outcome = await _consume(client.stream(**params), behaviour, rng, tally)
     except MlxdError as exc:

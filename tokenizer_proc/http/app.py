@@ -3,13 +3,13 @@
 Every generation goes through the tokenizer's core like a ZeroMQ client's
 (generation.py); /tokenize and /detokenize use its codec directly."""
 
-import hmac
 import time
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from mlxd.tokenizer_proc.auth import key_matches
 from mlxd.tokenizer_proc.params import InvalidRequest
 from mlxd.tokenizer_proc.validation import max_prompt_chars, model_vocab_size
 
@@ -31,7 +31,7 @@ def authorize(api: Api, request: Request) -> None:
         return
     bearer = request.headers.get("authorization", "")
     given = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key")
-    if given is None or not hmac.compare_digest(given.encode(), api.api_key.encode()):
+    if given is None or not key_matches(api.api_key, given):
         raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY "
                             "(or x-api-key: KEY)", code="invalid_api_key")
 
