@@ -29,7 +29,8 @@ LLAMA31 = ("{%- if tools_in_user_message %}Given the following functions, please
            "with a JSON for a function call with its proper arguments that best answers the "
            "given prompt.\\nRespond in the format {\"name\": function name, \"parameters\": "
            "dictionary of argument name and its value}.{%- endif %}{%- if builtin_tools %}"
-           "{{- '<|python_tag|>' }}{%- endif %}{{- '<|start_header_id|>ipython<|end_header_id|>' }}")
+           "{{- '<|python_tag|>' }}{%- endif %}"
+           "{{- '<|start_header_id|>ipython<|end_header_id|>' }}")
 DEEPSEEK_R1 = "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
 SMOLLM2 = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
            "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt "

@@ -1,7 +1,8 @@
 """The tool-call formats of the main model families, each a BlockParser.
 
 - hermes (Hermes, Qwen 2.5 / 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-- qwen3_coder: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`
+- qwen3_coder: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...`
+  `</function></tool_call>`
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or (newer tokenizers)
   `[TOOL_CALLS]NAME[ARGS]{...}` per call
 - llama3_json (Llama 3.1+): the reply is `{"name": ..., "parameters": {...}}` (calls

@@ -8,6 +8,11 @@ from typing import Callable
 
 from .request import ChatOptions
 
+
+def quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
 # How a marker is written in the grammar: `<[id]>` for a special token (its text is
 # not what the model emits), else the quoted text.
 TokenRef = Callable[[str], str]
@@ -15,10 +20,8 @@ TokenRef = Callable[[str], str]
 # lexer is greedy: a separate value terminal would swallow the newline before the tag).
 TEXT = r"TEXT: /[^<]*\n<\/parameter>\n/"
 CLOSE_PARAMETER = "\n</parameter>\n"
-
-
-def quoted(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+CLOSE_FUNCTION = quoted("</function>\n")
+NEWLINE = '"\\n"'   # a newline as a Lark string
 
 
 def _function(tool: dict) -> dict:
@@ -44,8 +47,8 @@ def _repeated(parallel: bool, separator: str) -> str:
 
 
 def hermes(tools: list[dict], parallel: bool, ref: TokenRef) -> str:
-    call = (f"call: {ref('<tool_call>')} {quoted(chr(10))} {_json(_call_schema(tools, 'arguments'))}"
-            f" {quoted(chr(10))} {ref('</tool_call>')}")
+    body = _json(_call_schema(tools, "arguments"))
+    call = f"call: {ref('<tool_call>')} {NEWLINE} {body} {NEWLINE} {ref('</tool_call>')}"
     return "\n".join([_repeated(parallel, "\n"), call]) + "\n"
 
 
@@ -69,19 +72,20 @@ def _parameter_rules(i: int, parameters: dict) -> tuple[list[str], list[str]]:
     for j, (key, schema) in enumerate((parameters.get("properties") or {}).items()):
         value = "TEXT" if schema.get("type") == "string" else \
             f"{_json(schema)} {quoted(CLOSE_PARAMETER)}"
-        rules.append(f"p{i}_{j}: {quoted(f'<parameter={key}>' + chr(10))} {value}")
+        opener = quoted(f"<parameter={key}>\n")
+        rules.append(f"p{i}_{j}: {opener} {value}")
         uses.append(f"p{i}_{j}" + ("" if key in required else "?"))
     return uses, rules
 
 
 def qwen3_coder(tools: list[dict], parallel: bool, ref: TokenRef) -> str:
     lines = [_repeated(parallel, "\n"),
-             f"call: {ref('<tool_call>')} {quoted(chr(10))} function {ref('</tool_call>')}",
+             f"call: {ref('<tool_call>')} {NEWLINE} function {ref('</tool_call>')}",
              "function: " + " | ".join(f"f{i}" for i in range(len(tools))), TEXT]
     for i, tool in enumerate(tools):
         uses, rules = _parameter_rules(i, _function(tool)["parameters"])
         head = quoted(f"<function={_function(tool)['name']}>\n")
-        lines.append(f"f{i}: {head} {' '.join(uses)} {quoted('</function>' + chr(10))}")
+        lines.append(f"f{i}: {head} {' '.join(uses)} {CLOSE_FUNCTION}")
         lines += rules
     return "\n".join(lines) + "\n"
 
