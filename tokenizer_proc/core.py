@@ -329,7 +329,8 @@ class TokenizerCore:
         params = pending.params
         input_ids = prompt_ids(pending.req, self.codec, pending.vocab_size, pending.max_chars,
                                params.chat.template_args())
-        pending.thinking = self.syntax.reasoning and self._ends_thinking(input_ids)
+        pending.thinking = (self.syntax.reasoning and pending.req.messages is not None
+                            and self._ends_thinking(input_ids))
         check_length(len(input_ids), pending.limits, params.max_tokens)
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -346,7 +347,7 @@ class TokenizerCore:
     def _admit(self, pending: "Pending", rid: int, index: int) -> None:
         params = pending.params
         tools = params.chat.tools if params.chat.calls_tools else None
-        parser = self.syntax.parser(tools, pending.thinking)
+        parser = self.syntax.parser(tools, pending.req.messages is not None, pending.thinking)
         decode = self.codec.decode
         if parser is not None:
             if self._marked_decode is None:

@@ -1,5 +1,6 @@
 """A tiny model whose chat template renders tools, tool calls and results in the
-Hermes format and thinks in <think> (enable_thinking=False closes the block)."""
+Hermes format and thinks in <think> (enable_thinking=False closes the block; the
+kwarg open_thinking opens it in the prompt, as DeepSeek-R1's template does)."""
 
 import json
 import shutil
@@ -17,7 +18,8 @@ TOOL_TEMPLATE = (
     "{%- else %}<|{{ m.role }}|>{{ m.content }}</s>{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
-    "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    "not enable_thinking %}<think></think>{% endif %}{% if open_thinking %}<think>{% endif %}"
+    "{% endif %}")
 
 
 @pytest.fixture(scope="session")

@@ -104,9 +104,17 @@ def test_tool_choice_none_renders_no_tools_and_parses_none(core, codec):
 
 def test_a_prompt_that_opens_thinking_starts_the_reply_in_it(core, codec):
     got = []
-    req = submit(core, got, prompt="Question?<think>")
+    req = submit(core, got, messages=[{"role": "user", "content": "Q?"}],
+                 params={"chat_template_kwargs": {"open_thinking": True}})
     finish(core, codec, req.rid, "pondering</think>Answer.")
     assert (got[0].reasoning, got[0].text) == ("pondering", "Answer.")
+
+
+def test_a_raw_prompt_is_not_split(core, codec):
+    got = []
+    req = submit(core, got, prompt="Question?<think>")
+    finish(core, codec, req.rid, "pondering</think>Answer.")
+    assert (got[0].reasoning, got[0].text) == (None, "pondering</think>Answer.")
 
 
 def test_bad_tool_options_are_invalid_requests(core):

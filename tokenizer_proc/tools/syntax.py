@@ -29,13 +29,16 @@ class OutputSyntax:
         """Texts the parsers look for: kept in the text even where they are special."""
         return MARKERS[self.tool_parser] + ((OPEN, CLOSE) if self.reasoning else ())
 
-    def parser(self, tools: list[dict] | None, prompt_thinks: bool) -> OutputParser | None:
+    def parser(self, tools: list[dict] | None, chat: bool,
+               prompt_thinks: bool = False) -> OutputParser | None:
         """The parser of one reply: tool calls when `tools` is not None (the request
-        may call them), thinking when the server parses it; None when neither."""
-        if tools is None and not self.reasoning:
+        may call them), thinking when the server parses it and the prompt is a chat
+        (a raw prompt's text is returned as it is); None when neither."""
+        reasoning = self.reasoning and chat
+        if tools is None and not reasoning:
             return None
         block: BlockParser | None = None if tools is None else PARSERS[self.tool_parser](tools)
-        think = ThinkParser(prompt_thinks) if self.reasoning else None
+        think = ThinkParser(prompt_thinks) if reasoning else None
         return OutputParser(block, think)
 
 
