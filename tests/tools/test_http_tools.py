@@ -194,3 +194,11 @@ def test_anthropic_tool_turns_go_back_through_the_template(claude, front):
     prompt = front.prompts[-1]
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tool_response>sunny</tool_response>" in prompt
+
+
+def test_anthropic_stop_sequence_found_after_thinking(claude, front):
+    front.reply = "<think>a b</think>Answer one. END more"
+    msg = claude.messages.create(model="m", max_tokens=64, messages=ASK,
+                                 stop_sequences=["END"])
+    assert (msg.content[0].text, msg.stop_reason, msg.stop_sequence) == (
+        "Answer one. ", "stop_sequence", "END")

@@ -149,10 +149,12 @@ class MessageRender:
         if choice.finish_reason == "tool_calls":
             return {"stop_reason": "tool_use", "stop_sequence": None}
         if self.stop_sequences:
-            rest = self.api.codec.decode(choice.token_ids)[len(choice.text):]
-            hit = next((s for s in self.stop_sequences if rest.startswith(s)), None)
-            if hit is not None:
-                return {"stop_reason": "stop_sequence", "stop_sequence": hit}
+            # the text was cut at the first stop sequence in it (found in the raw text:
+            # the sent text may be parsed into thinking, answer and calls)
+            raw = self.api.codec.decode(choice.token_ids)
+            hits = [(raw.find(s), s) for s in self.stop_sequences if s in raw]
+            if hits:
+                return {"stop_reason": "stop_sequence", "stop_sequence": min(hits)[1]}
         return {"stop_reason": "end_turn", "stop_sequence": None}
 
     def _usage(self) -> dict:
