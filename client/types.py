@@ -1,5 +1,6 @@
 """What the SDK returns: chunks of a stream and the result of a whole request."""
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -19,9 +20,28 @@ def _top_dicts(tops: list | None) -> list | None:
 
 
 @dataclass
+class ToolCall:
+    """A tool call the model made: `arguments` is JSON text (`args` parses it)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @property
+    def args(self) -> dict:
+        return json.loads(self.arguments)
+
+    @classmethod
+    def from_wire(cls, call: dict) -> "ToolCall":
+        return cls(call["id"], call["name"], call["arguments"])
+
+
+@dataclass
 class Chunk:
     """Part of a streamed output (of choice `index`, when the request asked for n > 1).
-    `top_logprobs[i]` maps token id -> logprob."""
+    `top_logprobs[i]` maps token id -> logprob. With `tools` (or on a reasoning
+    model) `text` is the answer only: thinking comes in `reasoning`, each tool call
+    whole, once, in `tool_calls`."""
 
     text: str
     token_ids: list[int]
@@ -31,17 +51,20 @@ class Chunk:
     usage: dict | None = None
     error: str | None = None
     index: int = 0
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @classmethod
     def from_message(cls, msg) -> "Chunk":
         return cls(msg.text, msg.token_ids, msg.logprobs, _top_dicts(msg.top_logprobs),
-                   msg.finish_reason, msg.usage, msg.error, msg.index)
+                   msg.finish_reason, msg.usage, msg.error, msg.index, msg.reasoning or "",
+                   [ToolCall.from_wire(c) for c in msg.tool_calls or ()])
 
 
 @dataclass
 class Result:
     """A finished request (or its choice `index`, with n > 1). finish_reason is stop,
-    length, abort or error."""
+    length, tool_calls (it ended with tool calls), abort or error."""
 
     rid: str
     text: str = ""
@@ -52,9 +75,13 @@ class Result:
     usage: dict | None = None
     error: str | None = None
     index: int = 0
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
+        self.reasoning += chunk.reasoning
+        self.tool_calls += chunk.tool_calls
         self.token_ids += chunk.token_ids
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs

@@ -7,7 +7,10 @@ from .message import message
 @message
 class StreamChunk:
     """Part (or, when not streaming, all) of a request's output: of its choice
-    `index` (0 unless the request asked for n > 1 choices)."""
+    `index` (0 unless the request asked for n > 1 choices). Where the reply is parsed
+    (tools given, or a reasoning model) `text` is the answer only: the thinking is in
+    `reasoning`, and each tool call comes whole, once, in `tool_calls` as
+    {index, id, name, arguments (JSON text)}."""
 
     TAG = 20
     rid: str = wire(Str())
@@ -19,6 +22,8 @@ class StreamChunk:
     usage: dict | None = wire(Opt(Map()), default=None)   # Usage.as_dict()
     error: str | None = wire(Opt(Str()), default=None)
     index: int = wire(Int(minimum=0), default=0)
+    reasoning: str | None = wire(Opt(Str()), default=None)
+    tool_calls: list[dict] | None = wire(Opt(List(Map())), default=None)
 
 
 @message

@@ -82,6 +82,14 @@ class ServerFlags:
         "own `timeout` may ask for less. Past it the request ends with "
         "finish_reason `error` and an error starting `timeout`", (TOKENIZER,),
         shown="0 (none)", minimum=0)
+    tool_call_parser: str = flag(
+        "auto", "the tool-call format parsed from replies: `hermes` (`<tool_call>` JSON, "
+        "Qwen), `qwen3_coder` (`<tool_call><function=...>` XML), `mistral` "
+        "(`[TOOL_CALLS]`), `llama3_json`; `auto` reads it from the chat template "
+        "(`hermes` where the template shows none)", (TOKENIZER,))
+    reasoning_parser: str = flag(
+        "auto", "`think`: a reply's `<think>...</think>` goes to `reasoning_content`; "
+        "`none`; `auto`: `think` where the chat template mentions `<think>`", (TOKENIZER,))
     client_queue_limit: int = flag(
         10000, "replies queued for one client that does not read them, beyond which "
         "its requests end with an error (each still gets its finish)", (TOKENIZER,), minimum=1)

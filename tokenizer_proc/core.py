@@ -15,8 +15,8 @@ or timing out the client's request ends all of them.
 """
 
 import dataclasses
-
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -28,9 +28,11 @@ from mlxd.protocol import (
 )
 
 from .detokenizer import IncrementalDetokenizer
-from .params import InvalidRequest, RequestParams, choice_seed, parse_params
+from .params import KNOWN, InvalidRequest, RequestParams, choice_seed, parse_params
 from .request_stream import RequestStream
 from .text import TextCodec
+from .tools.grammar import tool_call_grammar
+from .tools.syntax import OutputSyntax
 from .validation import (
     ModelLimits, check_length, check_prompt_chars, max_prompt_chars, model_vocab_size,
     prompt_ids,
@@ -72,6 +74,7 @@ class Pending:
     max_chars: int | None     # the longest text that can fit, None if unbounded
     limits: ModelLimits | None
     aborted: bool = False     # the client aborted it before admission
+    thinking: bool = False    # the prompt ends inside a think block
     tokenized: TokenizedRequest | None = None   # choice 0's
     error: ErrorReply | None = None
 
@@ -101,8 +104,12 @@ class TokenizerCore:
 
     def __init__(self, codec: TextCodec, default_max_tokens: int,
                  limits: ModelLimits | None = None, request_timeout: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 syntax: OutputSyntax = OutputSyntax()):
+        """`syntax`: the tool-call format and reasoning markup the model writes."""
         self.codec = codec
+        self.syntax = syntax
+        self._marked_decode = None   # decoding that keeps the syntax's markers
         self.default_max_tokens = default_max_tokens
         self.limits = limits
         self.request_timeout = request_timeout   # the server's limit (0: none)
@@ -147,6 +154,8 @@ class TokenizerCore:
         try:
             vocab_size = model_vocab_size(self.limits, self.codec)
             params = parse_params(req.params, vocab_size, self.default_max_tokens)
+            if params.chat.constrained:
+                params = self._constrained(req.params, params, vocab_size)
             max_chars = max_prompt_chars(self.limits, self.codec.max_chars_per_token)
             check_prompt_chars(req, max_chars)
         except InvalidRequest as exc:
@@ -295,9 +304,33 @@ class TokenizerCore:
 
     # ---- internals ---------------------------------------------------------
 
+    def _constrained(self, given: dict, params: RequestParams,
+                     vocab_size: int) -> RequestParams:
+        """The params of a request that must call a tool: its output constrained by
+        the grammar of a call in the model's format."""
+        if "response_format" not in KNOWN:
+            raise InvalidRequest("tool_choice 'required' or a named function needs "
+                                 "constrained decoding, which this server lacks")
+        if given.get("response_format") is not None:
+            raise InvalidRequest("response_format cannot be combined with tool_choice "
+                                 "'required' or a named function")
+        grammar = tool_call_grammar(self.syntax.tool_parser, params.chat, self._token_ref)
+        return parse_params({**given, "response_format": {"type": "grammar",
+                                                          "grammar": grammar}},
+                            vocab_size, self.default_max_tokens)
+
+    def _token_ref(self, marker: str) -> str:
+        """A marker as the grammar writes it: a special token by id."""
+        token = self.codec.tokenizer.convert_tokens_to_ids(marker)
+        special = isinstance(token, int) and token in self.codec.tokenizer.all_special_ids
+        return f"<[{token}]>" if special else json.dumps(marker, ensure_ascii=False)
+
     def _tokenized(self, pending: "Pending") -> TokenizedRequest:
-        input_ids = prompt_ids(pending.req, self.codec, pending.vocab_size, pending.max_chars)
         params = pending.params
+        input_ids = prompt_ids(pending.req, self.codec, pending.vocab_size, pending.max_chars,
+                               params.chat.template_args())
+        pending.thinking = (self.syntax.reasoning and pending.req.messages is not None
+                            and self._ends_thinking(input_ids))
         check_length(len(input_ids), pending.limits, params.max_tokens)
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -305,11 +338,24 @@ class TokenizerCore:
         return TokenizedRequest(pending.rid, input_ids, params.sampling, params.max_tokens,
                                 stop_ids)
 
+    def _ends_thinking(self, input_ids: list[int]) -> bool:
+        """Whether the prompt's last tokens open a think block (templates that start
+        the reply thinking)."""
+        tail = self.codec.tokenizer.decode(input_ids[-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith("<think>")
+
     def _admit(self, pending: "Pending", rid: int, index: int) -> None:
         params = pending.params
-        stream = RequestStream(pending.req.rid, rid,
-                               IncrementalDetokenizer(self.codec.decode), params.stop,
-                               pending.req.stream, params.logprobs, index)
+        tools = params.chat.tools if params.chat.calls_tools else None
+        parser = self.syntax.parser(tools, pending.req.messages is not None, pending.thinking)
+        decode = self.codec.decode
+        if parser is not None:
+            if self._marked_decode is None:
+                self._marked_decode = self.codec.decoder_keeping(self.syntax.markers)
+            decode = self._marked_decode
+        stream = RequestStream(pending.req.rid, rid, IncrementalDetokenizer(decode),
+                               params.stop, pending.req.stream, params.logprobs, index,
+                               parser)
         limits = [t for t in (params.timeout, self.request_timeout) if t]
         deadline = self.clock() + min(limits) if limits else None
         self.requests[rid] = _Request(pending.client, stream, pending.sink, deadline)

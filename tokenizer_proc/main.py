@@ -39,6 +39,7 @@ from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
 from .http import HttpFrontEnd
 from .text import TextCodec
+from .tools.syntax import resolve
 from .throttled_log import ThrottledLog
 from .validation import ModelLimits, max_prompt_chars
 
@@ -118,8 +119,10 @@ class TokenizerServer:
             self.to_launcher.connect(cfg.ready_addr)
         self.client_decoder = Decoder(GenerateRequest, AbortRequest, StatsRequest)
         self.scheduler_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
+        syntax = resolve(codec.chat_template_text, cfg.flags.tool_call_parser,
+                         cfg.flags.reasoning_parser)
         self.core = TokenizerCore(codec, cfg.flags.default_max_tokens,
-                                  request_timeout=cfg.flags.request_timeout)
+                                  request_timeout=cfg.flags.request_timeout, syntax=syntax)
         self._replies: deque[tuple[bytes, Reply]] = deque()   # (client identity, reply)
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
         self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
@@ -336,7 +339,7 @@ async def serve(cfg: TokenizerConfig) -> None:
     ctx = zmq.asyncio.Context()
     try:
         server = TokenizerServer(cfg, codec, ctx)
-    except BadKey as exc:
+    except (BadKey, ValueError) as exc:   # a bad key file, an unknown parser name
         ctx.destroy(linger=0)
         raise SystemExit(f"mlxd tokenizer: {exc}") from None
     flags = cfg.flags

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from mlxd.protocol import SamplingParams
 
+from .tools.request import ChatOptions, InvalidOptions, chat_options
+
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256      # characters per stop string: the held-back text grows with it
@@ -37,6 +39,7 @@ class RequestParams:
     logprobs: bool = False
     timeout: float | None = None   # seconds the whole request may take, server-side
     n: int = 1                     # choices: samples of the same prompt
+    chat: ChatOptions = field(default_factory=ChatOptions)   # tools, template kwargs
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -178,7 +181,8 @@ def _penalties(params) -> dict:
 KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "timeout",
                    "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "logit_bias", "min_tokens", "n"})
+                   "logit_bias", "min_tokens", "n", "tools", "tool_choice",
+                   "parallel_tool_calls", "chat_template_kwargs", "enable_thinking"})
 
 
 def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> RequestParams:
@@ -209,4 +213,12 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
         ignore_eos=_flag(params, "ignore_eos"),
         logprobs=logprobs,
         timeout=_timeout(params),
-        n=_integer(params, "n", 1, 1, MAX_CHOICES))
+        n=_integer(params, "n", 1, 1, MAX_CHOICES),
+        chat=_chat(params))
+
+
+def _chat(params) -> ChatOptions:
+    try:
+        return chat_options(params)
+    except InvalidOptions as exc:
+        raise InvalidRequest(str(exc)) from None

@@ -2,17 +2,22 @@
 
 Text that could be the start of a stop string is held back until it is known
 not to be one, so a stop string never reaches the client, even in a stream.
+With an output parser, the text past the stop strings is split into answer,
+reasoning and tool calls (tools/output.py) before it is sent.
 """
 
 from mlxd.protocol import StreamChunk, TokenEntry, Usage
 
 from .detokenizer import IncrementalDetokenizer
+from .tools.output import Delta, OutputParser
 
 
 class RequestStream:
     def __init__(self, client_rid: str, rid: int, detokenizer: IncrementalDetokenizer,
-                 stop: list[str], stream: bool, logprobs: bool, index: int = 0):
+                 stop: list[str], stream: bool, logprobs: bool, index: int = 0,
+                 parser: OutputParser | None = None):
         self.client_rid = client_rid
+        self.parser = parser
         self.rid = rid
         self.index = index   # the choice this is, of a request with n > 1
         self.detokenizer = detokenizer
@@ -71,6 +76,8 @@ class RequestStream:
         start_text, start_tok = (self._sent_text, self._sent_tokens) if self.stream else (0, 0)
         chunk = StreamChunk(self.client_rid, self.text[start_text:end],
                             self.token_ids[start_tok:], index=self.index)
+        if self.parser is not None:
+            self._parse(chunk)
         if self.want_logprobs:
             chunk.logprobs = self.logprobs[start_tok:]
             tops = self.top_logprobs[start_tok:]
@@ -78,12 +85,27 @@ class RequestStream:
         self._sent_text, self._sent_tokens = end, len(self.token_ids)
         if self.finished:
             chunk.finish_reason = self.finish_reason
+            if self.finish_reason == "stop" and self.parser and self.parser.calls:
+                chunk.finish_reason = "tool_calls"
             usage = self._final_usage(entry)
             chunk.usage = None if usage is None else usage.as_dict()
             chunk.error = entry.error
-        elif not chunk.text and not chunk.token_ids:
+        elif not (chunk.text or chunk.token_ids or chunk.reasoning or chunk.tool_calls):
             return None
         return chunk
+
+    def _parse(self, chunk: StreamChunk) -> None:
+        """Replace the chunk's text by what the parser makes of it."""
+        called = self.parser.calls
+        delta = self.parser.feed(chunk.text)
+        if self.finished:
+            last = self.parser.finish()
+            delta = Delta(delta.content + last.content, delta.reasoning + last.reasoning,
+                          delta.tool_calls + last.tool_calls)
+        chunk.text = delta.content
+        chunk.reasoning = delta.reasoning or None
+        chunk.tool_calls = [call.as_wire(called + i)
+                            for i, call in enumerate(delta.tool_calls)] or None
 
     def _final_usage(self, entry: TokenEntry) -> Usage | None:
         """The scheduler's, when it finished the request; after a stop string, its

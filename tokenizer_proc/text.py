@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from .params import InvalidRequest
 
@@ -111,22 +112,29 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template's source (all of them, for tokenizers with several)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else template
+
     def encode_prompt(self, prompt: str) -> list[int]:
         # Like mlx_lm: add BOS unless the text already starts with it.
         bos = self.tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode_rendered(self.render_chat(messages))
+    def encode_chat(self, messages: list[dict], **template_args) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages, **template_args))
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The chat template's text for `messages`, with the generation prompt."""
+    def render_chat(self, messages: list[dict], **template_args) -> str:
+        """The chat template's text for `messages`, with the generation prompt;
+        `template_args` (tools, enable_thinking, ...) go to the template."""
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a prompt instead")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False)
+                messages, add_generation_prompt=True, tokenize=False, **template_args)
         except Exception as exc:  # jinja raises its own exception types
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from None
 
@@ -136,3 +144,29 @@ class TextCodec:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def decoder_keeping(self, markers: tuple[str, ...]) -> Callable[[list[int]], str]:
+        """`decode`, except that the special tokens spelling one of `markers` (tool-call
+        and thinking markup, which some tokenizers make special) stay in the text."""
+        keep = {i: t for t in markers if (i := self._special_id(t)) is not None}
+        if not keep:
+            return self.decode
+
+        def decode(token_ids: list[int]) -> str:
+            parts, run = [], []
+            for token in token_ids:
+                if token in keep:
+                    parts += [self.decode(run), keep[token]]
+                    run = []
+                else:
+                    run.append(token)
+            return "".join(parts) + self.decode(run)
+        return decode
+
+    def _special_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text`, if it is one."""
+        token = self.tokenizer.convert_tokens_to_ids(text)
+        if not isinstance(token, int) or token == self.tokenizer.unk_token_id:
+            return None
+        return token if token in self.tokenizer.all_special_ids or \
+            self.decode([token]) != text else None

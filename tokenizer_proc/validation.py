@@ -9,6 +9,8 @@ from mlxd.runtime.request_limits import length_error
 
 from .params import InvalidRequest
 from .text import TextCodec
+from .tools.messages import template_message
+from .tools.request import InvalidOptions
 
 
 class ModelLimits(Protocol):
@@ -48,10 +50,11 @@ def _check_chars(n: int, max_chars: int, what: str) -> None:
 
 
 def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
-               max_chars: int | None = None) -> list[int]:
-    """The request's input ids, encoded from its prompt or messages if not given;
-    raises InvalidRequest unless exactly one is set, non-empty, in the vocabulary and,
-    as text, no longer than `max_chars` (checked before encoding)."""
+               max_chars: int | None = None, template_args: dict | None = None) -> list[int]:
+    """The request's input ids, encoded from its prompt or messages (rendered with
+    `template_args`) if not given; raises InvalidRequest unless exactly one is set,
+    non-empty, in the vocabulary and, as text, no longer than `max_chars` (checked
+    before encoding)."""
     given = [x for x in (req.prompt, req.messages, req.input_ids) if x is not None]
     if len(given) != 1:
         raise InvalidRequest("send exactly one of prompt, messages or input_ids")
@@ -61,7 +64,7 @@ def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
         ids = req.input_ids
     else:
         if req.messages is not None:
-            text = codec.render_chat(checked_messages(req.messages))
+            text = codec.render_chat(checked_messages(req.messages), **(template_args or {}))
             if max_chars is not None:
                 _check_chars(len(text), max_chars, "chat template's text")
             ids = codec.encode_rendered(text)
@@ -89,10 +92,11 @@ def check_length(n: int, limits: ModelLimits | None, max_tokens: int = 1) -> Non
 
 
 def checked_messages(messages: list) -> list[dict]:
-    for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise InvalidRequest("messages must be a list of {role: str, content: str}")
+    """The messages as the chat template takes them (tools/messages.py)."""
+    try:
+        checked = [template_message(m) for m in messages]
+    except InvalidOptions as exc:
+        raise InvalidRequest(str(exc)) from None
     if not messages:
         raise InvalidRequest("messages is empty")
-    return messages
+    return checked

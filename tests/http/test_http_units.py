@@ -31,9 +31,9 @@ def test_a_wrong_type_is_a_400_naming_the_field():
 def test_an_unsupported_parameter_is_named():
     with pytest.raises(ValidationError) as exc:
         ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                    "tools": [{"type": "function"}]})
+                                    "functions": [{"name": "f"}]})
     err = validation_error(exc.value)
-    assert err.param == "tools" and "does not support" in err.message
+    assert err.param == "functions" and "does not support" in err.message
 
 
 def test_core_errors_name_the_parameter_they_mention_first():

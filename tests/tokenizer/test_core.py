@@ -502,7 +502,7 @@ def test_a_single_choice_has_index_0(core, codec):
     req = a.submitted("r", prompt="Hello", params={"n": 1})
     core.on_batch(TokenBatch([entry(req.rid, text_ids(codec, "the"), "stop")]))
     [chunk] = a.got
-    assert chunk.index == 0 and chunk.to_wire()[-1] == 0
+    assert chunk.index == 0 and chunk.to_wire()[8] == 0   # the wire field `index`
 
 
 def test_aborting_forgetting_or_timing_out_a_request_ends_every_choice(codec):

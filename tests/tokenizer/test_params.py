@@ -42,7 +42,9 @@ def test_everything_set():
     assert set(KNOWN) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                           "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
                           "timeout", "presence_penalty", "frequency_penalty",
-                          "repetition_penalty", "logit_bias", "min_tokens", "n"}
+                          "repetition_penalty", "logit_bias", "min_tokens", "n", "tools",
+                          "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                          "enable_thinking"}
 
 
 # ---- valid values --------------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""`POST /v1/messages`, Anthropic's Messages API: text in, text out, streamed as its
-named events (message_start, content_block_start / _delta / _stop, message_delta,
-message_stop)."""
+"""`POST /v1/messages`, Anthropic's Messages API: text and tool calls in and out,
+streamed as its named events (message_start, content_block_start / _delta / _stop,
+message_delta, message_stop); a tool call is a `tool_use` block whose input comes
+as one `input_json_delta`."""
 
 import uuid
 from typing import AsyncIterator
 
 from fastapi import Request
 
-from .anthropic_schema import MessagesRequest, TextBlock
+from .anthropic_schema import Message, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from .choices import Choice, Outputs
 from .context import Api, read_body
 from .errors import ApiError, anthropic_body
@@ -15,23 +16,42 @@ from .generation import Generation, failed
 from .openai_api import respond
 from .requests import core_error, generate_requests
 from .sse import event
+from .tool_calls import anthropic_tool_params, anthropic_tool_use
 
 RENAMED = {"stop": "stop_sequences", "prompt": "messages", "input_ids": "messages"}
 
 
-def _text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+def _text(content) -> str:
+    """The text of a content: a string, or its text blocks joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(b.text for b in content if isinstance(b, TextBlock))
+
+
+def _turn(m: Message) -> list[dict]:
+    """One Anthropic message as chat-template messages: tool results become `tool`
+    messages (before the user's text), tool_use blocks an assistant's tool_calls."""
+    blocks = [] if isinstance(m.content, str) else m.content
+    results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+               for b in blocks if isinstance(b, ToolResultBlock)]
+    calls = [{"id": b.id, "type": "function",
+              "function": {"name": b.name, "arguments": b.input}}
+             for b in blocks if isinstance(b, ToolUseBlock)]
+    text = _text(m.content)
+    own = {"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})}
+    return results + ([own] if text or calls or not results else [])
 
 
 def chat_messages(body: MessagesRequest) -> list[dict]:
     system = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    return system + [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+    return system + [message for m in body.messages for message in _turn(m)]
 
 
 def core_params(body: MessagesRequest) -> dict:
     params = {"max_tokens": body.max_tokens, "temperature": body.temperature,
               "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
-    return {k: v for k, v in params.items() if v is not None}
+    return {**{k: v for k, v in params.items() if v is not None},
+            **anthropic_tool_params(body.tools, body.tool_choice)}
 
 
 async def messages(api: Api, request: Request):
@@ -52,14 +72,18 @@ class MessageRender:
         self.stop_sequences = stop_sequences
         self.outputs = Outputs()
         self.id = f"msg_{uuid.uuid4().hex}"
+        self._blocks = 0          # content blocks started while streaming
+        self._open: str | None = None   # the kind of the block being streamed
 
     async def response(self, chunks) -> dict:
         async for chunk in chunks:
             choice, _ = self.outputs.add(chunk)
             if failed(chunk):
                 raise failed(chunk)
-        return {**self._message([{"type": "text", "text": choice.text}]),
-                **self._stop(choice), "usage": self._usage()}
+        text = [{"type": "text", "text": choice.text}] \
+            if choice.text or not choice.tool_calls else []
+        content = text + [anthropic_tool_use(call) for call in choice.tool_calls]
+        return {**self._message(content), **self._stop(choice), "usage": self._usage()}
 
     async def events(self, chunks) -> AsyncIterator[bytes]:
         started = False
@@ -72,18 +96,47 @@ class MessageRender:
                     yield event({"type": "message_start", "message": {
                         **self._message([]), "stop_reason": None, "stop_sequence": None,
                         "usage": {"input_tokens": 0, "output_tokens": 0}}})
-                    yield event({"type": "content_block_start", "index": 0,
-                                 "content_block": {"type": "text", "text": ""}})
                     started = True
-                if text:
-                    yield event({"type": "content_block_delta", "index": 0,
-                                 "delta": {"type": "text_delta", "text": text}})
-            yield event({"type": "content_block_stop", "index": 0})
+                for piece in self._content_events(text, chunk.tool_calls or []):
+                    yield piece
+            if self._blocks == 0:   # nothing at all: one empty text block
+                yield self._start({"type": "text", "text": ""})
+            yield self._close()   # there is an open block: the last one started
             yield event({"type": "message_delta", "delta": self._stop(choice),
                          "usage": self._usage()})
             yield event({"type": "message_stop"})
         except ApiError as exc:
             yield event(anthropic_body(exc))
+
+    def _content_events(self, text: str, calls: list[dict]) -> list[bytes]:
+        """A chunk's text (into the open text block, or a new one) and its calls, each
+        a tool_use block of its own."""
+        out = []
+        if text:
+            if self._open != "text":
+                out += [self._close(), self._start({"type": "text", "text": ""})]
+            out.append(event({"type": "content_block_delta", "index": self._blocks - 1,
+                              "delta": {"type": "text_delta", "text": text}}))
+        for call in calls:
+            block = anthropic_tool_use(call)
+            out += [self._close(), self._start({**block, "input": {}}),
+                    event({"type": "content_block_delta", "index": self._blocks - 1,
+                           "delta": {"type": "input_json_delta",
+                                     "partial_json": call["arguments"]}})]
+        return [piece for piece in out if piece]
+
+    def _close(self) -> bytes:
+        """The stop event of the block being streamed (none if none is open)."""
+        if self._open is None:
+            return b""
+        self._open = None
+        return event({"type": "content_block_stop", "index": self._blocks - 1})
+
+    def _start(self, block: dict) -> bytes:
+        self._open = block["type"]
+        self._blocks += 1
+        return event({"type": "content_block_start", "index": self._blocks - 1,
+                      "content_block": block})
 
     def _message(self, content: list) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "content": content,
@@ -93,11 +146,15 @@ class MessageRender:
         """Anthropic's stop_reason, and the stop sequence that ended the text if one did."""
         if choice.finish_reason == "length":
             return {"stop_reason": "max_tokens", "stop_sequence": None}
+        if choice.finish_reason == "tool_calls":
+            return {"stop_reason": "tool_use", "stop_sequence": None}
         if self.stop_sequences:
-            rest = self.api.codec.decode(choice.token_ids)[len(choice.text):]
-            hit = next((s for s in self.stop_sequences if rest.startswith(s)), None)
-            if hit is not None:
-                return {"stop_reason": "stop_sequence", "stop_sequence": hit}
+            # the text was cut at the first stop sequence in it (found in the raw text:
+            # the sent text may be parsed into thinking, answer and calls)
+            raw = self.api.codec.decode(choice.token_ids)
+            hits = [(raw.find(s), s) for s in self.stop_sequences if s in raw]
+            if hits:
+                return {"stop_reason": "stop_sequence", "stop_sequence": min(hits)[1]}
         return {"stop_reason": "end_turn", "stop_sequence": None}
 
     def _usage(self) -> dict:
@@ -107,3 +164,4 @@ class MessageRender:
         return {"input_tokens": usage["prompt_tokens"] - cached,
                 "output_tokens": usage["completion_tokens"],
                 "cache_read_input_tokens": cached}
+

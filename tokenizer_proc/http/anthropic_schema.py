@@ -1,7 +1,8 @@
-"""The request body of Anthropic's Messages API (`POST /v1/messages`): text content
-only. Strict like openai_schema.py: an unknown field is a 400 naming it."""
+"""The request body of Anthropic's Messages API (`POST /v1/messages`): text, tools,
+tool_use and tool_result blocks. Strict like openai_schema.py: an unknown field is a
+400 naming it."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,9 +17,42 @@ class TextBlock(Strict):
     cache_control: dict | None = None   # a caching hint: prefix caching is automatic
 
 
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+    cache_control: dict | None = None
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+    cache_control: dict | None = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
 class Message(Strict):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[Block]
+
+
+class Tool(Strict):
+    name: str
+    input_schema: dict
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict | None = None
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class Metadata(Strict):
@@ -36,3 +70,5 @@ class MessagesRequest(Strict):
     top_k: int | None = None
     stream: bool = False
     metadata: Metadata | None = None   # accepted, not used
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None

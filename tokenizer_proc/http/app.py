@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from mlxd.tokenizer_proc.auth import key_matches
 from mlxd.tokenizer_proc.params import InvalidRequest
-from mlxd.tokenizer_proc.validation import max_prompt_chars, model_vocab_size
+from mlxd.tokenizer_proc.validation import checked_messages, max_prompt_chars, model_vocab_size
 
 from . import anthropic_api, openai_api
 from .calls import Call, Disconnected
@@ -148,7 +148,7 @@ async def tokenize(api: Api, request: Request):
                           f"{max_chars} can fit the model's context", "prompt")
     try:
         if body.messages is not None:
-            tokens = api.codec.encode_chat(chat_messages(body.messages))
+            tokens = api.codec.encode_chat(checked_messages(chat_messages(body.messages)))
         elif body.add_special_tokens:
             tokens = api.codec.encode_prompt(body.prompt)
         else:

@@ -21,6 +21,8 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     seen: bool = False   # a chunk of it was sent (streaming: the first carries the role)
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)   # StreamChunk.tool_calls'
 
 
 class Outputs:
@@ -42,6 +44,8 @@ class Outputs:
             if self.echo is not None:
                 text = self.echo[int(chunk.rid)] + text
         choice.text += text
+        choice.reasoning += chunk.reasoning or ""
+        choice.tool_calls += chunk.tool_calls or []
         choice.token_ids += chunk.token_ids
         if chunk.logprobs is not None:
             choice.logprobs += chunk.logprobs

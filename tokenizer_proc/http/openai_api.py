@@ -16,14 +16,26 @@ from .generation import Generation, failed
 from .openai_schema import ChatMessage, ChatRequest, CompletionRequest
 from .requests import choices_per_request, core_error, core_params, generate_requests
 from .sse import DONE, data
+from .tool_calls import openai_call, openai_tool_params
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The chat template's messages: text parts joined, `developer` as `system`."""
-    def text(content):
-        return content if isinstance(content, str) else "".join(p.text for p in content)
-    return [{"role": "system" if m.role == "developer" else m.role,
-             "content": text(m.content)} for m in messages]
+    """The chat template's messages: text parts joined, `developer` as `system`, tool
+    calls and tool results kept (the core checks them)."""
+    return [chat_message(m) for m in messages]
+
+
+def chat_message(m: ChatMessage) -> dict:
+    content = m.content if m.content is None or isinstance(m.content, str) else \
+        "".join(p.text for p in m.content)
+    message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.tool_calls is not None:
+        message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.role == "tool" and m.name is not None:
+        message["name"] = m.name
+    return message
 
 
 def prompt_inputs(prompt) -> list[dict]:
@@ -48,7 +60,7 @@ async def chat_completions(api: Api, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = core_params(body, max_tokens, logprobs=body.logprobs or None,
-                         top_logprobs=body.top_logprobs)
+                         top_logprobs=body.top_logprobs, **openai_tool_params(body))
     renamed = {"prompt": "messages", "input_ids": "messages"}
     if body.max_completion_tokens is not None:
         renamed["max_tokens"] = "max_completion_tokens"
@@ -150,8 +162,8 @@ class _Render:
                 if error:
                     yield data(openai_body(error))
                     return
-                if not (text or chunk.finish_reason or not choice.seen or
-                        (self.logprobs and chunk.token_ids)):
+                if not (text or chunk.finish_reason or not choice.seen or chunk.reasoning
+                        or chunk.tool_calls or (self.logprobs and chunk.token_ids)):
                     continue   # tokens whose text is held back (a partial character)
                 event = {**self.head, "object": self.CHUNK_OBJECT,
                          "choices": [self.chunk_choice(choice, chunk, text)]}
@@ -169,7 +181,13 @@ class ChatRender(_Render):
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
     def final_choice(self, c) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+        message = {"role": "assistant",
+                   "content": None if c.tool_calls and not c.text else c.text}
+        if c.reasoning:
+            message["reasoning_content"] = message["reasoning"] = c.reasoning
+        if c.tool_calls:
+            message["tool_calls"] = [openai_call(call) for call in c.tool_calls]
+        return {"index": c.index, "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
                 "finish_reason": c.finish_reason}
 
@@ -177,6 +195,10 @@ class ChatRender(_Render):
         delta = {} if choice.seen else {"role": "assistant"}
         if text or not choice.seen:
             delta["content"] = text
+        if chunk.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = chunk.reasoning
+        if chunk.tool_calls:
+            delta["tool_calls"] = [openai_call(call, True) for call in chunk.tool_calls]
         return {"index": choice.index, "delta": delta,
                 "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs or [],
                                            chunk.top_logprobs or []),

@@ -56,10 +56,45 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None   # None: an assistant's tool calls only
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None   # an earlier reply's thinking: not re-sent
+
+
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(Sampling):
@@ -67,6 +102,11 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None
+    enable_thinking: bool | None = None   # vLLM's shorthand for the template kwarg
 
 
 class CompletionRequest(Sampling):

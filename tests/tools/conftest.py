@@ -1,0 +1,34 @@
+"""A tiny model whose chat template renders tools, tool calls and results in the
+Hermes format and thinks in <think> (enable_thinking=False closes the block; the
+kwarg open_thinking opens it in the prompt, as DeepSeek-R1's template does)."""
+
+import json
+import shutil
+
+import pytest
+
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}<|system|>Tools:{% for t in tools %} "
+    "{{ t.function.name }}{% endfor %}</s>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>{% for c in m.tool_calls %}"
+    "<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}</s>"
+    "{%- elif m.role == 'tool' %}<|user|><tool_response>{{ m.content }}</tool_response></s>"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}</s>{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+    "not enable_thinking %}<think></think>{% endif %}{% if open_thinking %}<think>{% endif %}"
+    "{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tool_model(llama_model, tmp_path_factory) -> str:
+    """The tiny llama model with TOOL_TEMPLATE as its chat template."""
+    path = tmp_path_factory.mktemp("models") / "llama-tools"
+    shutil.copytree(llama_model, path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return str(path)

@@ -1,0 +1,2 @@
+"""Tool calls and reasoning in a model's output: parsers per model family, picked from
+the chat template (docs/ARCHITECTURE.md, "Tool calling and reasoning")."""

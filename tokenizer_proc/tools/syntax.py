@@ -1,0 +1,69 @@
+"""Which tool-call format and reasoning markup a model writes: read from its chat
+template unless the server's flags name them (`--tool-call-parser`,
+`--reasoning-parser`)."""
+
+from dataclasses import dataclass
+
+from .blocks import BlockParser
+from .formats import PARSERS
+from .output import OutputParser
+from .reasoning import CLOSE, OPEN, ThinkParser
+
+AUTO = "auto"
+REASONING_PARSERS = ("think", "none")
+FALLBACK_TOOL_PARSER = "hermes"   # for templates that show no format: plain-text markers
+# Marker texts per format: where they are special tokens, decoding must keep them.
+MARKERS = {"hermes": ("<tool_call>", "</tool_call>"),
+           "qwen3_coder": ("<tool_call>", "</tool_call>"),
+           "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+           "llama3_json": ("<|python_tag|>",)}
+
+
+@dataclass(frozen=True)
+class OutputSyntax:
+    tool_parser: str = FALLBACK_TOOL_PARSER
+    reasoning: bool = False
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Texts the parsers look for: kept in the text even where they are special."""
+        return MARKERS[self.tool_parser] + ((OPEN, CLOSE) if self.reasoning else ())
+
+    def parser(self, tools: list[dict] | None, chat: bool,
+               prompt_thinks: bool = False) -> OutputParser | None:
+        """The parser of one reply: tool calls when `tools` is not None (the request
+        may call them), thinking when the server parses it and the prompt is a chat
+        (a raw prompt's text is returned as it is); None when neither."""
+        reasoning = self.reasoning and chat
+        if tools is None and not reasoning:
+            return None
+        block: BlockParser | None = None if tools is None else PARSERS[self.tool_parser](tools)
+        think = ThinkParser(prompt_thinks) if reasoning else None
+        return OutputParser(block, think)
+
+
+def tool_parser_of(template: str) -> str:
+    """The tool-call format a chat template shows; FALLBACK_TOOL_PARSER if none."""
+    if "<tool_call>" in template:
+        return "qwen3_coder" if "<function=" in template else "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ("ipython" in template and "parameters" in template):
+        return "llama3_json"
+    return FALLBACK_TOOL_PARSER
+
+
+def resolve(template: str | None, tool_parser: str = AUTO,
+            reasoning_parser: str = AUTO) -> OutputSyntax:
+    """The syntax for a model with chat template `template` (None: it has none);
+    ValueError for a parser name that does not exist."""
+    if tool_parser != AUTO and tool_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser {tool_parser!r}: one of "
+                         f"{[AUTO, *PARSERS]}")
+    if reasoning_parser != AUTO and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {reasoning_parser!r}: one of "
+                         f"{[AUTO, *REASONING_PARSERS]}")
+    template = template or ""
+    tools = tool_parser_of(template) if tool_parser == AUTO else tool_parser
+    thinks = OPEN in template if reasoning_parser == AUTO else reasoning_parser == "think"
+    return OutputSyntax(tools, thinks)
