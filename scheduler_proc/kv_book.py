@@ -5,6 +5,10 @@ protected while a running request's prefix lock covers it), or private to one
 running request (KV it computed that the tree does not hold yet). Invariant:
 free + evictable + protected + private == capacity. A request's `slot_ids` are
 written here only.
+
+Models with recurrent layers also get state slots (the worker's state pool): one per
+running request, holding its state between prefill chunks. Their KV prefixes are
+not shared (no tree), since a prefix is usable only with the state it ends at.
 """
 
 from .allocator import SlotAllocator
@@ -13,8 +17,10 @@ from .request import Request
 
 
 class KVBook:
-    def __init__(self, capacity: int, use_tree: bool = True):
+    def __init__(self, capacity: int, use_tree: bool = True, state_slots: int = 0):
         self.capacity = capacity
+        self.state_slots = state_slots
+        self._free_states = list(range(state_slots, 0, -1))
         # Eviction walks the whole tree: free a batch at a time, not one slot per step.
         self.evict_batch = max(1, min(256, capacity // 64))
         self.allocator = SlotAllocator(capacity)
@@ -53,6 +59,22 @@ class KVBook:
             req.slot_ids.append(slot)
         return slots
 
+    # ---- state slots ----------------------------------------------------------------
+
+    @property
+    def needs_state(self) -> bool:
+        """Requests need a state slot to run (a recurrent-state model)."""
+        return self.state_slots > 0
+
+    def take_state(self, req: Request) -> bool:
+        """Give the request a state slot if it needs one; False when none is free."""
+        if not self.needs_state or req.state_slot:
+            return True
+        if not self._free_states:
+            return False
+        req.state_slot = self._free_states.pop()
+        return True
+
     # ---- a request's prefix ------------------------------------------------------
 
     def match(self, tokens: list[int]) -> tuple[list[int], Node | None]:
@@ -90,6 +112,9 @@ class KVBook:
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len, req.slot_ids = None, 0, []
+        if req.state_slot:
+            self._free_states.append(req.state_slot)
+            req.state_slot = 0
 
     def reset_tree(self) -> None:
         """Forget all cached KV (nothing may be running)."""
@@ -100,7 +125,9 @@ class KVBook:
 
     def stats(self, running: list[Request]) -> dict:
         tree = self.tree
-        return {
+        states = ({"state_slots": self.state_slots, "free_state_slots": len(self._free_states)}
+                  if self.needs_state else {})
+        return {**states,
             "capacity": self.capacity, "free_slots": self.allocator.num_free,
             "cached_slots": tree.total_size if tree else 0,
             "evictable_slots": tree.evictable_size if tree else 0,
@@ -122,3 +149,7 @@ class KVBook:
             f"{len(private)} != capacity {self.capacity}")
         for r in running:
             assert r.prefix_len == 0 or r.last_node is not None
+        held = [r.state_slot for r in running if r.state_slot]
+        assert len(held) + len(self._free_states) == self.state_slots, "a state slot is lost"
+        assert len(set(held + self._free_states)) == self.state_slots, "a state slot is held twice"
+        assert not self.needs_state or len(held) == len(running), "a request without state"

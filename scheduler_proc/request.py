@@ -24,6 +24,7 @@ class Request:
     slot_ids: list[int] = field(default_factory=list)
     prefix_len: int = 0          # leading slots owned by the radix tree (locked)
     last_node: object = None     # the tree node this request's lock ends at
+    state_slot: int = 0          # its recurrent state's slot (0: none); KVBook's to write
     fill_len: int = 0            # tokens this admission prefills (prompt + output so far)
     cached_tokens: int | None = None   # prefix reused at the first admission
     status: Status = Status.WAITING
