@@ -96,8 +96,10 @@ class WorkerLimits:
     dequantize: bool = wire(Bool())
     overlap: bool = wire(Bool())
     # Recurrent-state models: state slots the scheduler books (one per running
-    # request) and the bytes of one; 0 for attention-only models.
+    # request, then `snapshot_slots` for snapshots) and the bytes of one; 0 for
+    # attention-only models.
     state_slots: int = wire(Int(minimum=0), default=0)
+    snapshot_slots: int = wire(Int(minimum=0), default=0)
     state_slot_bytes: int = wire(Int(minimum=0), default=0)
     # the sliding windows of the model's attention layers, one per windowed layer
     window_sizes: list[int] = wire(List(Int(minimum=1)), default_factory=list)

@@ -42,15 +42,14 @@ class SchedulerLimits:
     cached_token_cost: float = 0.25  # a cached prefix token's share of the prefill budget
     vocab_size: int = 0             # the model's token ids are [0, vocab_size) (0: unchecked)
     state_slots: int = 0            # the worker's recurrent-state slots (0: the model has none)
+    snapshot_slots: int = 0         # and its slots for snapshots of states (after those)
 
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
-        # A recurrent model's KV prefix is useless without the state it ends at: no tree.
-        self.kv = KVBook(limits.kv_capacity,
-                         not limits.disable_radix_cache and not limits.state_slots,
-                         limits.state_slots)
+        self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache,
+                         limits.state_slots, limits.snapshot_slots)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests)
         self.waiting = WaitingQueue(self.kv)
@@ -296,9 +295,14 @@ class Scheduler:
         p = PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
                          new_slots, req.sampling, needs_logits=done,
                          num_generated=len(req.output_ids))
-        if req.state_slot:   # the state crosses chunks in the request's slot
-            p.state_from = req.state_slot if start else 0
+        if req.state_slot:
+            # the state the prefix ends at (a snapshot, or the working slot after a
+            # chunk); the state after this piece goes to the working slot if another
+            # chunk follows, and to a snapshot slot the tree takes with the KV
+            p.state_from = req.state_from if start else 0
             p.state_slot = 0 if done else req.state_slot
+            p.snapshot_slot = self.kv.take_snapshot(req)
+            req.state_from = req.state_slot
         if done:
             _add_sampling_context(p, req)
         return p

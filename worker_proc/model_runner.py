@@ -239,10 +239,10 @@ class ModelRunner:
     def _check_state_slots(self, p: PrefillInput) -> None:
         states = self.pool.states
         if states is None:
-            if p.state_from or p.state_slot:
+            if p.state_from or p.state_slot or p.snapshot_slot:
                 raise ValueError(f"prefill {p.rid}: state slots for a model without state")
             return
-        states.check_slots([p.state_from, p.state_slot])
+        states.check_slots([p.state_from, p.state_slot, p.snapshot_slot])
         if p.prefix_slot_ids and not p.state_from:
             raise ValueError(f"prefill {p.rid}: a prefix without the state it ends at")
 

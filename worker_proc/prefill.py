@@ -69,8 +69,9 @@ class GroupPrefill:
                            for p in group])
         self.logits = self._forward(tokens, chunk)
         self._write_pool(pool)
-        if any(p.state_slot for p in group):
-            self._write_states(pool)
+        for field in ("state_slot", "snapshot_slot"):
+            if any(getattr(p, field) for p in group):
+                self._write_states(pool, field)
 
     def _load_prefixes(self, pool: KVPool) -> None:
         """Gather every row's cached prefix, right-aligned, straight into cache
@@ -91,10 +92,11 @@ class GroupPrefill:
         for leaf, cache in enumerate(self.states):
             batch_cache.load_state(cache, pool.states.read(leaf, slots))
 
-    def _write_states(self, pool: KVPool) -> None:
-        """Store the rows' states after their input at their `state_slot`s."""
-        rows = [i for i, p in enumerate(self.group) if p.state_slot]
-        index, slots = mx.array(rows), mx.array([self.group[i].state_slot for i in rows])
+    def _write_states(self, pool: KVPool, field: str) -> None:
+        """Store the rows' states after their input at the slots `field` names."""
+        rows = [i for i, p in enumerate(self.group) if getattr(p, field)]
+        index = mx.array(rows)
+        slots = mx.array([getattr(self.group[i], field) for i in rows])
         for leaf, cache in enumerate(self.states):
             pool.states.write(leaf, slots, [a[index] for a in batch_cache.state_arrays(cache)])
 

@@ -256,8 +256,9 @@ class Harness:
             assert not set(p.new_slot_ids) & set(p.prefix_slot_ids)
             self._check_state(p)
             self._write(p.rid, p.input_ids, p.new_slot_ids)
-            if p.state_slot:
-                self.states[p.state_slot] = list(self.ctx[p.rid])
+            for slot in (p.state_slot, p.snapshot_slot):
+                if slot:
+                    self.states[slot] = list(self.ctx[p.rid])
             had = self.prompts[p.rid] + self.output(p.rid)
             assert p.num_generated == len(self.output(p.rid))
             assert self.ctx[p.rid] == had[:len(self.ctx[p.rid])], "prefilled wrong tokens"
@@ -274,7 +275,7 @@ class Harness:
     def _check_state(self, p):
         """A recurrent model's prefill starts from the state its prefix ends at."""
         if not self.s.kv.needs_state:
-            assert p.state_from == p.state_slot == 0
+            assert p.state_from == p.state_slot == p.snapshot_slot == 0
             return
         assert p.state_slot in (0, self.s.running[p.rid].state_slot)
         if p.prefix_slot_ids:

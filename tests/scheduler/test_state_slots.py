@@ -1,5 +1,7 @@
 """State slots for recurrent-state models: booked by the scheduler like KV slots, one
-per running request, carried across chunks, freed at finish and retraction."""
+per running request, carried across chunks, freed at finish and retraction; snapshot
+slots tied to radix nodes, reused by requests extending a prefix, evicted LRU. The
+harness checks that every prefill starts from a state holding exactly its prefix."""
 
 import pytest
 
@@ -23,8 +25,7 @@ def test_chunks_carry_the_state_in_the_requests_slot():
 
 
 def test_no_prefix_is_shared_without_its_state():
-    h = Harness(kv_capacity=256, state_slots=4)
-    assert h.s.kv.tree is None
+    h = Harness(kv_capacity=256, state_slots=4)   # no snapshot slots
     h.add(make_request(1, n=12, max_new=2))
     h.run_until_idle()
     h.add(make_request(2, prompt=prompt_of(1, 12) + [5], max_new=2))
@@ -72,3 +73,62 @@ def test_the_books_count_every_state_slot():
     book.release(reqs[0], keep=False)
     assert reqs[0].state_slot == 0 and book.take_state(reqs[2])
     book.check_integrity(reqs[1:])
+
+
+def test_a_prompt_extending_a_snapshotted_one_resumes_from_its_state():
+    h = Harness(kv_capacity=256, state_slots=4, snapshot_slots=4)
+    h.add(make_request(1, n=12, max_new=3))
+    h.run_until_idle()
+    assert h.s.stats()["snapshots"] == 1
+    h.add(make_request(2, prompt=prompt_of(1, 12) + [5, 6, 7], max_new=2))
+    h.run_until_idle()
+    [p] = h.prefills_of(2)
+    assert len(p.prefix_slot_ids) == 12 and p.state_from == h.prefills_of(1)[0].snapshot_slot
+    assert h.final[2].usage.cached_tokens == 12
+    h.assert_idle()
+
+
+def test_chunk_boundaries_are_snapshotted():
+    h = Harness(kv_capacity=256, state_slots=4, snapshot_slots=8, chunked_prefill_size=8)
+    h.add(make_request(1, n=20, max_new=2))
+    h.run_until_idle()
+    assert h.s.stats()["snapshots"] == 3   # after 8, 16 and 20 tokens
+    h.add(make_request(2, prompt=prompt_of(1, 12) + [5], max_new=2))
+    h.run_until_idle()
+    assert h.final[2].usage.cached_tokens == 8   # the deepest snapshot within the match
+
+
+def test_snapshots_are_taken_back_least_recently_used_first():
+    h = Harness(kv_capacity=256, state_slots=4, snapshot_slots=2)
+    for rid in (1, 2, 3):
+        h.add(make_request(rid, n=10, max_new=2))
+        h.run_until_idle()
+    assert h.s.stats()["snapshots"] == 2
+    h.add(make_request(4, prompt=prompt_of(1, 10) + [5], max_new=2),
+          make_request(5, prompt=prompt_of(3, 10) + [5], max_new=2))
+    h.run_until_idle()
+    assert h.final[4].usage.cached_tokens == 0    # rid 1's snapshot went to rid 3
+    assert h.final[5].usage.cached_tokens == 10
+
+
+def test_snapshots_go_with_their_evicted_nodes():
+    h = Harness(kv_capacity=48, state_slots=4, snapshot_slots=8)
+    for rid in range(1, 7):
+        h.add(make_request(rid, n=12, max_new=2))
+        h.run_until_idle()
+    stats = h.s.stats()
+    assert stats["snapshots"] < 6 and stats["snapshots"] == len(h.s.kv.tree.all_snapshots())
+    h.assert_idle()
+
+
+def test_a_retracted_request_resumes_from_its_prompt_snapshot():
+    h = Harness(kv_capacity=40, state_slots=4, snapshot_slots=4, decode_headroom=0)
+    h.token_fn = by_position
+    h.add(make_request(1, n=10, max_new=12), make_request(2, n=10, max_new=12))
+    h.run_until_idle()
+    assert h.s.num_retractions >= 1 and h.resumes
+    resumed = [p for rid, n, _ in h.resumes for p in h.prefills_of(rid) if p.num_generated == n]
+    assert any(len(p.prefix_slot_ids) == 10 and p.state_from for p in resumed)
+    for rid in (1, 2):
+        assert h.output(rid) == [by_position(rid, 10 + i) for i in range(len(h.output(rid)))]
+    h.assert_idle()

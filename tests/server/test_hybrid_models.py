@@ -52,3 +52,24 @@ def test_concurrent_chunked_retracted_requests_match_mlx_lm(arch, overlap, hybri
     windowed = arch in ("gemma3_text", "gpt_oss")
     assert stats["worker"]["window_sizes"] == ([8] if windowed else [])
     assert (stats["worker"]["state_slots"] > 0) is (not windowed)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2", "falcon_h1", "gemma3_text"])
+def test_a_shared_prefix_is_served_from_the_cache(arch, hybrid_model):
+    """Prompts extending a finished one resume from its cached KV and, for recurrent
+    models, the snapshot of its state (cached_tokens > 0), and stay exact."""
+    path = hybrid_model(arch)
+    server = Server(path, "--log-level", "warning")
+    extended = [LONG[0] + " " + p for p in PROMPTS[:3]]
+    try:
+        first, _ = asyncio.run(generate_all(server.address, [LONG[0]]))
+        results, stats = asyncio.run(generate_all(server.address, extended))
+    finally:
+        server.stop()
+    n = len(encode(path, LONG[0]))
+    assert first[0].usage["cached_tokens"] == 0
+    for prompt, result in zip(extended, results):
+        assert n - 1 <= result.usage["cached_tokens"] < len(encode(path, prompt))
+        assert_matches(path, prompt, result)
+    if arch != "gemma3_text":
+        assert stats["snapshots"] > 0

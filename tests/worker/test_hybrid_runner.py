@@ -119,3 +119,22 @@ def test_a_prefix_without_its_state_is_refused(arch, hybrid_model):
         d.runner.run(Step(9, [], [], [d.prefill(0, ids[5:], d.slot_ids[0][:5])]))
     with pytest.raises(ValueError, match="state slot"):
         d.runner.run(Step(10, [], [], [d.prefill(1, ids, state_slot=17)]))
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_a_prefix_resumed_from_a_snapshot_matches_mlx_lm(arch, hybrid_model):
+    """A request fills the pool and a snapshot slot; others extend its prompt from
+    there (alone and as a group with a plain row beside them)."""
+    path = hybrid_model(arch)
+    d = Driver(path)
+    base = encode(path, LONG)
+    d.step([PrefillInput(0, base[:30], [], d.new_slots(0, 30), SamplingParams(),
+                         needs_logits=False, snapshot_slot=9)])
+    tails = [base[30:], base[30:40], encode(path, PROMPTS[1])[1:]]
+    d.step([d.prefill(1 + i, tail, d.slot_ids[0], state_from=9) for i, tail in
+            enumerate(tails[:2])] + [d.prefill(3, encode(path, PROMPTS[2]))])
+    d.step([d.prefill(4, tails[2], d.slot_ids[0], state_from=9)])
+    d.finish()
+    for rid, tail in zip((1, 2, 4), tails):
+        assert_matches(path, base[:30] + tail, d.out[rid])
+    assert_matches(path, encode(path, PROMPTS[2]), d.out[3])
