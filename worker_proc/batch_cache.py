@@ -71,9 +71,11 @@ def cache_arrays(caches: list) -> list:
     """What to evaluate to compute everything written into `caches`."""
     arrays = []
     for c in _leaves(caches):
-        arrays += [a for a in c.cache if a is not None] if isinstance(c, ArraysCache) \
-            else [c.keys, c.values]
-    return [a for a in arrays if a is not None]
+        if isinstance(c, ArraysCache):
+            arrays += [a for a in c.cache if a is not None]
+        elif c.keys is not None:
+            arrays += [c.keys, c.values]
+    return arrays
 
 
 # ---- decode ---------------------------------------------------------------
@@ -280,16 +282,7 @@ def _merge_states(parts: list[tuple]) -> ArraysCache:
     return merged
 
 
-def unsupported_layer_caches(model) -> set[str]:
-    """Names of the cache kinds the worker cannot serve (empty when it serves all)."""
-    try:
-        describe(model)
-    except UnsupportedCache as exc:
-        return {str(exc)}
-    return set()
-
-
-def one_token_caches(model, layout: CacheLayout) -> tuple[list, list]:
+def one_token_caches(model) -> tuple[list, list]:
     """Run one token through the model. Per KV leaf, keys/values `[1, heads,
     positions, dim]`; per state leaf, its arrays `[1, ...]` (evaluated)."""
     cache = make_prompt_cache(model)
@@ -303,8 +296,3 @@ def one_token_caches(model, layout: CacheLayout) -> tuple[list, list]:
             kv.append((c.keys, c.values))
     return kv, states
 
-
-def one_token_kv(model) -> list[tuple[mx.array, mx.array]]:
-    """Per KV layer, keys/values `[1, heads, positions, dim]` of one token run through
-    the model (evaluated)."""
-    return one_token_caches(model, describe(model))[0]

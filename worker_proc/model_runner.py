@@ -38,7 +38,7 @@ def probe_geometry(model) -> KVGeometry:
         raise UnsupportedModel(f"mlxd cannot serve this model: its caches include {exc} "
                                "(served: KV, sliding-window KV without keep, recurrent "
                                "state, lists of those)") from None
-    kv, states = batch_cache.one_token_caches(model, layout)
+    kv, states = batch_cache.one_token_caches(model)
     shapes = tuple(tuple((tuple(a.shape[1:]), a.dtype) for a in arrays) for arrays in states)
     if len({(k.shape[1], k.shape[3], v.shape[3], k.dtype) for k, v in kv}) > 1:
         raise UnsupportedModel("mlxd cannot serve this model: its attention layers' KV "

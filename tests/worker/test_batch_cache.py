@@ -158,6 +158,7 @@ def test_a_cache_kind_not_served_is_named(make, name):
     from mlxd.worker_proc.model_runner import UnsupportedModel, probe_geometry
 
     model = _FakeModel(lambda: [cache.KVCache(), make(cache)])
-    assert batch_cache.unsupported_layer_caches(model) == {name}
+    with pytest.raises(batch_cache.UnsupportedCache, match=name):
+        batch_cache.describe(model)
     with pytest.raises(UnsupportedModel, match=name):
         probe_geometry(model)

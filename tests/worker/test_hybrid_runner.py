@@ -138,3 +138,16 @@ def test_a_prefix_resumed_from_a_snapshot_matches_mlx_lm(arch, hybrid_model):
     for rid, tail in zip((1, 2, 4), tails):
         assert_matches(path, base[:30] + tail, d.out[rid])
     assert_matches(path, encode(path, PROMPTS[2]), d.out[3])
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next", "falcon_h1"])
+def test_forward_pieces_within_one_prefill_match_mlx_lm(arch, hybrid_model):
+    """A prompt longer than the worker's forward size runs as several forwards on
+    the same caches (evaluated between them)."""
+    path = hybrid_model(arch)
+    d = Driver(path)
+    d.runner.prefill_step_size = 6
+    ids = encode(path, LONG)
+    d.step([d.prefill(0, ids)])
+    d.finish()
+    assert_matches(path, ids, d.out[0])
