@@ -193,7 +193,7 @@ HYBRID_EXTRA: dict[str, tuple] = {
     "granitemoehybrid": (("attention_bias", False), ("embedding_multiplier", 1.0),
                          ("attention_multiplier", 0.125), ("logits_scaling", 1.0),
                          ("residual_multiplier", 1.0), ("layer_types", ["mamba", "attention"]),
-                         ("mamba_n_heads", 4), ("mamba_d_head", 32), ("mamba_proj_bias", False),
+                         ("mamba_n_heads", 8), ("mamba_d_head", 32), ("mamba_proj_bias", False),
                          ("mamba_d_state", 16), ("mamba_d_conv", 4), ("mamba_n_groups", 1),
                          ("mamba_conv_bias", True), ("shared_intermediate_size", 256),
                          ("position_embedding_type", "rope")),

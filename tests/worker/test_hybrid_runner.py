@@ -13,7 +13,7 @@ from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
 
 MAX_TOKENS = 12
 WINDOWED = ["gemma3_text", "gpt_oss"]
-RECURRENT = ["qwen3_next", "lfm2", "mamba2", "falcon_h1"]
+RECURRENT = ["qwen3_next", "lfm2", "mamba2", "falcon_h1", "granitemoehybrid"]
 LONG = " ".join(PROMPTS)   # longer than the test models' 8-token windows
 
 
