@@ -6,6 +6,8 @@ SDK. Reports time to first token (p50, p90) and output throughput per setting.
 
     python -m bench.prefix                 # ~40M random-weight model
     python -m bench.prefix --model PATH --n 64 --shared 1024 --question 32 --gen-len 32
+    python -m bench.prefix --hybrid qwen3_next   # a tiny recurrent-state test model:
+                                                 # the cache is KV + state snapshots
 """
 
 import argparse
@@ -40,7 +42,14 @@ async def _drive(address: str, prompts, gen_len: int) -> dict:
     return {"ttft_p50_s": statistics.median(ttfts),
             "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
             "output_tok_s": produced / elapsed, "elapsed_s": elapsed,
-            "free_slots": stats["free_slots"], "cached_slots": stats["cached_slots"]}
+            "free_slots": stats["free_slots"], "cached_slots": stats["cached_slots"],
+            "snapshots": stats.get("snapshots", 0)}
+
+
+def hybrid_model(arch: str) -> str:
+    from mlxd.model_store.tiny import build_tiny_model, default_cache_dir, hybrid_spec
+
+    return str(build_tiny_model(default_cache_dir() / f"bench-{arch}-tiny", hybrid_spec(arch)))
 
 
 def run(model: str, prompts, gen_len: int, cache: bool, args) -> dict:
@@ -66,8 +75,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--server-args", default="", help="extra launch.py flags")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hybrid", default=None, metavar="ARCH",
+                    help="a tiny test model of this architecture (model_store.tiny.HYBRID_EXTRA)")
     args = ap.parse_args()
-    model = bench_model(args.model)
+    model = hybrid_model(args.hybrid) if args.hybrid else bench_model(args.model)
     vocab = tokenizer_vocab(model)
     system = random_prompts(1, args.shared, vocab, seed=1)[0]
     prompts = [system + q for q in random_prompts(args.n, args.question, vocab, seed=2)]

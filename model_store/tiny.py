@@ -37,7 +37,7 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"            # "llama" or "qwen3"
+    arch: str = "llama"            # an mlx_lm model_type ("llama", "qwen3", "gemma3_text", ...)
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
@@ -47,6 +47,7 @@ class TinySpec:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     seed: int = 0
+    extra: tuple = ()              # (key, value) pairs added to config.json (HYBRID_EXTRA's)
 
 
 def training_corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
@@ -98,8 +99,9 @@ def model_config(spec: TinySpec, vocab_size: int, bos_id: int, eos_id: int) -> d
     }
     if spec.arch == "qwen3":
         config["architectures"] = ["Qwen3ForCausalLM"]
-    else:
+    elif spec.arch == "llama":
         config["architectures"] = ["LlamaForCausalLM"]
+    config.update(dict(spec.extra))
     return config
 
 
@@ -162,3 +164,48 @@ def default_cache_dir() -> Path:
     root = os.environ.get("MLXD_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxd")
     return Path(root)
+
+
+# Per architecture, what mlx_lm's ModelArgs needs beyond model_config's common fields, at
+# tiny sizes (hidden 64..128, 2..4 layers): sliding-window and recurrent-state models.
+HYBRID_EXTRA: dict[str, tuple] = {
+    "gemma3_text": (("sliding_window", 8), ("sliding_window_pattern", 2),
+                    ("query_pre_attn_scalar", 32), ("rope_local_base_freq", 10000.0)),
+    "gpt_oss": (("sliding_window", 8), ("num_local_experts", 4), ("num_experts_per_tok", 2),
+                ("layer_types", ["sliding_attention", "full_attention"])),
+    "cohere2": (("sliding_window", 8), ("sliding_window_pattern", 2), ("logit_scale", 1.0),
+                ("layer_norm_eps", 1e-5)),
+    "qwen3_next": (("linear_num_value_heads", 4), ("linear_num_key_heads", 2),
+                   ("linear_key_head_dim", 16), ("linear_value_head_dim", 16),
+                   ("linear_conv_kernel_dim", 4), ("num_experts", 4),
+                   ("num_experts_per_tok", 2), ("decoder_sparse_step", 1),
+                   ("shared_expert_intermediate_size", 64), ("mlp_only_layers", []),
+                   ("moe_intermediate_size", 64), ("partial_rotary_factor", 0.25),
+                   ("full_attention_interval", 2)),
+    "lfm2": (("norm_eps", 1e-5), ("conv_bias", False), ("conv_L_cache", 3),
+             ("block_dim", 128), ("block_multiple_of", 32),
+             ("block_ffn_dim_multiplier", 1.0), ("block_auto_adjust_ff_dim", False),
+             ("block_ff_dim", 256), ("full_attn_idxs", [1])),
+    "mamba2": (("num_heads", 8), ("head_dim", 32), ("state_size", 16),
+               ("layer_norm_epsilon", 1e-5), ("conv_kernel", 4), ("n_groups", 1),
+               ("use_bias", False), ("use_conv_bias", True), ("time_step_limit", [0.0, 1e9]),
+               ("time_step_rank", "auto"), ("intermediate_size", 256)),
+    "granitemoehybrid": (("attention_bias", False), ("embedding_multiplier", 1.0),
+                         ("attention_multiplier", 0.125), ("logits_scaling", 1.0),
+                         ("residual_multiplier", 1.0), ("layer_types", ["mamba", "attention"]),
+                         ("mamba_n_heads", 8), ("mamba_d_head", 32), ("mamba_proj_bias", False),
+                         ("mamba_d_state", 16), ("mamba_d_conv", 4), ("mamba_n_groups", 1),
+                         ("mamba_conv_bias", True), ("shared_intermediate_size", 256),
+                         ("position_embedding_type", "rope")),
+    "falcon_h1": (("mamba_d_ssm", 128), ("mamba_n_heads", 4), ("mamba_d_head", 32),
+                  ("mamba_d_state", 16), ("mamba_d_conv", 4), ("mamba_chunk_size", 16)),
+}
+
+
+def hybrid_spec(arch: str, seed: int = 0, **overrides) -> TinySpec:
+    """A tiny spec of `arch` (a key of HYBRID_EXTRA), 2 layers, hidden 128."""
+    extra = dict(HYBRID_EXTRA[arch])
+    extra.update(overrides)
+    return TinySpec(arch=arch, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=256, vocab_size=512, seed=seed,
+                    extra=tuple(extra.items()))

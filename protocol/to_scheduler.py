@@ -85,7 +85,7 @@ class WorkerLimits:
     decode_cache_tokens: int = wire(Int(minimum=1))  # padded width budget of the decode caches
     max_context: int = wire(Int(minimum=1))
     vocab_size: int = wire(Int(minimum=1))           # token ids the model embeds: [0, vocab_size)
-    bytes_per_token: int = wire(Int(minimum=1))      # KV of one token, all layers
+    bytes_per_token: int = wire(Int(minimum=0))      # KV of one token, all layers (0: no KV layer)
     kv_pool_bytes: int = wire(Int(minimum=1))
     weights_bytes: int = wire(Int(minimum=0))
     buffer_cache_bytes: int = wire(Int(minimum=0))   # MLX's buffer cache limit
@@ -95,6 +95,14 @@ class WorkerLimits:
     quantized: bool = wire(Bool())
     dequantize: bool = wire(Bool())
     overlap: bool = wire(Bool())
+    # Recurrent-state models: state slots the scheduler books (one per running
+    # request, then `snapshot_slots` for snapshots) and the bytes of one; 0 for
+    # attention-only models.
+    state_slots: int = wire(Int(minimum=0), default=0)
+    snapshot_slots: int = wire(Int(minimum=0), default=0)
+    state_slot_bytes: int = wire(Int(minimum=0), default=0)
+    # the sliding windows of the model's attention layers, one per windowed layer
+    window_sizes: list[int] = wire(List(Int(minimum=1)), default_factory=list)
 
 
 @message

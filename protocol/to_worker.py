@@ -78,6 +78,13 @@ class PrefillInput:
     prompt_tail: list[int] = wire(List(Int()), default_factory=list)
     output_ids: list[int] = wire(List(Int()), default_factory=list)
     stop_token_ids: list[int] = wire(List(Int()), default_factory=list)
+    # Models with recurrent layers (state slots booked by the scheduler; 0: none): the
+    # state the prefix ends at is read from `state_from` (0: the zero state of an
+    # empty prefix); the state after this prefill is stored at `state_slot` and at
+    # `snapshot_slot`.
+    state_from: int = wire(Int(minimum=0), default=0)
+    state_slot: int = wire(Int(minimum=0), default=0)
+    snapshot_slot: int = wire(Int(minimum=0), default=0)
 
     def check(self):
         if not self.input_ids or len(self.input_ids) != len(self.new_slot_ids):

@@ -5,6 +5,14 @@ protected while a running request's prefix lock covers it), or private to one
 running request (KV it computed that the tree does not hold yet). Invariant:
 free + evictable + protected + private == capacity. A request's `slot_ids` are
 written here only.
+
+Models with recurrent layers also get state slots (the worker's state pool): a
+working slot per running request, holding its state between prefill chunks, and
+snapshot slots: the state at the end of a prefill (each chunk and the prompt),
+tied to the tree node where that KV ends. A prefix is usable only with the state
+it ends at, so `match` cuts a match back to the deepest node with a snapshot.
+Invariant: free + held by a running request == working slots; free + in the tree
++ pending (written by a step, not yet in the tree) == snapshot slots.
 """
 
 from .allocator import SlotAllocator
@@ -13,12 +21,19 @@ from .request import Request
 
 
 class KVBook:
-    def __init__(self, capacity: int, use_tree: bool = True):
+    def __init__(self, capacity: int, use_tree: bool = True, state_slots: int = 0,
+                 snapshot_slots: int = 0):
         self.capacity = capacity
+        self.state_slots = state_slots
+        self.snapshot_slots = snapshot_slots if use_tree else 0
+        self._free_states = list(range(state_slots, 0, -1))
+        # snapshot slots follow the working slots in the worker's state pool
+        self._free_snapshots = list(range(state_slots + self.snapshot_slots, state_slots, -1))
         # Eviction walks the whole tree: free a batch at a time, not one slot per step.
         self.evict_batch = max(1, min(256, capacity // 64))
         self.allocator = SlotAllocator(capacity)
-        self.tree = RadixCache(self.allocator.free) if use_tree else None
+        self.tree = (RadixCache(self.allocator.free, self._free_snapshots.append)
+                     if use_tree else None)
 
     # ---- capacity ---------------------------------------------------------------
 
@@ -53,18 +68,61 @@ class KVBook:
             req.slot_ids.append(slot)
         return slots
 
+    # ---- state slots ----------------------------------------------------------------
+
+    @property
+    def needs_state(self) -> bool:
+        """Requests need a state slot to run (a recurrent-state model)."""
+        return self.state_slots > 0
+
+    def take_state(self, req: Request) -> bool:
+        """Give the request a state slot if it needs one; False when none is free."""
+        if not self.needs_state or req.state_slot:
+            return True
+        if not self._free_states:
+            return False
+        req.state_slot = self._free_states.pop()
+        return True
+
+    def take_snapshot(self, req: Request) -> int:
+        """A snapshot slot for the state at the end of the request's next prefill (0
+        when none can be had: the oldest unlocked snapshot is taken back first)."""
+        if not self.snapshot_slots:
+            return 0
+        slot = self._free_snapshots.pop() if self._free_snapshots else \
+            self.tree.take_lru_snapshot()
+        req.pending_snapshot = slot
+        return slot
+
+    def _place_snapshot(self, req: Request, node: Node | None) -> None:
+        """The prefill that wrote the request's pending snapshot is done: the node where
+        its KV ends owns it, unless it has one already."""
+        slot, req.pending_snapshot = req.pending_snapshot, 0
+        if not slot:
+            return
+        if node is not None and node is not self.tree.root and not node.snapshot:
+            self.tree.set_snapshot(node, slot)
+        else:
+            self._free_snapshots.append(slot)
     # ---- a request's prefix ------------------------------------------------------
 
     def match(self, tokens: list[int]) -> tuple[list[int], Node | None]:
+        """The longest usable cached prefix of `tokens`: its slots and end node."""
         if not self.tree or not tokens:
             return [], None
-        return self.tree.match_prefix(tokens)
+        slots, node = self.tree.match_prefix(tokens)
+        if self.needs_state:   # back to the deepest node whose state is kept
+            while node is not self.tree.root and not node.snapshot:
+                slots, node = slots[:len(slots) - len(node.value)], node.parent
+        return slots, node
 
     def attach_prefix(self, req: Request, slots: list[int], node: Node | None) -> None:
-        """The request starts from a cached prefix: lock it, refer to its slots."""
+        """The request starts from a cached prefix: lock it, refer to its slots (and,
+        for a recurrent model, to the snapshot of the state it ends at)."""
         if node is not None:
             self.tree.lock(node)
         req.last_node, req.prefix_len, req.slot_ids = node, len(slots), list(slots)
+        req.state_from = node.snapshot if slots else 0
 
     def cache_progress(self, req: Request) -> None:
         """Put everything the request has computed into the tree and move its lock
@@ -75,6 +133,7 @@ class KVBook:
         already = self.tree.insert(tokens, req.slot_ids)
         self.allocator.free(req.slot_ids[req.prefix_len:already])   # duplicates
         slots, node = self.tree.match_prefix(tokens)
+        self._place_snapshot(req, node)
         self.tree.lock(node)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
@@ -90,6 +149,13 @@ class KVBook:
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len, req.slot_ids = None, 0, []
+        if req.state_slot:
+            self._free_states.append(req.state_slot)
+            req.state_slot = 0
+        if req.pending_snapshot:   # its KV was not kept
+            self._free_snapshots.append(req.pending_snapshot)
+            req.pending_snapshot = 0
+        req.state_from = 0
 
     def reset_tree(self) -> None:
         """Forget all cached KV (nothing may be running)."""
@@ -100,7 +166,11 @@ class KVBook:
 
     def stats(self, running: list[Request]) -> dict:
         tree = self.tree
-        return {
+        states = ({"state_slots": self.state_slots, "free_state_slots": len(self._free_states),
+                   "snapshot_slots": self.snapshot_slots,
+                   "snapshots": tree.num_snapshots if tree else 0}
+                  if self.needs_state else {})
+        return {**states,
             "capacity": self.capacity, "free_slots": self.allocator.num_free,
             "cached_slots": tree.total_size if tree else 0,
             "evictable_slots": tree.evictable_size if tree else 0,
@@ -122,3 +192,12 @@ class KVBook:
             f"{len(private)} != capacity {self.capacity}")
         for r in running:
             assert r.prefix_len == 0 or r.last_node is not None
+        held = [r.state_slot for r in running if r.state_slot]
+        assert len(held) + len(self._free_states) == self.state_slots, "a state slot is lost"
+        assert len(set(held + self._free_states)) == self.state_slots, "a state slot is held twice"
+        assert not self.needs_state or len(held) == len(running), "a request without state"
+        snapshots = (self.tree.all_snapshots() if self.tree else []) + self._free_snapshots + [
+            r.pending_snapshot for r in running if r.pending_snapshot]
+        assert sorted(snapshots) == list(range(self.state_slots + 1,
+                                               self.state_slots + self.snapshot_slots + 1)), \
+            "a snapshot slot is lost or held twice"

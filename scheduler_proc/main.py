@@ -264,7 +264,8 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         max_prefill_tokens=flags.max_prefill_tokens,
         chunked_prefill_size=flags.chunked_prefill_size,
         disable_radix_cache=flags.disable_radix_cache,
-        decode_cache_tokens=worker.decode_cache_tokens, vocab_size=worker.vocab_size)
+        decode_cache_tokens=worker.decode_cache_tokens, vocab_size=worker.vocab_size,
+        state_slots=worker.state_slots, snapshot_slots=worker.snapshot_slots)
 
 
 def main(argv=None) -> None:

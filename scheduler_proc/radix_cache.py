@@ -4,6 +4,10 @@ Edges carry runs of token ids with their slot ids. Running requests lock the
 path to the node their cached prefix ends at; unlocked leaves are evicted in
 LRU order when the allocator runs short. Slots in the tree belong to the tree:
 eviction hands them back through `free_slots`.
+
+A node may also hold a `snapshot`: the state slot of a recurrent model's state at
+the end of its edge. It belongs to the node (freed with it through `free_snapshot`,
+or taken back earlier, LRU, by `take_lru_snapshot`).
 """
 
 import heapq
@@ -12,7 +16,7 @@ from typing import Callable
 
 
 class Node:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "snapshot")
 
     def __init__(self, parent: "Node | None" = None, key=(), value=()):
         self.children: dict[int, Node] = {}
@@ -21,6 +25,7 @@ class Node:
         self.value: list[int] = list(value)  # their slot ids
         self.lock_ref = 0
         self.last_access = 0
+        self.snapshot = 0   # state slot of the state at the end of the edge (0: none)
 
     def __lt__(self, other: "Node") -> bool:   # heap order: least recently used first
         return self.last_access < other.last_access
@@ -35,8 +40,11 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[list[int]], None]):
+    def __init__(self, free_slots: Callable[[list[int]], None],
+                 free_snapshot: Callable[[int], None] = lambda slot: None):
         self._free_slots = free_slots
+        self._free_snapshot = free_snapshot
+        self.num_snapshots = 0
         self._clock = itertools.count(1)
         self.root = Node()
         self.root.lock_ref = 1
@@ -103,6 +111,34 @@ class RadixCache:
         upper.children[child.key[0]] = child
         return upper
 
+    # ---- snapshots ----------------------------------------------------------------
+
+    def set_snapshot(self, node: Node, slot: int) -> None:
+        """`slot` holds the state at the end of `node`'s edge; the tree owns it now."""
+        assert node is not self.root and not node.snapshot and slot
+        node.snapshot = slot
+        self.num_snapshots += 1
+        self.version += 1
+
+    def take_lru_snapshot(self) -> int:
+        """Take the snapshot of the least recently used unlocked node (its KV stays);
+        returns its slot, or 0 when no unlocked node has one."""
+        nodes = [n for n in self._nodes() if n.snapshot and n.lock_ref == 0]
+        if not nodes:
+            return 0
+        node = min(nodes)
+        slot, node.snapshot = node.snapshot, 0
+        self.num_snapshots -= 1
+        self.version += 1
+        return slot
+
+    def _drop(self, node: Node) -> None:
+        """Hand a removed node's slots and snapshot back."""
+        self._free_slots(node.value)
+        if node.snapshot:
+            self._free_snapshot(node.snapshot)
+            self.num_snapshots -= 1
+
     # ---- locking ----------------------------------------------------------------
 
     def lock(self, node: Node) -> None:
@@ -135,7 +171,7 @@ class RadixCache:
             leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
-            self._free_slots(leaf.value)
+            self._drop(leaf)
             self.evictable_size -= len(leaf.value)
             freed += len(leaf.value)
             self.version += 1
@@ -147,7 +183,7 @@ class RadixCache:
         """Drop everything (the worker lost its KV). No node may be locked."""
         assert self.protected_size == 0, "resetting a tree with locked nodes"
         for node in self._nodes():
-            self._free_slots(node.value)
+            self._drop(node)
         self.root.children.clear()
         self.evictable_size = 0
         self.version += 1
@@ -163,6 +199,9 @@ class RadixCache:
 
     def all_slots(self) -> list[int]:
         return [s for node in self._nodes() for s in node.value]
+
+    def all_snapshots(self) -> list[int]:
+        return [node.snapshot for node in self._nodes() if node.snapshot]
 
     def check_integrity(self) -> None:
         evictable = protected = 0
@@ -180,3 +219,5 @@ class RadixCache:
             f"sizes {(self.evictable_size, self.protected_size)} != {(evictable, protected)}"
         slots = self.all_slots()
         assert len(set(slots)) == len(slots), "a slot is cached twice"
+        snapshots = self.all_snapshots()
+        assert len(set(snapshots)) == len(snapshots) == self.num_snapshots, "snapshot count"

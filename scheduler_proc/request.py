@@ -24,6 +24,12 @@ class Request:
     slot_ids: list[int] = field(default_factory=list)
     prefix_len: int = 0          # leading slots owned by the radix tree (locked)
     last_node: object = None     # the tree node this request's lock ends at
+    # recurrent-state models (KVBook writes these): its working state slot (0: none),
+    # the slot holding the state its KV ends at, and the snapshot its prefill in
+    # flight writes (the tree takes it when that KV is cached)
+    state_slot: int = 0
+    state_from: int = 0
+    pending_snapshot: int = 0
     fill_len: int = 0            # tokens this admission prefills (prompt + output so far)
     cached_tokens: int | None = None   # prefix reused at the first admission
     status: Status = Status.WAITING

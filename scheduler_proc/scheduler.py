@@ -41,12 +41,15 @@ class SchedulerLimits:
     decode_headroom: int = 16       # slots kept free per running request at admission
     cached_token_cost: float = 0.25  # a cached prefix token's share of the prefill budget
     vocab_size: int = 0             # the model's token ids are [0, vocab_size) (0: unchecked)
+    state_slots: int = 0            # the worker's recurrent-state slots (0: the model has none)
+    snapshot_slots: int = 0         # and its slots for snapshots of states (after those)
 
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
-        self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache)
+        self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache,
+                         limits.state_slots, limits.snapshot_slots)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests)
         self.waiting = WaitingQueue(self.kv)
@@ -267,7 +270,7 @@ class Scheduler:
         alone = not self.running
         need = n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
         self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
-        if self.kv.available < need:
+        if self.kv.available < need or not self.kv.take_state(req):
             self.kv.release(req, keep=False)
             return None
         self.kv.make_room(need)
@@ -292,6 +295,14 @@ class Scheduler:
         p = PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
                          new_slots, req.sampling, needs_logits=done,
                          num_generated=len(req.output_ids))
+        if req.state_slot:
+            # the state the prefix ends at (a snapshot, or the working slot after a
+            # chunk); the state after this piece goes to the working slot if another
+            # chunk follows, and to a snapshot slot the tree takes with the KV
+            p.state_from = req.state_from if start else 0
+            p.state_slot = 0 if done else req.state_slot
+            p.snapshot_slot = self.kv.take_snapshot(req)
+            req.state_from = req.state_slot
         if done:
             _add_sampling_context(p, req)
         return p

@@ -31,3 +31,13 @@ def llama_server(llama_model):
     server = Server(llama_model, "--kv-capacity", "16384", "--log-level", "warning")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(tmp_path_factory):
+    """arch -> the folder of a tiny random-weight model of that mlx_lm architecture
+    (model_store.tiny.HYBRID_EXTRA), built once per session."""
+    from mlxd.model_store.tiny import hybrid_spec
+
+    root = tmp_path_factory.mktemp("hybrid-models")
+    return lambda arch: str(build_tiny_model(root / arch, hybrid_spec(arch)))

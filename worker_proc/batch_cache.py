@@ -5,8 +5,14 @@ ends at the same column (mlx_lm's `BatchKVCache`; its private `_idx`,
 `left_padding` and `offset` are read and written here only). The rest of the
 worker speaks this interface: prefill caches for given left pads, prefixes
 loaded into them, rows of several caches merged into one decode cache with room,
-the newest position's KV, size and width. Sliding-window, recurrent-state and
-unpadded caches plug in here.
+the newest position's KV, size and width.
+
+Models whose layers are not all plain KV caches are described by a `CacheLayout`,
+discovered from the model's own `make_cache()`: per layer a KV cache, a
+sliding-window one (served as a full KV cache whose mask the model limits to the
+window, so its KV sits in the pool like any other layer's), a recurrent state
+(`ArraysCache`, one row per request) or a `CacheList` of those. Its KV leaves are
+the pool's layers, in order; its state leaves the state pool's.
 
 Merging copies every row once into a buffer as wide as kv_layout's rule says. mlx_lm's
 `BatchKVCache.extend` pads each part, then concatenates, and the next decode then
@@ -14,8 +20,12 @@ often grows the full buffer: three copies of the whole batch's KV for every join
 which dominated serving time under steady arrivals.
 """
 
+from dataclasses import dataclass
+
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache,
+)
 
 from mlxd.runtime.kv_layout import CACHE_STEP, row_width
 
@@ -57,9 +67,15 @@ def last_positions(cache: LayerCache, n: int) -> tuple[mx.array, mx.array]:
     return cache.keys[:, :, end - n:end, :], cache.values[:, :, end - n:end, :]
 
 
-def cache_arrays(caches: list[LayerCache]) -> list:
+def cache_arrays(caches: list) -> list:
     """What to evaluate to compute everything written into `caches`."""
-    return [c.state for c in caches]
+    arrays = []
+    for c in _leaves(caches):
+        if isinstance(c, ArraysCache):
+            arrays += [a for a in c.cache if a is not None]
+        elif c.keys is not None:
+            arrays += [c.keys, c.values]
+    return arrays
 
 
 # ---- decode ---------------------------------------------------------------
@@ -136,15 +152,147 @@ def span(cache: LayerCache) -> int:
 
 # ---- the model's caches ---------------------------------------------------
 
-def unsupported_layer_caches(model) -> set[str]:
-    """Names of the cache classes the model's layers use other than plain KV caches."""
-    return {type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache}
+KV, STATE = "kv", "state"   # a layout's leaf kinds
 
 
-def one_token_kv(model) -> list[tuple[mx.array, mx.array]]:
-    """Per layer, keys/values `[1, heads, positions, dim]` of one token run through
-    the model (evaluated)."""
+class UnsupportedCache(ValueError):
+    """The model uses a cache kind the worker cannot serve (named in the message)."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the model's `make_cache()` holds per layer: "kv", ("state", n arrays) or
+    a tuple of those (a CacheList). `windows[i]` is the sliding window of the i-th
+    KV leaf (0: global attention)."""
+
+    layers: tuple
+    windows: tuple[int, ...]
+
+    @classmethod
+    def all_kv(cls, num_layers: int) -> "CacheLayout":
+        return cls((KV,) * num_layers, (0,) * num_layers)
+
+    @property
+    def plain(self) -> bool:
+        """Every layer is one global KV cache: the caches are the pool's layers."""
+        return all(kind == KV for kind in self.layers) and not any(self.windows)
+
+    @property
+    def num_kv(self) -> int:
+        return len(self.windows)
+
+    @property
+    def has_state(self) -> bool:
+        return any(kind != KV for kind in _flat(self.layers))
+
+
+def describe(model) -> CacheLayout:
+    """The layout of the model's caches; UnsupportedCache for a kind not served."""
+    windows: list[int] = []
+    layers = tuple(_describe(c, windows) for c in make_prompt_cache(model))
+    return CacheLayout(layers, tuple(windows))
+
+
+def _describe(cache, windows: list[int]):
+    kind = type(cache)
+    if kind is KVCache:
+        windows.append(0)
+        return KV
+    if kind is RotatingKVCache:
+        if cache.keep:   # the first `keep` positions would stay visible beyond the window
+            raise UnsupportedCache(f"RotatingKVCache with keep={cache.keep}")
+        windows.append(cache.max_size)
+        return KV
+    if issubclass(kind, ArraysCache):
+        return (STATE, len(cache.cache))
+    if kind is CacheList:
+        return tuple(_describe(c, windows) for c in cache.caches)
+    raise UnsupportedCache(f"{kind.__name__}")
+
+
+def _flat(layers):
+    for kind in layers:
+        if isinstance(kind, tuple) and kind and kind[0] != STATE:
+            yield from _flat(kind)
+        else:
+            yield kind
+
+
+def model_caches(layout: CacheLayout, left_pads: list[int]) -> list:
+    """Empty prefill caches shaped as the model's own, for rows after `left_pads`."""
+    if all(kind == KV for kind in layout.layers):
+        return prefill_caches(len(layout.layers), left_pads)
+    return [_empty(kind, left_pads) for kind in layout.layers]
+
+
+def _empty(kind, left_pads: list[int]):
+    if kind == KV:
+        return BatchKVCache(left_pads)
+    if kind[0] == STATE:
+        return ArraysCache(kind[1], left_padding=left_pads)
+    return CacheList(*(_empty(k, left_pads) for k in kind))
+
+
+def kv_leaves(layout: CacheLayout, caches: list) -> list[LayerCache]:
+    """The KV caches among a model's caches, in pool layer order."""
+    return caches if layout.plain else [c for c in _leaves(caches) if isinstance(c, BatchKVCache)]
+
+
+def state_leaves(layout: CacheLayout, caches: list) -> list:
+    """The recurrent-state caches among a model's caches, in state pool order."""
+    return [] if layout.plain else [c for c in _leaves(caches) if isinstance(c, ArraysCache)]
+
+
+def _leaves(caches):
+    for c in caches:
+        if isinstance(c, CacheList):
+            yield from _leaves(c.caches)
+        else:
+            yield c
+
+
+def load_state(cache, arrays: list[mx.array]) -> None:
+    """Give an empty prefill state cache its rows' starting state (`[rows, ...]` each)."""
+    cache.cache = list(arrays)
+
+
+def state_arrays(cache) -> list[mx.array]:
+    """A state cache's arrays, `[rows, ...]` each, after its forward."""
+    return list(cache.cache)
+
+
+def merge_layer(parts: list[tuple]) -> object:
+    """`merge` for any layer kind: KV caches as `merge` does, states by row, lists by
+    member."""
+    first = parts[0][0]
+    if isinstance(first, BatchKVCache):
+        return merge(parts)
+    if isinstance(first, CacheList):
+        return CacheList(*(merge_layer([(c.caches[i], rows) for c, rows in parts])
+                           for i in range(len(first.caches))))
+    return _merge_states(parts)
+
+
+def _merge_states(parts: list[tuple]) -> ArraysCache:
+    """Rows of state caches, in order (no padding: a decode row's state is its own)."""
+    merged = ArraysCache(len(parts[0][0].cache))
+    for i in range(len(merged.cache)):
+        pieces = [c.cache[i] if rows is None else c.cache[i][rows] for c, rows in parts]
+        merged.cache[i] = mx.concatenate(pieces)
+    return merged
+
+
+def one_token_caches(model) -> tuple[list, list]:
+    """Run one token through the model. Per KV leaf, keys/values `[1, heads,
+    positions, dim]`; per state leaf, its arrays `[1, ...]` (evaluated)."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    return [(c.keys, c.values) for c in cache]
+    kv, states = [], []
+    for c in _leaves(cache):
+        if isinstance(c, ArraysCache):
+            states.append(list(c.cache))
+        else:
+            kv.append((c.keys, c.values))
+    return kv, states
+

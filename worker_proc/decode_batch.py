@@ -35,10 +35,14 @@ class DecodeBatch:
 
     DEAD_SHARE = 8
 
-    def __init__(self):
+    def __init__(self, layout: batch_cache.CacheLayout | None = None):
         self.row_rids: list[int | None] = []   # per row; None: released, not yet dropped
         self.rows: list[RowState] = []
+        self.layout = layout
+        # every layer a plain KV cache: merged as such, and they are the KV leaves
+        self._merge = batch_cache.merge if layout is None else batch_cache.merge_layer
         self.caches: list[LayerCache] | None = None
+        self.kv: list[LayerCache] = []   # the caches' KV leaves, in pool layer order
         self.tokens: mx.array | None = None   # [rows] next input token of each row
 
     @property
@@ -53,7 +57,7 @@ class DecodeBatch:
     def cache_tokens(self) -> int:
         """Tokens one layer's cache spans (rows, dead ones too, x width): what the
         scheduler's decode budget counts."""
-        return 0 if self.caches is None else batch_cache.span(self.caches[0])
+        return 0 if not self.kv else batch_cache.span(self.kv[0])
 
     def add(self, groups: list[JoinGroup]) -> None:
         """Join all of a step's new rows with one copy of the running batch (which
@@ -65,8 +69,8 @@ class DecodeBatch:
             tokens.append(self.tokens if live is None else self.tokens[live])
             self._forget_dead_rows()
         parts += [[(cache, None) for cache in g.caches] for g in groups]
-        self.caches = [batch_cache.merge([part[layer] for part in parts])
-                       for layer in range(len(parts[0]))]
+        self._set_caches([self._merge([part[layer] for part in parts])
+                          for layer in range(len(parts[0]))])
         self.tokens = mx.concatenate(tokens + [g.first_tokens for g in groups])
         for group in groups:
             self.row_rids += group.rids
@@ -88,7 +92,7 @@ class DecodeBatch:
         live = self._live_index()
         if live is None:
             return
-        self.caches = [batch_cache.merge([(cache, live)]) for cache in self.caches]
+        self._set_caches([self._merge([(cache, live)]) for cache in self.caches])
         self.tokens = self.tokens[live]
         self._forget_dead_rows()
 
@@ -97,21 +101,26 @@ class DecodeBatch:
         self.rows = [r for r, rid in zip(self.rows, self.row_rids) if rid is not None]
         self.row_rids = self.rids
 
+    def _set_caches(self, caches: list) -> None:
+        self.caches = caches
+        self.kv = caches if self.layout is None else batch_cache.kv_leaves(self.layout, caches)
+
     def clear(self) -> None:
         self.row_rids, self.rows, self.caches, self.tokens = [], [], None, None
+        self.kv = []
 
     def forward(self, model) -> mx.array:
         """Logits `[rows, V]` for the next token of every row, dead ones too (lazy).
         A decode that would grow the caches drops the dead rows first: the scheduler
         no longer counts them, and growing copies every row anyway."""
-        if None in self.row_rids and batch_cache.is_full(self.caches[0]):
+        if None in self.row_rids and self.kv and batch_cache.is_full(self.kv[0]):
             self.compact()
         return model(self.tokens[:, None], cache=self.caches)[:, -1, :]
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per layer, keys/values `[rows, heads, dim]` (every row, dead ones too) of
         the position the last forward wrote."""
-        return [batch_cache.newest_kv(c) for c in self.caches]
+        return [batch_cache.newest_kv(c) for c in self.kv]
 
     def _live_index(self) -> mx.array | None:
         """Positions of the live rows; None when every row is live."""

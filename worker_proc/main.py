@@ -78,11 +78,18 @@ def build_runner(cfg: WorkerConfig):
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
     max_context = model_max_context(flags.model)
+    # Recurrent-state models: a state slot per running request, as many for snapshots
+    # of prompts' states (prefix reuse), taken from memory first.
+    state_slots = flags.max_running_requests if geometry.state_shapes else 0
+    snapshot_slots = state_slots
+    # the pool, the decode batch's rows and their copy while rows join
+    state_bytes = (3 * state_slots + snapshot_slots + 1) * geometry.bytes_per_state
     budget = kv_budget(memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb),
-                       weights_bytes, geometry.bytes_per_token, flags.max_running_requests,
+                       weights_bytes + state_bytes, max(1, geometry.bytes_per_token),
+                       flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
                        capacity=flags.kv_capacity)
-    pool = KVPool(geometry, budget.capacity)
+    pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots)
     # Let freed buffers be reused: joins and releases replace the decode caches'
     # buffers, and fresh memory costs a page fault per 4 KiB (a 64-row join took
     # ~1.5 s on the CPU backend, whose cache limit starts at 0). The decode caches'
@@ -93,11 +100,14 @@ def build_runner(cfg: WorkerConfig):
     limits = WorkerLimits(
         kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
         max_context=max_context, vocab_size=runner.vocab_size,
-        bytes_per_token=geometry.bytes_per_token, kv_pool_bytes=pool.nbytes,
+        bytes_per_token=geometry.bytes_per_token, kv_pool_bytes=max(1, pool.nbytes),
         weights_bytes=weights_bytes, buffer_cache_bytes=cache_bytes,
         kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
         quantized=is_quantized(model), dequantize=dequantize,
-        overlap=not flags.disable_overlap)
+        overlap=not flags.disable_overlap, state_slots=state_slots,
+        snapshot_slots=snapshot_slots,
+        state_slot_bytes=geometry.bytes_per_state,
+        window_sizes=[w for w in geometry.cache_layout.windows if w])
     return runner, limits
 
 

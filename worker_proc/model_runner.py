@@ -30,14 +30,26 @@ class UnsupportedModel(ValueError):
 
 
 def probe_geometry(model) -> KVGeometry:
-    """Run one token through the model to learn its KV layout and dtype."""
-    kinds = batch_cache.unsupported_layer_caches(model)
-    if kinds:
-        raise UnsupportedModel(
-            f"mlxd serves models whose layers all use plain KV caches; this one uses {kinds}")
-    layers = batch_cache.one_token_kv(model)
-    k, v = layers[0]
-    return KVGeometry(len(layers), k.shape[1], k.shape[3], v.shape[3], k.dtype)
+    """Run one token through the model to learn its cache layout, KV shapes, state
+    shapes and dtype."""
+    try:
+        layout = batch_cache.describe(model)
+    except batch_cache.UnsupportedCache as exc:
+        raise UnsupportedModel(f"mlxd cannot serve this model: its caches include {exc} "
+                               "(served: KV, sliding-window KV without keep, recurrent "
+                               "state, lists of those)") from None
+    kv, states = batch_cache.one_token_caches(model)
+    shapes = tuple(tuple((tuple(a.shape[1:]), a.dtype) for a in arrays) for arrays in states)
+    if len({(k.shape[1], k.shape[3], v.shape[3], k.dtype) for k, v in kv}) > 1:
+        raise UnsupportedModel("mlxd cannot serve this model: its attention layers' KV "
+                               "shapes differ")
+    if kv:
+        k, v = kv[0]
+        dims = (k.shape[1], k.shape[3], v.shape[3], k.dtype)
+    else:   # recurrent layers only: the pool books tokens but stores no KV
+        dims = (0, 0, 0, states[0][0].dtype)
+    return KVGeometry(len(kv), *dims, layout=None if layout.plain else layout,
+                      state_shapes=shapes)
 
 
 def probe_vocab_size(model) -> int:
@@ -70,7 +82,7 @@ class ModelRunner:
         self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
-        self.batch = DecodeBatch()
+        self.batch = DecodeBatch(pool.geometry.layout)
         self.ahead: _Output | None = None   # a computed, uncommitted decode of the batch
         self.vocab_size = probe_vocab_size(model)
         self._rng = rng or random.Random()
@@ -165,7 +177,7 @@ class ModelRunner:
         with the step's pending pool writes."""
         with mx.stream(self.stream):
             ahead = self._launch_decode()
-            mx.eval(self.pool.keys, self.pool.values, _arrays([ahead]))
+            mx.eval(self.pool.arrays, _arrays([ahead]))
         self.ahead = ahead
 
     def _commit_decode(self, launched: _Output, rids: list[int], slot_ids: list[int]) -> _Output:
@@ -222,6 +234,17 @@ class ModelRunner:
                 raise ValueError(f"prefill {p.rid}: token id outside [0, {self.vocab_size})")
             self.pool.check_slots(p.prefix_slot_ids)
             self.pool.check_slots(p.new_slot_ids)
+            self._check_state_slots(p)
+
+    def _check_state_slots(self, p: PrefillInput) -> None:
+        states = self.pool.states
+        if states is None:
+            if p.state_from or p.state_slot or p.snapshot_slot:
+                raise ValueError(f"prefill {p.rid}: state slots for a model without state")
+            return
+        states.check_slots([p.state_from, p.state_slot, p.snapshot_slot])
+        if p.prefix_slot_ids and not p.state_from:
+            raise ValueError(f"prefill {p.rid}: a prefix without the state it ends at")
 
     def _prefill_group(self, group: list[PrefillInput]) -> tuple[JoinGroup, _Output] | None:
         run = GroupPrefill(self.model, self.pool, group, self.prefill_step_size)
@@ -252,7 +275,7 @@ class ModelRunner:
         # The pool writes are not in the tokens' graph: evaluate them with the step
         # (or with the chained decode), or lazy scatters pile up and pin every
         # step's KV in memory.
-        mx.eval(_arrays(outputs), *((self.pool.keys, self.pool.values) if pool_writes else ()))
+        mx.eval(_arrays(outputs), *((self.pool.arrays,) if pool_writes else ()))
         result = StepResult(step_id, [], [], [])
         tops = []
         for o in outputs:

@@ -41,7 +41,9 @@ def _fits(group: list[PrefillInput], p: PrefillInput, max_tokens: int) -> bool:
     first, n = group[0], len(p.input_ids)   # p is the longest so far (sorted)
     if bool(first.prefix_slot_ids) != bool(p.prefix_slot_ids) or n > max_tokens:
         return False
-    if p.prefix_slot_ids and n != len(first.input_ids):
+    # A row that starts from a stored state takes no token padding: padding would
+    # run through its recurrent layers after the state, not before it.
+    if (p.prefix_slot_ids or p.state_from or first.state_from) and n != len(first.input_ids):
         return False
     return n * (len(group) + 1) <= max_tokens and n <= 2 * len(first.input_ids)
 
@@ -54,14 +56,22 @@ class GroupPrefill:
         self.group = group
         width = max(len(p.prefix_slot_ids) + len(p.input_ids) for p in group)
         pads = [width - len(p.prefix_slot_ids) - len(p.input_ids) for p in group]
-        self.caches = batch_cache.prefill_caches(pool.geometry.num_layers, pads)
+        layout = pool.geometry.cache_layout
+        self.caches = batch_cache.model_caches(layout, pads)
+        self.kv = batch_cache.kv_leaves(layout, self.caches)
+        self.states = batch_cache.state_leaves(layout, self.caches)
         if group[0].prefix_slot_ids:   # all rows have one, and equally many new tokens
             self._load_prefixes(pool)
+        if any(p.state_from for p in group):
+            self._load_states(pool)
         new = max(len(p.input_ids) for p in group)
         tokens = mx.array([[PAD_TOKEN] * (new - len(p.input_ids)) + p.input_ids
                            for p in group])
         self.logits = self._forward(tokens, chunk)
         self._write_pool(pool)
+        for field in ("state_slot", "snapshot_slot"):
+            if any(getattr(p, field) for p in group):
+                self._write_states(pool, field)
 
     def _load_prefixes(self, pool: KVPool) -> None:
         """Gather every row's cached prefix, right-aligned, straight into cache
@@ -72,9 +82,23 @@ class GroupPrefill:
         room = cache_width(width + new) - width
         slots = mx.array([[0] * (width - len(p.prefix_slot_ids)) + p.prefix_slot_ids
                           + [0] * room for p in self.group])
-        for layer, cache in enumerate(self.caches):
+        for layer, cache in enumerate(self.kv):
             keys, values = (mx.contiguous(x.swapaxes(1, 2)) for x in pool.read(layer, slots))
             batch_cache.load_prefix(cache, keys, values, width)
+
+    def _load_states(self, pool: KVPool) -> None:
+        """Every row's recurrent state at the end of its prefix (slot 0: zeros)."""
+        slots = mx.array([p.state_from for p in self.group])
+        for leaf, cache in enumerate(self.states):
+            batch_cache.load_state(cache, pool.states.read(leaf, slots))
+
+    def _write_states(self, pool: KVPool, field: str) -> None:
+        """Store the rows' states after their input at the slots `field` names."""
+        rows = [i for i, p in enumerate(self.group) if getattr(p, field)]
+        index = mx.array(rows)
+        slots = mx.array([getattr(self.group[i], field) for i in rows])
+        for leaf, cache in enumerate(self.states):
+            pool.states.write(leaf, slots, [a[index] for a in batch_cache.state_arrays(cache)])
 
     def _forward(self, tokens: mx.array, chunk: int) -> mx.array:
         body_model = getattr(self.model, "model", self.model)
@@ -91,7 +115,7 @@ class GroupPrefill:
         flat = mx.array([i * n_max + n_max - len(p.input_ids) + j
                          for i, p in enumerate(self.group) for j in range(len(p.input_ids))])
         slots = mx.array([s for p in self.group for s in p.new_slot_ids])
-        for layer, cache in enumerate(self.caches):
+        for layer, cache in enumerate(self.kv):
             keys, values = batch_cache.last_positions(cache, n_max)
             pool.write(layer, slots, _rows(keys, flat), _rows(values, flat))
 

@@ -217,7 +217,7 @@ def good_sampling():
 
 
 def good_prefill():
-    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], []]
+    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0]
 
 
 def good_entry():
@@ -359,10 +359,12 @@ TIMING_FIELD_BAD = [(0, "fast"), (0, None), (1, True), (1, "1"), (2, [0.5]), (3,
                     (4, 1), (4, None), (5, -1), (5, 1.5), (6, None)]
 WRONG_TYPES += [(StepResult, [1, [], [], [], None, good_timing()], 5,
                  replace(good_timing(), i, v)) for i, v in TIMING_FIELD_BAD]
-# limits the scheduler and tokenizer size everything by: counts of at least 1
+# limits the scheduler and tokenizer size everything by: counts of at least 1 (KV bytes
+# per token and state slots may be 0: a model without attention or without state)
 LIMITS_FIELD_BAD = [(0, 0), (0, -5), (0, "many"), (0, None), (1, 0), (2, 0), (2, 4096.0),
-                    (3, 0), (4, 0), (5, 0), (6, -1), (7, -1), (8, None), (9, 1), (10, None),
-                    (11, 1), (12, "on"), (13, None)]
+                    (3, 0), (4, -1), (5, 0), (6, -1), (7, -1), (8, None), (9, 1), (10, None),
+                    (11, 1), (12, "on"), (13, None), (14, -1), (15, -1), (16, -1), (17, [0]),
+                    (17, None)]
 WRONG_TYPES += [(WorkerReady, [LIMITS.to_wire()], 0, replace(LIMITS.to_wire(), i, v))
                 for i, v in LIMITS_FIELD_BAD]
 WRONG_TYPES += [(TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, usage)])
@@ -404,7 +406,7 @@ def test_aligned_step_result_with_top_logprobs_is_accepted():
     ([5, 6], [10]), ([5], [10, 11]), ([], []), ([5, 6], []), ([], [10]),
 ])
 def test_prefill_lengths_must_match(input_ids, new_slot_ids):
-    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], []]
+    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], [], 0, 0, 0]
     with pytest.raises(ProtocolError, match="equal length"):
         decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
 
@@ -420,7 +422,7 @@ def test_prefill_num_generated_in_range_is_accepted(num_generated):
 def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context():
     p = PrefillInput(3, [5], [], [10], SamplingParams())
     assert p.num_generated == 0 and p.needs_logits is True
-    assert p.to_wire()[6] == 0 and p.to_wire()[7:] == [[], [], []]
+    assert p.to_wire()[6] == 0 and p.to_wire()[7:] == [[], [], [], 0, 0, 0]
     assert RESUMED.to_wire()[6] == 2**40
 
 

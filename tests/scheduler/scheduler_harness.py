@@ -68,6 +68,7 @@ class Harness:
         self.batch: dict[int, int] = {}            # decoding rid -> its last sampled token
         self.ctx: dict[int, list[int]] = {}        # rid -> tokens with KV (batch or chunks)
         self.hashes: dict[int, list[int]] = {}
+        self.states: dict[int, list[int]] = {}    # state slot -> the tokens its state follows
 
     # -- driving --
     def add(self, *msgs):
@@ -253,7 +254,11 @@ class Harness:
                 self._write(p.rid, self._read(p.prefix_slot_ids), p.prefix_slot_ids,
                             check_only=True)
             assert not set(p.new_slot_ids) & set(p.prefix_slot_ids)
+            self._check_state(p)
             self._write(p.rid, p.input_ids, p.new_slot_ids)
+            for slot in (p.state_slot, p.snapshot_slot):
+                if slot:
+                    self.states[slot] = list(self.ctx[p.rid])
             had = self.prompts[p.rid] + self.output(p.rid)
             assert p.num_generated == len(self.output(p.rid))
             assert self.ctx[p.rid] == had[:len(self.ctx[p.rid])], "prefilled wrong tokens"
@@ -266,6 +271,17 @@ class Harness:
         for rid, token in zip(rids, tokens):
             self.batch[rid] = token
         return StepResult(step.step_id, rids, tokens, [-0.25 * (i + 1) for i in range(len(rids))])
+
+    def _check_state(self, p):
+        """A recurrent model's prefill starts from the state its prefix ends at."""
+        if not self.s.kv.needs_state:
+            assert p.state_from == p.state_slot == p.snapshot_slot == 0
+            return
+        assert p.state_slot in (0, self.s.running[p.rid].state_slot)
+        if p.prefix_slot_ids:
+            assert self.states.get(p.state_from) == self.ctx[p.rid], "a stale state"
+        else:
+            assert p.state_from == 0
 
     def _read(self, slots) -> list[int]:
         """The tokens a run of pool slots holds, checking it is one consistent prefix."""

@@ -126,3 +126,39 @@ def test_keep_rows_drops_the_others():
     batch_cache.keep_rows(cache, mx.array([0, 2]))
     assert batch_cache.span(cache) == 2 * batch_cache.width(cache)
     assert _row(cache, 0) == [0, 1, 2] and _row(cache, 1) == [200 + j for j in range(4)]
+
+
+# ---- the model's cache layout -------------------------------------------------------
+
+class _FakeModel:
+    """A model whose make_cache() returns the given caches (describe reads only that)."""
+
+    def __init__(self, make):
+        self.make_cache = make
+
+
+def test_the_layout_is_read_from_make_cache():
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    layout = batch_cache.describe(_FakeModel(lambda: [
+        RotatingKVCache(max_size=16), KVCache(), ArraysCache(2),
+        CacheList(ArraysCache(1), KVCache())]))
+    assert layout.layers == ("kv", "kv", ("state", 2), (("state", 1), "kv"))
+    assert layout.windows == (16, 0, 0) and layout.num_kv == 3
+    assert layout.has_state and not layout.plain
+    assert batch_cache.describe(_FakeModel(lambda: [KVCache(), KVCache()])).plain
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda c: c.QuantizedKVCache(), "QuantizedKVCache"),
+    (lambda c: c.ChunkedKVCache(8), "ChunkedKVCache"),
+    (lambda c: c.RotatingKVCache(max_size=8, keep=4), "RotatingKVCache with keep=4")])
+def test_a_cache_kind_not_served_is_named(make, name):
+    from mlx_lm.models import cache
+    from mlxd.worker_proc.model_runner import UnsupportedModel, probe_geometry
+
+    model = _FakeModel(lambda: [cache.KVCache(), make(cache)])
+    with pytest.raises(batch_cache.UnsupportedCache, match=name):
+        batch_cache.describe(model)
+    with pytest.raises(UnsupportedModel, match=name):
+        probe_geometry(model)

@@ -1,0 +1,75 @@
+"""Sliding-window and recurrent-state models through the whole server: greedy tokens
+and chosen-token logprobs equal mlx_lm's, with 8 concurrent prompts, prompts longer
+than the window, chunks that split it, a pool small enough to retract, overlap on and
+off."""
+
+import asyncio
+
+import pytest
+
+from mlxd.client import AsyncClient
+from support import PROMPTS, Server, encode, reference_tokens
+
+MAX_TOKENS = 40
+LONG = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(2)]   # longer than the window
+ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "mamba2", "falcon_h1"]
+# chunks of 5 split the test models' 8-token windows; 192 slots hold a long prompt and
+# its output but not every request's at once, so requests are retracted and resumed
+TIGHT = ("--chunked-prefill-size", "5", "--kv-capacity", "192", "--max-prefill-tokens", "64")
+
+
+async def generate_all(address, prompts):
+    async with AsyncClient(address, timeout=120) as c:
+        results = await asyncio.gather(*(c.generate(p, max_tokens=MAX_TOKENS, logprobs=True,
+                                                    ignore_eos=True)
+                                         for p in prompts))
+        return results, await c.stats()
+
+
+def assert_matches(path, prompt, result):
+    ref = reference_tokens(path, encode(path, prompt), MAX_TOKENS, ignore_eos=True)
+    assert result.token_ids == [t for t, _ in ref], prompt
+    assert max(abs(a - b) for a, (_, b) in zip(result.logprobs, ref)) < 1e-3, prompt
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_concurrent_chunked_retracted_requests_match_mlx_lm(arch, overlap, hybrid_model):
+    path = hybrid_model(arch)
+    args = TIGHT + (() if overlap else ("--disable-overlap",))
+    server = Server(path, *args, "--log-level", "warning")
+    try:
+        prompts = PROMPTS + LONG
+        results, stats = asyncio.run(generate_all(server.address, prompts))
+        alone, _ = asyncio.run(generate_all(server.address, [LONG[0]]))
+    finally:
+        server.stop()
+    for prompt, result in zip(prompts, results):
+        assert_matches(path, prompt, result)
+    assert_matches(path, LONG[0], alone[0])
+    assert stats["retractions"] > 0
+    assert stats["worker"]["overlap"] is overlap
+    windowed = arch in ("gemma3_text", "gpt_oss")
+    assert stats["worker"]["window_sizes"] == ([8] if windowed else [])
+    assert (stats["worker"]["state_slots"] > 0) is (not windowed)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2", "falcon_h1", "gemma3_text"])
+def test_a_shared_prefix_is_served_from_the_cache(arch, hybrid_model):
+    """Prompts extending a finished one resume from its cached KV and, for recurrent
+    models, the snapshot of its state (cached_tokens > 0), and stay exact."""
+    path = hybrid_model(arch)
+    server = Server(path, "--log-level", "warning")
+    extended = [LONG[0] + " " + p for p in PROMPTS[:3]]
+    try:
+        first, _ = asyncio.run(generate_all(server.address, [LONG[0]]))
+        results, stats = asyncio.run(generate_all(server.address, extended))
+    finally:
+        server.stop()
+    n = len(encode(path, LONG[0]))
+    assert first[0].usage["cached_tokens"] == 0
+    for prompt, result in zip(extended, results):
+        assert n - 1 <= result.usage["cached_tokens"] < len(encode(path, prompt))
+        assert_matches(path, prompt, result)
+    if arch != "gemma3_text":
+        assert stats["snapshots"] > 0

@@ -1,0 +1,153 @@
+"""ModelRunner on sliding-window and recurrent-state models against mlx_lm: batched,
+alone, longer than the window, in chunks (state carried in a state slot), with
+overlap on and off."""
+
+import itertools
+
+import pytest
+
+from mlxd.protocol import PrefillInput, SamplingParams, Step
+from support import PROMPTS, encode, load_reference, reference_tokens
+from mlxd.worker_proc.kv_pool import KVPool
+from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
+
+MAX_TOKENS = 12
+WINDOWED = ["gemma3_text", "gpt_oss"]
+RECURRENT = ["qwen3_next", "lfm2", "mamba2", "falcon_h1", "granitemoehybrid"]
+LONG = " ".join(PROMPTS)   # longer than the test models' 8-token windows
+
+
+class Driver:
+    """Plays the scheduler: books token slots and state slots, records the tokens."""
+
+    def __init__(self, model_path: str, overlap: bool = False, state_slots: int = 16):
+        model, _ = load_reference(model_path)
+        self.runner = ModelRunner(model, KVPool(probe_geometry(model), 8192, state_slots),
+                                  overlap=overlap)
+        self.slots = itertools.count(1)
+        self.step_id = itertools.count(1)
+        self.running: list[int] = []
+        self.slot_ids: dict[int, list[int]] = {}
+        self.out: dict[int, list[tuple[int, float]]] = {}
+
+    def new_slots(self, rid: int, n: int) -> list[int]:
+        slots = [next(self.slots) for _ in range(n)]
+        self.slot_ids.setdefault(rid, []).extend(slots)
+        return slots
+
+    def step(self, prefills=(), releases=()):
+        self.running = [r for r in self.running if r not in releases]
+        decode_slots = [self.new_slots(rid, 1)[0] for rid in self.running]
+        result = self.runner.run(Step(next(self.step_id), list(self.running), decode_slots,
+                                      list(prefills), list(releases)))
+        for rid, tok, lp in zip(result.rids, result.tokens, result.logprobs):
+            self.out.setdefault(rid, []).append((tok, lp))
+        self.running += [p.rid for p in prefills if p.needs_logits]
+
+    def prefill(self, rid, ids, prefix=(), needs_logits=True, state_from=0, state_slot=0):
+        return PrefillInput(rid, ids, list(prefix), self.new_slots(rid, len(ids)),
+                            SamplingParams(), needs_logits, state_from=state_from,
+                            state_slot=state_slot)
+
+    def chunks(self, rid: int, ids: list[int], size: int) -> None:
+        """Prefill `ids` in chunks of `size`, the state carried in state slot rid + 1."""
+        for start in range(0, len(ids), size):
+            last = start + size >= len(ids)
+            stateful = self.runner.pool.states is not None
+            self.step([self.prefill(rid, ids[start:start + size],
+                                    self.slot_ids.get(rid, [])[:start], needs_logits=last,
+                                    state_from=rid + 1 if start and stateful else 0,
+                                    state_slot=0 if last or not stateful else rid + 1)])
+
+    def finish(self, n: int = MAX_TOKENS) -> None:
+        while self.running:
+            self.step(releases=[r for r in self.running if len(self.out[r]) >= n])
+        self.runner.close()
+
+
+def assert_matches(path, ids, got):
+    ref = reference_tokens(path, ids, MAX_TOKENS)
+    got = got[:len(ref)]
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert max(abs(a[1] - b[1]) for a, b in zip(got, ref)) < 1e-3
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+@pytest.mark.parametrize("arch", WINDOWED + RECURRENT)
+def test_staggered_batch_matches_mlx_lm(arch, overlap, hybrid_model):
+    path = hybrid_model(arch)
+    d = Driver(path, overlap)
+    ids = [encode(path, p) for p in PROMPTS] + [encode(path, LONG)]
+    for step in range(4):   # rows join a running batch, prompts of many lengths
+        d.step([d.prefill(r, ids[r]) for r in range(len(ids)) if r % 4 == step])
+    d.finish()
+    for r in range(len(ids)):
+        assert_matches(path, ids[r], d.out[r])
+
+
+@pytest.mark.parametrize("arch", WINDOWED + RECURRENT)
+def test_each_prompt_alone_matches_mlx_lm(arch, hybrid_model):
+    path = hybrid_model(arch)
+    for prompt in (PROMPTS[0], PROMPTS[4], LONG):
+        d = Driver(path)
+        ids = encode(path, prompt)
+        d.step([d.prefill(0, ids)])
+        d.finish()
+        assert_matches(path, ids, d.out[0])
+
+
+@pytest.mark.parametrize("size", [3, 5, 11])
+@pytest.mark.parametrize("arch", WINDOWED + RECURRENT)
+def test_chunked_prefill_matches_mlx_lm(arch, size, hybrid_model):
+    """Chunks that split the window; the recurrent state crosses chunks in a slot."""
+    path = hybrid_model(arch)
+    d = Driver(path)
+    ids = [encode(path, LONG), encode(path, PROMPTS[6])]
+    d.chunks(0, ids[0], size)
+    d.chunks(1, ids[1], size)   # joins a running row
+    d.finish()
+    for r in range(2):
+        assert_matches(path, ids[r], d.out[r])
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_a_prefix_without_its_state_is_refused(arch, hybrid_model):
+    d = Driver(hybrid_model(arch))
+    ids = encode(hybrid_model(arch), LONG)
+    d.step([d.prefill(0, ids[:5], needs_logits=False, state_slot=1)])
+    with pytest.raises(ValueError, match="state"):
+        d.runner.run(Step(9, [], [], [d.prefill(0, ids[5:], d.slot_ids[0][:5])]))
+    with pytest.raises(ValueError, match="state slot"):
+        d.runner.run(Step(10, [], [], [d.prefill(1, ids, state_slot=17)]))
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_a_prefix_resumed_from_a_snapshot_matches_mlx_lm(arch, hybrid_model):
+    """A request fills the pool and a snapshot slot; others extend its prompt from
+    there (alone and as a group with a plain row beside them)."""
+    path = hybrid_model(arch)
+    d = Driver(path)
+    base = encode(path, LONG)
+    d.step([PrefillInput(0, base[:30], [], d.new_slots(0, 30), SamplingParams(),
+                         needs_logits=False, snapshot_slot=9)])
+    tails = [base[30:], base[30:40], encode(path, PROMPTS[1])[1:]]
+    d.step([d.prefill(1 + i, tail, d.slot_ids[0], state_from=9) for i, tail in
+            enumerate(tails[:2])] + [d.prefill(3, encode(path, PROMPTS[2]))])
+    d.step([d.prefill(4, tails[2], d.slot_ids[0], state_from=9)])
+    d.finish()
+    for rid, tail in zip((1, 2, 4), tails):
+        assert_matches(path, base[:30] + tail, d.out[rid])
+    assert_matches(path, encode(path, PROMPTS[2]), d.out[3])
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next", "falcon_h1"])
+def test_forward_pieces_within_one_prefill_match_mlx_lm(arch, hybrid_model):
+    """A prompt longer than the worker's forward size runs as several forwards on
+    the same caches (evaluated between them)."""
+    path = hybrid_model(arch)
+    d = Driver(path)
+    d.runner.prefill_step_size = 6
+    ids = encode(path, LONG)
+    d.step([d.prefill(0, ids)])
+    d.finish()
+    assert_matches(path, ids, d.out[0])
