@@ -27,6 +27,7 @@ from mlxd.protocol import (
     StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
 )
 
+from .constraints import ConstraintCompiler, InvalidConstraint
 from .detokenizer import IncrementalDetokenizer
 from .params import InvalidRequest, RequestParams, choice_seed, parse_params
 from .request_stream import RequestStream
@@ -81,11 +82,14 @@ class Pending:
 
     @property
     def text_chars(self) -> int:
-        """The characters to encode: what encoding costs, roughly."""
+        """The characters to encode and compile (response_format's source): what
+        encoding costs, roughly."""
+        constraint = self.params.constraint
+        compiled = constraint.chars if constraint is not None else 0
         if self.req.prompt is not None:
-            return len(self.req.prompt)
-        return sum(len(m.get("content", "")) for m in self.req.messages or ()
-                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+            return len(self.req.prompt) + compiled
+        return compiled + sum(len(m.get("content", "")) for m in self.req.messages or ()
+                              if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 @dataclass(slots=True)
@@ -103,6 +107,7 @@ class TokenizerCore:
                  limits: ModelLimits | None = None, request_timeout: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
         self.codec = codec
+        self.constraints = ConstraintCompiler(codec)
         self.default_max_tokens = default_max_tokens
         self.limits = limits
         self.request_timeout = request_timeout   # the server's limit (0: none)
@@ -302,8 +307,18 @@ class TokenizerCore:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += self.codec.eos_token_ids
-        return TokenizedRequest(pending.rid, input_ids, params.sampling, params.max_tokens,
-                                stop_ids)
+        return TokenizedRequest(pending.rid, input_ids, self._sampling(params),
+                                params.max_tokens, stop_ids)
+
+    def _sampling(self, params: RequestParams):
+        """The request's sampling parameters, with its response_format's grammar."""
+        if params.constraint is None:
+            return params.sampling
+        try:
+            grammar = self.constraints.compile(params.constraint)
+        except InvalidConstraint as exc:
+            raise InvalidRequest(str(exc)) from None
+        return dataclasses.replace(params.sampling, grammar=grammar)
 
     def _admit(self, pending: "Pending", rid: int, index: int) -> None:
         params = pending.params

@@ -42,7 +42,8 @@ def test_everything_set():
     assert set(KNOWN) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                           "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
                           "timeout", "presence_penalty", "frequency_penalty",
-                          "repetition_penalty", "logit_bias", "min_tokens", "n"}
+                          "repetition_penalty", "logit_bias", "min_tokens", "n",
+                          "response_format"}
 
 
 # ---- valid values --------------------------------------------------------------------
