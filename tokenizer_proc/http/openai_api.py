@@ -48,7 +48,7 @@ async def chat_completions(api: Api, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = core_params(body, max_tokens, logprobs=body.logprobs or None,
-                         top_logprobs=body.top_logprobs)
+                         top_logprobs=body.top_logprobs, response_format=body.response_format)
     renamed = {"prompt": "messages", "input_ids": "messages"}
     if body.max_completion_tokens is not None:
         renamed["max_tokens"] = "max_completion_tokens"

@@ -67,6 +67,7 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: dict | None = None   # checked and compiled by the core
 
 
 class CompletionRequest(Sampling):
