@@ -141,11 +141,14 @@ class AsyncClient:
         """Run one request to its end. `params` use OpenAI's names: max_tokens,
         temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
         logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
-        repetition_penalty, logit_bias ({token id: bias}), min_tokens, n; with
-        `messages`, also tools, tool_choice, parallel_tool_calls, chat_template_kwargs
-        and enable_thinking (OpenAI's shapes; tool calls come parsed in the Result's
-        `tool_calls`, thinking in its `reasoning`); the server rejects any other name
-        and any value out of range (`invalid_request`).
+        repetition_penalty, logit_bias ({token id: bias}), min_tokens, n,
+        response_format (OpenAI's `{"type": "json_object"}` or `{"type": "json_schema",
+        "json_schema": {"name", "schema", "strict"}}`, or `{"type": "regex", "regex"}`,
+        `{"type": "grammar", "grammar": <Lark>}`); with `messages`, also tools,
+        tool_choice, parallel_tool_calls, chat_template_kwargs and enable_thinking
+        (OpenAI's shapes; tool calls come parsed in the Result's `tool_calls`, thinking
+        in its `reasoning`); the server rejects any other name and any value out of
+        range or constraint that does not compile (`invalid_request`).
         With n > 1, the n choices' Results, in `index` order."""
         request = self._request(prompt, input_ids, messages, rid, params, False)
         stream = AsyncStream(self, request)

@@ -3,7 +3,7 @@
 import math
 
 from .codec import ProtocolError
-from .fields import Bool, Float, Int, List, Opt, Struct, wire
+from .fields import Bool, Float, Int, List, Opt, Str, Struct, wire
 from .message import message
 
 
@@ -16,7 +16,9 @@ REPETITION_CONTEXT = 20
 class SamplingParams:
     """How the worker picks a token. temperature 0 means greedy. The penalties,
     `logit_bias` (`bias_ids[i]` gets `bias_values[i]` added) and `min_tokens` change
-    the logits a row samples from (worker_proc/penalties.py); each off by default."""
+    the logits a row samples from (worker_proc/penalties.py); each off by default.
+    `grammar` (an llguidance grammar, compiled and checked by the tokenizer process)
+    constrains the tokens a row may pick (worker_proc/grammar.py)."""
 
     temperature: float = wire(Float(), default=0.0)
     top_p: float = wire(Float(), default=1.0)
@@ -30,6 +32,7 @@ class SamplingParams:
     bias_ids: list[int] = wire(List(Int()), default_factory=list)
     bias_values: list[float] = wire(List(Float()), default_factory=list)
     min_tokens: int = wire(Int(minimum=0), default=0)
+    grammar: str | None = wire(Opt(Str()), default=None)
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +48,12 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Anything changes the logits before the token is picked."""
         return self.counts_tokens or bool(self.bias_ids) or self.min_tokens > 0
+
+    @property
+    def needs_output_ids(self) -> bool:
+        """The worker rebuilds the row's state from its output so far when it resumes
+        (penalty counts, the grammar's position)."""
+        return self.counts_tokens or self.grammar is not None
 
     def check(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0

@@ -337,13 +337,13 @@ class Scheduler:
 
 
 def _add_sampling_context(p: PrefillInput, req: Request) -> None:
-    """What the worker's penalties and min_tokens need to know of the request, sent
+    """What the worker's penalties, grammar and min_tokens need to know of the request, sent
     with its last chunk (again when it resumes after a retraction): the worker keeps
     no state of a request it released."""
     sampling = req.sampling
     if sampling.repetition_penalty != 1.0:
         p.prompt_tail = req.prompt_ids[-REPETITION_CONTEXT:]
-    if sampling.counts_tokens:
+    if sampling.needs_output_ids:
         p.output_ids = list(req.output_ids)
     if sampling.min_tokens > len(req.output_ids):
         p.stop_token_ids = sorted(req.stop_token_ids)

@@ -27,8 +27,9 @@ from mlxd.protocol import (
     StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
 )
 
+from .constraints import ConstraintCompiler, InvalidConstraint
 from .detokenizer import IncrementalDetokenizer
-from .params import KNOWN, InvalidRequest, RequestParams, choice_seed, parse_params
+from .params import InvalidRequest, RequestParams, choice_seed, parse_params
 from .request_stream import RequestStream
 from .text import TextCodec
 from .tools.grammar import tool_call_grammar
@@ -84,11 +85,14 @@ class Pending:
 
     @property
     def text_chars(self) -> int:
-        """The characters to encode: what encoding costs, roughly."""
+        """The characters to encode and compile (response_format's source): what
+        encoding costs, roughly."""
+        constraint = self.params.constraint
+        compiled = constraint.chars if constraint is not None else 0
         if self.req.prompt is not None:
-            return len(self.req.prompt)
-        return sum(len(m.get("content", "")) for m in self.req.messages or ()
-                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+            return len(self.req.prompt) + compiled
+        return compiled + sum(len(m.get("content", "")) for m in self.req.messages or ()
+                              if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 @dataclass(slots=True)
@@ -110,6 +114,7 @@ class TokenizerCore:
         self.codec = codec
         self.syntax = syntax
         self._marked_decode = None   # decoding that keeps the syntax's markers
+        self.constraints = ConstraintCompiler(codec)
         self.default_max_tokens = default_max_tokens
         self.limits = limits
         self.request_timeout = request_timeout   # the server's limit (0: none)
@@ -308,9 +313,6 @@ class TokenizerCore:
                      vocab_size: int) -> RequestParams:
         """The params of a request that must call a tool: its output constrained by
         the grammar of a call in the model's format."""
-        if "response_format" not in KNOWN:
-            raise InvalidRequest("tool_choice 'required' or a named function needs "
-                                 "constrained decoding, which this server lacks")
         if given.get("response_format") is not None:
             raise InvalidRequest("response_format cannot be combined with tool_choice "
                                  "'required' or a named function")
@@ -335,8 +337,18 @@ class TokenizerCore:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += self.codec.eos_token_ids
-        return TokenizedRequest(pending.rid, input_ids, params.sampling, params.max_tokens,
-                                stop_ids)
+        return TokenizedRequest(pending.rid, input_ids, self._sampling(params),
+                                params.max_tokens, stop_ids)
+
+    def _sampling(self, params: RequestParams):
+        """The request's sampling parameters, with its response_format's grammar."""
+        if params.constraint is None:
+            return params.sampling
+        try:
+            grammar = self.constraints.compile(params.constraint)
+        except InvalidConstraint as exc:
+            raise InvalidRequest(str(exc)) from None
+        return dataclasses.replace(params.sampling, grammar=grammar)
 
     def _ends_thinking(self, input_ids: list[int]) -> bool:
         """Whether the prompt's last tokens open a think block (templates that start

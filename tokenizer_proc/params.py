@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from mlxd.protocol import SamplingParams
 
 from .tools.request import ChatOptions, InvalidOptions, chat_options
+from .constraints import Constraint, InvalidConstraint, parse_response_format
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -40,6 +41,7 @@ class RequestParams:
     timeout: float | None = None   # seconds the whole request may take, server-side
     n: int = 1                     # choices: samples of the same prompt
     chat: ChatOptions = field(default_factory=ChatOptions)   # tools, template kwargs
+    constraint: Constraint | None = None   # response_format, compiled when encoded
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -182,7 +184,22 @@ KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "timeout",
                    "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "logit_bias", "min_tokens", "n", "tools", "tool_choice",
-                   "parallel_tool_calls", "chat_template_kwargs", "enable_thinking"})
+                   "parallel_tool_calls", "chat_template_kwargs", "enable_thinking",
+                   "response_format"})
+
+
+def _constraint(params, ignore_eos: bool, min_tokens: int) -> Constraint | None:
+    """response_format's shape (compiled later, core.py). A constrained request ends
+    with EOS where its grammar does, so EOS can be neither ignored nor held back."""
+    try:
+        constraint = parse_response_format(params.get("response_format"))
+    except InvalidConstraint as exc:
+        raise InvalidRequest(str(exc)) from None
+    if constraint is not None and (ignore_eos or min_tokens):
+        raise InvalidRequest("response_format cannot be combined with ignore_eos or "
+                             "min_tokens: a constrained output ends with EOS where its "
+                             "grammar ends")
+    return constraint
 
 
 def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> RequestParams:
@@ -205,16 +222,18 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
         bias_ids=bias_ids, bias_values=bias_values,
         min_tokens=_min_tokens(params, max_tokens),
         **_penalties(params))
+    ignore_eos = _flag(params, "ignore_eos")
     return RequestParams(
         sampling=sampling,
         max_tokens=max_tokens,
         stop=_stop_strings(params),
         stop_token_ids=_token_ids(params, "stop_token_ids", vocab_size),
-        ignore_eos=_flag(params, "ignore_eos"),
+        ignore_eos=ignore_eos,
         logprobs=logprobs,
         timeout=_timeout(params),
         n=_integer(params, "n", 1, 1, MAX_CHOICES),
-        chat=_chat(params))
+        chat=_chat(params),
+        constraint=_constraint(params, ignore_eos, sampling.min_tokens))
 
 
 def _chat(params) -> ChatOptions:

@@ -67,14 +67,15 @@ def loaded_blas() -> str:
 def build_runner(cfg: WorkerConfig):
     import mlx.core as mx
 
+    from .grammar import Grammars
     from .kv_pool import KVPool
     from .loading import is_quantized, load_model, resolve_dequantize
     from .memory import kv_budget, memory_limit_bytes
-    from .model_runner import ModelRunner, probe_geometry
+    from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
 
     flags = cfg.flags
     dequantize = resolve_dequantize(flags.dequantize)
-    model, _ = load_model(flags.model, dequantize)
+    model, tokenizer = load_model(flags.model, dequantize)
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
     max_context = model_max_context(flags.model)
@@ -96,7 +97,8 @@ def build_runner(cfg: WorkerConfig):
     # second copy is budgeted already (memory.kv_budget); this is that room.
     cache_bytes = budget.decode_cache_tokens * geometry.bytes_per_token
     mx.set_cache_limit(cache_bytes)
-    runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap)
+    runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap,
+                         grammars=Grammars.for_model(tokenizer, probe_vocab_size(model)))
     limits = WorkerLimits(
         kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
         max_context=max_context, vocab_size=runner.vocab_size,

@@ -16,6 +16,7 @@ from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
 from . import batch_cache
 from .background import BackgroundJob
 from .decode_batch import DecodeBatch, JoinGroup
+from .grammar import Grammars, RowGrammar, allowed
 from .kv_pool import KVGeometry, KVPool
 from .penalties import RowPenalties
 from .prefill import GroupPrefill, plan_groups
@@ -77,8 +78,10 @@ class ModelRunner:
     Step's arrival to its result."""
 
     def __init__(self, model, pool: KVPool, prefill_step_size: int = 2048,
-                 rng: random.Random | None = None, overlap: bool = False):
+                 rng: random.Random | None = None, overlap: bool = False,
+                 grammars: Grammars | None = None):
         self.model = model
+        self.grammars = grammars   # None: constrained requests are refused
         self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
@@ -90,6 +93,7 @@ class ModelRunner:
         self.stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._background = BackgroundJob()
         self._returned_at: float | None = None   # when the last result was handed back
+        self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
 
     # ---- the step ---------------------------------------------------------
 
@@ -145,6 +149,7 @@ class ModelRunner:
         self.batch.clear()
         self.ahead = None
         self._returned_at = None
+        self._new_grammars = {}
 
     def close(self) -> None:
         """Wait for the chained decode, if one is computing (its errors are moot)."""
@@ -167,10 +172,20 @@ class ModelRunner:
     def _launch_decode(self) -> _Output:
         """Decode every row of the batch, lazily; the rows' next input is the result."""
         logits = self.batch.forward(self.model)
-        sampled = sample(logits, self.batch.rows)
+        live = [rid is not None for rid in self.batch.row_rids]
+        sampled = self._sample(logits, self.batch.rows, live)
         self.batch.tokens = sampled.tokens
         return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled,
                        self.batch.newest_kv())
+
+    def _sample(self, logits: mx.array, rows: list[RowState], live=None) -> Sampled:
+        """`sample`, with the constrained rows' masks: computed on the mask thread
+        while this one evaluates the logits (the forward), then applied."""
+        masks = self.grammars.start_masks(rows, live) if self.grammars else None
+        if masks is None:
+            return sample(logits, rows)
+        mx.eval(logits)
+        return sample(logits, rows, allowed(masks.result(), logits.shape[-1]))
 
     def _compute_ahead(self) -> None:
         """On the helper thread: decode the whole batch once more, to completion,
@@ -235,6 +250,8 @@ class ModelRunner:
             self.pool.check_slots(p.prefix_slot_ids)
             self.pool.check_slots(p.new_slot_ids)
             self._check_state_slots(p)
+        self._new_grammars = {p.rid: self._grammar(p) for p in prefills
+                              if p.needs_logits and p.sampling.grammar is not None}
 
     def _check_state_slots(self, p: PrefillInput) -> None:
         states = self.pool.states
@@ -245,6 +262,11 @@ class ModelRunner:
         states.check_slots([p.state_from, p.state_slot, p.snapshot_slot])
         if p.prefix_slot_ids and not p.state_from:
             raise ValueError(f"prefill {p.rid}: a prefix without the state it ends at")
+
+    def _grammar(self, p: PrefillInput) -> RowGrammar:
+        if self.grammars is None:
+            raise ValueError(f"prefill {p.rid}: this worker cannot run constrained requests")
+        return self.grammars.row(p.sampling.grammar, p.output_ids)
 
     def _prefill_group(self, group: list[PrefillInput]) -> tuple[JoinGroup, _Output] | None:
         run = GroupPrefill(self.model, self.pool, group, self.prefill_step_size)
@@ -258,13 +280,14 @@ class ModelRunner:
                 batch_cache.keep_rows(cache, idx)
             logits = logits[idx]
         rows = [self._row_state(group[i]) for i in keep]
-        sampled = sample(logits, rows)
+        sampled = self._sample(logits, rows)
         rids = [group[i].rid for i in keep]
         return JoinGroup(rids, rows, caches, sampled.tokens), _Output(rids, rows, sampled)
 
     def _row_state(self, p: PrefillInput) -> RowState:
         return RowState(p.sampling, self._seed(p.sampling), p.num_generated,
-                        RowPenalties.for_prefill(p, self.vocab_size))
+                        RowPenalties.for_prefill(p, self.vocab_size),
+                        self._new_grammars.pop(p.rid, None))
 
     def _seed(self, sampling) -> int:
         return sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
@@ -279,8 +302,10 @@ class ModelRunner:
         result = StepResult(step_id, [], [], [])
         tops = []
         for o in outputs:
+            tokens = o.sampled.tokens.tolist()
+            _advance_grammars(o.rows, tokens)
             result.rids += o.rids
-            result.tokens += o.sampled.tokens.tolist()
+            result.tokens += tokens
             result.logprobs += o.sampled.logprobs.tolist()
             tops += self._top_logprobs(o)
         if any(t is not None for t in tops):
@@ -294,6 +319,14 @@ class ModelRunner:
         ids, lps = o.sampled.top_ids.tolist(), o.sampled.top_logprobs.tolist()
         return [top_lists(ids[i], lps[i], r.params.top_logprobs) if r.params.top_logprobs
                 else None for i, r in enumerate(o.rows)]
+
+
+def _advance_grammars(rows: list[RowState], tokens: list[int]) -> None:
+    """The constrained rows' matchers take the tokens the rows keep, before the
+    next decode (chained or not) computes their masks."""
+    for row, token in zip(rows, tokens):
+        if row.grammar is not None:
+            row.grammar.advance(token)
 
 
 def _in_range(ids: list[int], vocab_size: int) -> bool:

@@ -1,10 +1,11 @@
-"""Batched token selection: penalties and bias, greedy, temperature, top-k, top-p,
-min-p, seeded.
+"""Batched token selection: penalties and bias, grammar masks, greedy, temperature,
+top-k, top-p, min-p, seeded.
 
 Every request owns a seed; the random key for its n-th token is derived from
 (seed, n) alone, so a seeded request samples the same tokens whatever else
 shares its batch. Rows with penalties, logit_bias or min_tokens pick from their
-processed logits (penalties.py); the other rows of the batch skip that work.
+processed logits (penalties.py); the other rows of the batch skip that work. A
+grammar mask (grammar.py) then removes the tokens a constrained row may not pick.
 Reported logprobs (chosen and top) are always the model's raw log-softmax, before
 any processing, as mlx_lm reports them.
 """
@@ -16,6 +17,7 @@ import mlx.core as mx
 from mlxd.protocol import SamplingParams
 
 from . import penalties
+from .grammar import RowGrammar
 from .penalties import RowPenalties
 
 _MASK64 = (1 << 64) - 1
@@ -34,6 +36,7 @@ class RowState:
     seed: int
     generated: int = 0   # tokens sampled so far; indexes the random key
     penalties: RowPenalties | None = None   # only when the params process the logits
+    grammar: RowGrammar | None = None       # only for a constrained request
 
 
 @dataclass
@@ -105,13 +108,16 @@ def _record(tokens: mx.array, rows: list[RowState], idx: list[int]) -> None:
         rows[i].penalties.record(tokens[i:i + 1])
 
 
-def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
-    """Pick one token per row of `logits` [B, V] and advance each row's state (its
-    count, its penalties' record of the token, lazily)."""
+def sample(logits: mx.array, rows: list[RowState], allowed: mx.array | None = None) -> Sampled:
+    """Pick one token per row of `logits` [B, V], among those `allowed` [B, V] (bool)
+    lets it when given, and advance each row's state (its count, its penalties'
+    record of the token, lazily; a grammar advances once the token is read)."""
     logits = logits.astype(mx.float32)
     logprobs = _log_softmax(logits)
     processed_idx = [i for i, r in enumerate(rows) if r.penalties is not None]
     scores = _processed(logits, logprobs, rows, processed_idx) if processed_idx else logprobs
+    if allowed is not None:
+        scores = mx.where(allowed, scores, -mx.inf)
     tokens = mx.argmax(scores, axis=-1)
     sampled_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(sampled_idx) == len(rows):

@@ -232,7 +232,9 @@ def bad_inputs(name):
         ("/v1/chat/completions", {**chat, "max_completion_tokens": -1}, 400,
          "max_completion_tokens"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
-        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, 400,
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "regex", "regex": "(("}},
+         400, "response_format"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}, 400,
          "response_format"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),

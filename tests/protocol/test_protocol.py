@@ -117,7 +117,7 @@ def test_nested_classes_round_trip_through_their_wire_form(nested):
 
 def test_int_fields_accept_ints_for_float_fields():
     msg = decode_as(TokenizedRequest,
-                    [30, 1, [1], [1, 1, 0, 0, None, 0, 0, 0, 1, [], [], 0], 4, []])
+                    [30, 1, [1], [1, 1, 0, 0, None, 0, 0, 0, 1, [], [], 0, None], 4, []])
     assert msg.sampling.temperature == 1.0 and type(msg.sampling.temperature) is float
     assert msg.sampling.greedy is False
 
@@ -213,7 +213,7 @@ def test_wrong_field_counts(msg):
 
 
 def good_sampling():
-    return [0.5, 0.9, 10, 0.1, 42, 2, 0.0, 0.0, 1.0, [], [], 0]
+    return [0.5, 0.9, 10, 0.1, 42, 2, 0.0, 0.0, 1.0, [], [], 0, None]
 
 
 def good_prefill():
@@ -348,7 +348,7 @@ WRONG_TYPES = [
 
 SAMPLING_FIELD_BAD = [(0, "0.5"), (0, None), (0, True), (1, None), (1, [1.0]), (2, 1.5),
                       (2, "10"), (2, True), (2, None), (3, None), (4, 1.5), (4, "42"),
-                      (4, True), (5, 1.0), (5, None), (5, True)]
+                      (4, True), (5, 1.0), (5, None), (5, True), (12, 7), (12, ["g"])]
 WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, []], 2,
                  replace(good_sampling(), i, v)) for i, v in SAMPLING_FIELD_BAD]
 WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], []], 3,
@@ -462,7 +462,7 @@ def test_out_of_range_sampling_params(index, value):
 
 @pytest.mark.parametrize("index,value", [
     (0, 0), (0, 0.0), (0, 100.0), (1, 1), (1, 1e-9), (2, 0), (2, 10**6), (3, 0), (3, 1),
-    (4, None), (4, 0), (4, -5), (5, 0), (5, 20),
+    (4, None), (4, 0), (4, -5), (5, 0), (5, 20), (12, None), (12, "start: /a+/"),
 ], ids=lambda v: repr(v))
 def test_in_range_sampling_params_are_accepted(index, value):
     msg = decode_as(TokenizedRequest, [30, 1, [1], replace(good_sampling(), index, value), 4, []])

@@ -84,3 +84,18 @@ def test_an_unreachable_registry_names_the_way_out(tmp_path):
     assert proc.returncode != 0
     assert "could not fetch the default model" in proc.stderr
     assert "--model" in proc.stderr
+
+
+def test_the_default_model_answers_json_object_through_openai(default_server):
+    import json
+
+    import openai
+
+    with openai.OpenAI(base_url=default_server.http_url + "/v1", api_key="none", timeout=120,
+                       max_retries=0) as oai:
+        r = oai.chat.completions.create(
+            model=oai.models.list().data[0].id, max_tokens=96, temperature=0,
+            messages=chat("Describe Paris as a JSON object with the keys city and country."),
+            response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)

@@ -44,7 +44,7 @@ def test_everything_set():
                           "timeout", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "logit_bias", "min_tokens", "n", "tools",
                           "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                          "enable_thinking"}
+                          "enable_thinking", "response_format"}
 
 
 # ---- valid values --------------------------------------------------------------------

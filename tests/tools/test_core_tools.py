@@ -7,7 +7,6 @@ import pytest
 
 from mlxd.protocol import ErrorReply, GenerateRequest, TokenBatch, TokenEntry, TokenizedRequest
 from mlxd.tokenizer_proc.core import TokenizerCore
-from mlxd.tokenizer_proc.params import KNOWN
 from mlxd.tokenizer_proc.text import TextCodec
 from mlxd.tokenizer_proc.tools.syntax import OutputSyntax, resolve
 from support import worker_limits
@@ -126,15 +125,6 @@ def test_bad_tool_options_are_invalid_requests(core):
     assert "needs tools" in reply.message
 
 
-@pytest.mark.skipif("response_format" in KNOWN, reason="constrained decoding is available")
-def test_required_calls_are_refused_without_constrained_decoding(core):
-    got = []
-    core.submit("client", GenerateRequest("r", prompt="x", params={
-        "tools": [TIME], "tool_choice": "required"}), got.append)
-    assert got[0].code == "invalid_request" and "constrained decoding" in got[0].message
-
-
-@pytest.mark.skipif("response_format" not in KNOWN, reason="no constrained decoding yet")
 def test_required_calls_carry_the_grammar_of_a_call(core):
     got = []
     req = submit(core, got, prompt="x", params={"tools": [TIME], "tool_choice": "required"})

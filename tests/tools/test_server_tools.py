@@ -8,7 +8,6 @@ import openai
 import pytest
 
 from mlxd import Client
-from mlxd.tokenizer_proc.params import KNOWN
 from support import Server
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -62,8 +61,6 @@ def valid_call(name: str, arguments: dict) -> bool:
     return name == "get_time" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
 
 
-@pytest.mark.skipif("response_format" not in KNOWN,
-                    reason="constrained decoding (response_format) is not in this build")
 def test_required_and_named_calls_are_valid_on_a_random_model(oai, tool_model):
     name = tool_model.rsplit("/", 1)[-1]
     for seed in range(8):

@@ -60,7 +60,8 @@ async def chat_completions(api: Api, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = core_params(body, max_tokens, logprobs=body.logprobs or None,
-                         top_logprobs=body.top_logprobs, **openai_tool_params(body))
+                         top_logprobs=body.top_logprobs, response_format=body.response_format,
+                         **openai_tool_params(body))
     renamed = {"prompt": "messages", "input_ids": "messages"}
     if body.max_completion_tokens is not None:
         renamed["max_tokens"] = "max_completion_tokens"

@@ -107,6 +107,7 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None
     enable_thinking: bool | None = None   # vLLM's shorthand for the template kwarg
+    response_format: dict | None = None   # checked and compiled by the core
 
 
 class CompletionRequest(Sampling):

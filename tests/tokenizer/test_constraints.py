@@ -1,0 +1,128 @@
+"""response_format: its shape (params.py), its compilation against the vocabulary
+(constraints.py) and the grammar the core sends the scheduler."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mlxd.protocol import ErrorReply, GenerateRequest, TokenizedRequest
+from mlxd.tokenizer_proc.constraints import (
+    ConstraintCompiler, InvalidConstraint, parse_response_format,
+)
+from mlxd.tokenizer_proc.core import TokenizerCore
+from mlxd.tokenizer_proc.params import InvalidRequest, parse_params
+from mlxd.tokenizer_proc.text import TextCodec
+from structured_support import SCHEMA, response_formats
+from support import worker_limits
+
+LIMITS = worker_limits(kv_capacity=1000, max_context=200, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def codec(llama_model):
+    return TextCodec(llama_model)
+
+
+@pytest.fixture(scope="module")
+def compiler(codec):
+    return ConstraintCompiler(codec)
+
+
+@pytest.mark.parametrize("value", [None, {"type": "text"}])
+def test_text_and_no_response_format_constrain_nothing(value):
+    assert parse_response_format(value) is None
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("json", "must be an object"),
+    ({"type": "xml"}, "must be an object whose type"),
+    ({"type": "json_schema"}, "json_schema must be an object"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema must be"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict"),
+    ({"type": "regex"}, "needs a non-empty string field 'regex'"),
+    ({"type": "grammar", "grammar": ""}, "needs a non-empty string field 'grammar'"),
+])
+def test_malformed_response_formats_are_refused_by_name(value, problem):
+    with pytest.raises(InvalidRequest, match="response_format") as exc:
+        parse_params({"response_format": value}, 512, 16)
+    assert problem in str(exc.value)
+
+
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}])
+def test_a_constraint_keeps_eos_free(extra):
+    with pytest.raises(InvalidRequest, match="response_format cannot be combined"):
+        parse_params({"response_format": {"type": "json_object"}, **extra}, 512, 16)
+
+
+def test_every_kind_compiles(compiler):
+    formats = response_formats() | {"json_object": {"type": "json_object"}}
+    for rf in formats.values():
+        assert compiler.compile(parse_response_format(rf))
+
+
+def test_a_lark_grammar_may_embed_a_json_schema(compiler):
+    lark = 'start: "<call>" args "</call>"\nargs: %json ' + str(SCHEMA).replace(
+        "'", '"').replace("False", "false") + "\n"
+    assert compiler.compile(parse_response_format({"type": "grammar", "grammar": lark}))
+
+
+@pytest.mark.parametrize("rf, problem", [
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "frobnicate"}}},
+     "json_schema does not compile"),
+    ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
+     "json_schema does not compile"),
+    ({"type": "regex", "regex": "a(("}, "regex does not compile"),
+    ({"type": "grammar", "grammar": "start: undefined_rule"}, "grammar does not compile"),
+    ({"type": "grammar", "grammar": "start: %json {nope}"}, "grammar does not compile"),
+])
+def test_constraints_that_do_not_compile_are_refused_naming_the_problem(compiler, rf, problem):
+    with pytest.raises(InvalidConstraint, match="response_format") as exc:
+        compiler.compile(parse_response_format(rf))
+    assert problem in str(exc.value)
+
+
+def letters_codec():
+    """A byte-level codec trained without the full byte alphabet: it can spell a few
+    words' letters and nothing else (no digits)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["yes no maybe"] * 10, trainers.BpeTrainer(
+        vocab_size=40, special_tokens=["</s>"], show_progress=False))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    return SimpleNamespace(tokenizer=hf, vocab_size=len(hf))
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_is_refused():
+    compiler = ConstraintCompiler(letters_codec())
+    assert compiler.compile(parse_response_format({"type": "regex", "regex": "yes|no"}))
+    with pytest.raises(InvalidConstraint, match="no token of the model's vocabulary"):
+        compiler.compile(parse_response_format({"type": "regex", "regex": "[0-9]+"}))
+
+
+def submit(core: TokenizerCore, rid="r", **params) -> list:
+    replies = []
+    sent = core.submit(b"a", GenerateRequest(rid, prompt="Hello", params=params),
+                       replies.append)
+    return sent + replies
+
+
+def test_the_core_ships_the_compiled_grammar_to_every_choice(codec, compiler):
+    core = TokenizerCore(codec, 16, LIMITS)
+    rf = response_formats()["regex"]
+    sent = submit(core, response_format=rf, n=2, temperature=1.0)
+    assert [type(m) for m in sent] == [TokenizedRequest, TokenizedRequest]
+    want = compiler.compile(parse_response_format(rf))
+    assert all(m.sampling.grammar == want for m in sent)
+    assert all(m.sampling.grammar is None for m in submit(core, "plain", max_tokens=3))
+
+
+def test_the_core_refuses_a_bad_constraint_before_the_scheduler_sees_it(codec):
+    core = TokenizerCore(codec, 16, LIMITS)
+    sent = submit(core, response_format={"type": "regex", "regex": "(("})
+    assert len(sent) == 1 and isinstance(sent[0], ErrorReply)
+    assert sent[0].code == "invalid_request" and "response_format" in sent[0].message
+    core.check_integrity()

@@ -1,0 +1,137 @@
+"""`response_format`: a request's output constraint, checked and compiled into an
+llguidance grammar before any compute.
+
+Accepted (OpenAI's shape plus two extensions):
+  {"type": "text"}                     no constraint
+  {"type": "json_object"}              any JSON object
+  {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+  {"type": "regex", "regex": "..."}
+  {"type": "grammar", "grammar": "<Lark, llguidance's flavour; %json {...} embeds a schema>"}
+
+`parse_response_format` checks the shape (cheap, no tokenizer); `ConstraintCompiler`
+compiles the grammar against the model's vocabulary and refuses one that does not
+compile or that no token can start. The worker compiles the same grammar text again
+into its own matcher (worker_proc/grammar.py). llguidance is imported here only, never
+MLX (the tokenizer process must not import it).
+"""
+
+import json
+import threading
+from dataclasses import dataclass
+
+# JSON as json.dumps writes it: one space after ':' and ','. A schema's own
+# "x-guidance" options override these. Fixed whitespace keeps a sampled model from
+# spending its tokens on indentation.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_ERROR_CHARS = 400   # llguidance's messages can quote a whole grammar
+KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
+class InvalidConstraint(ValueError):
+    """A response_format that is malformed or does not compile; the message names
+    response_format and the problem."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A parsed response_format: `kind` and its source (a schema dict, a regex or a
+    Lark grammar)."""
+
+    kind: str
+    source: dict | str
+
+    @property
+    def chars(self) -> int:
+        """The source's size: what compiling it costs, roughly."""
+        return len(self.source) if isinstance(self.source, str) else len(json.dumps(self.source))
+
+
+def _fail(message: str) -> InvalidConstraint:
+    return InvalidConstraint(f"response_format: {message}")
+
+
+def parse_response_format(value) -> Constraint | None:
+    """The constraint `value` asks for; None for none (absent or `text`). Raises
+    InvalidConstraint naming response_format for anything malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in KINDS:
+        raise _fail(f"must be an object whose type is one of {list(KINDS)}, got {value!r:.200}")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(kind, {"type": "object"})
+    if kind == "json_schema":
+        return Constraint(kind, _schema(value.get("json_schema")))
+    source = value.get(kind)
+    if not isinstance(source, str) or not source:
+        raise _fail(f"type {kind} needs a non-empty string field {kind!r}")
+    return Constraint(kind, source)
+
+
+def _schema(spec) -> dict:
+    if not isinstance(spec, dict):
+        raise _fail("json_schema must be an object: {name, schema, strict}")
+    if not isinstance(spec.get("name", ""), str) or type(spec.get("strict", False)) is not bool:
+        raise _fail("json_schema.name must be a string and json_schema.strict a boolean")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _fail("json_schema.schema must be a JSON schema object")
+    return schema
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar for `constraint` (not yet checked)."""
+    from llguidance import LLMatcher
+
+    if constraint.kind in ("json_object", "json_schema"):
+        try:
+            return LLMatcher.grammar_from_json_schema(constraint.source, defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise _fail(f"the JSON schema is not valid: {_short(exc)}") from None
+    if constraint.kind == "regex":
+        return LLMatcher.grammar_from_regex(constraint.source)
+    return LLMatcher.grammar_from_lark(constraint.source)
+
+
+def _short(error) -> str:
+    text = str(error).strip()
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+
+
+class ConstraintCompiler:
+    """Compiles constraints against the vocabulary of `codec` (a TextCodec: its Hugging
+    Face fast `tokenizer` and `vocab_size`). The llguidance tokenizer is built on first
+    use, once (requests may compile on several threads)."""
+
+    def __init__(self, codec):
+        self._codec = codec
+        self._lock = threading.Lock()
+        self._tokenizer = None
+
+    def _ll_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(self._codec.tokenizer,
+                                                               self._codec.vocab_size)
+            return self._tokenizer
+
+    def compile(self, constraint: Constraint) -> str:
+        """The checked grammar text of `constraint`. Raises InvalidConstraint (naming
+        response_format and the problem) if it does not compile, or if no token of
+        the vocabulary can start text it allows."""
+        from llguidance import LLMatcher
+
+        grammar = grammar_text(constraint)
+        matcher = LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise _fail(f"the {constraint.kind} does not compile: {_short(matcher.get_error())}")
+        # a mask with no token to continue with stops the matcher, short of its end
+        if not any(matcher.compute_bitmask()) or (matcher.is_stopped()
+                                                   and not matcher.is_accepting()):
+            raise _fail(f"no token of the model's vocabulary can start text the "
+                        f"{constraint.kind} allows")
+        return grammar
