@@ -95,6 +95,28 @@ def grammar_text(constraint: Constraint) -> str:
     return LLMatcher.grammar_from_lark(constraint.source)
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def after_thinking(grammar: str, opened: bool) -> str:
+    """`grammar` (llguidance's JSON form) preceded by a think block the model may write
+    first (`<think>` ... `</think>`), or must finish first when the prompt `opened`
+    one: a reasoning model's constraint starts where its thinking ends. The think text
+    is free and ends at the first `</think>` (a text marker: vocabularies where it is
+    a special token are not served by this rule)."""
+    try:
+        inner = json.loads(grammar)
+    except ValueError:   # a Lark grammar comes back as its own text
+        inner = {"grammars": [{"lark_grammar": grammar}]}
+    inner["grammars"][0]["name"] = "constrained"
+    start = "start: think_text @constrained" if opened else "start: think? @constrained"
+    lark = "\n".join([
+        start,
+        f"think: {json.dumps(THINK_OPEN)} think_text",
+        f"think_text[stop={json.dumps(THINK_CLOSE)}]: /(.|\\n)*/", ""])
+    return json.dumps({**inner, "grammars": [{"lark_grammar": lark}, *inner["grammars"]]})
+
+
 def _short(error) -> str:
     text = str(error).strip()
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."

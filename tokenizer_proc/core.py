@@ -27,7 +27,7 @@ from mlxd.protocol import (
     StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
 )
 
-from .constraints import ConstraintCompiler, InvalidConstraint
+from .constraints import ConstraintCompiler, InvalidConstraint, after_thinking
 from .detokenizer import IncrementalDetokenizer
 from .params import InvalidRequest, RequestParams, choice_seed, parse_params
 from .request_stream import RequestStream
@@ -337,17 +337,24 @@ class TokenizerCore:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += self.codec.eos_token_ids
-        return TokenizedRequest(pending.rid, input_ids, self._sampling(params),
+        thinks = (self.syntax.reasoning and pending.req.messages is not None
+                  and params.chat.template_kwargs.get("enable_thinking") is not False)
+        return TokenizedRequest(pending.rid, input_ids,
+                                self._sampling(params, thinks, pending.thinking),
                                 params.max_tokens, stop_ids)
 
-    def _sampling(self, params: RequestParams):
-        """The request's sampling parameters, with its response_format's grammar."""
+    def _sampling(self, params: RequestParams, thinks: bool = False, opened: bool = False):
+        """The request's sampling parameters, with its response_format's grammar; for
+        a chat with a reasoning model (`thinks`), the grammar starts after the
+        thinking (`opened`: the prompt already opened the think block)."""
         if params.constraint is None:
             return params.sampling
         try:
             grammar = self.constraints.compile(params.constraint)
         except InvalidConstraint as exc:
             raise InvalidRequest(str(exc)) from None
+        if thinks:
+            grammar = after_thinking(grammar, opened)
         return dataclasses.replace(params.sampling, grammar=grammar)
 
     def _ends_thinking(self, input_ids: list[int]) -> bool:

@@ -126,3 +126,30 @@ def test_the_core_refuses_a_bad_constraint_before_the_scheduler_sees_it(codec):
     assert len(sent) == 1 and isinstance(sent[0], ErrorReply)
     assert sent[0].code == "invalid_request" and "response_format" in sent[0].message
     core.check_integrity()
+
+
+# ---- a reasoning model thinks first ----------------------------------------------------
+
+def _accepts(compiler, grammar: str, text: str) -> bool:
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(compiler._ll_tokenizer(), grammar, log_level=0)
+    for token in compiler._codec.tokenizer.encode(text, add_special_tokens=False):
+        if not matcher.consume_token(token):
+            return False
+    return matcher.is_accepting()
+
+
+def test_a_constraint_starts_after_the_thinking(compiler):
+    from mlxd.tokenizer_proc.constraints import after_thinking
+
+    grammar = compiler.compile(parse_response_format({"type": "regex", "regex": "[0-9]{3}"}))
+    free = after_thinking(grammar, opened=False)
+    assert _accepts(compiler, free, "<think>first {[ some\nthought</think>123")
+    assert _accepts(compiler, free, "123")              # no thinking at all
+    assert not _accepts(compiler, free, "<think>no end123")
+    assert not _accepts(compiler, free, "<think>x</think>12a")
+    opened = after_thinking(grammar, opened=True)       # the prompt opened the block
+    assert _accepts(compiler, opened, "thinking...</think>123")
+    assert not _accepts(compiler, opened, "123")
+    assert _accepts(compiler, grammar, "123") and not _accepts(compiler, grammar, "<think>")

@@ -133,3 +133,20 @@ def test_required_calls_carry_the_grammar_of_a_call(core):
         "tools": [TIME], "tool_choice": "required",
         "response_format": {"type": "json_object"}}), got.append)
     assert got[-1].code == "invalid_request" and "response_format" in got[-1].message
+
+
+def test_a_reasoning_models_constraint_starts_after_its_thinking(core):
+    def grammar(rid, **fields):
+        got = []
+        [req] = core.submit("client", GenerateRequest(rid, **fields), got.append)
+        assert got == []
+        return req.sampling.grammar
+
+    ask = [{"role": "user", "content": "Time?"}]
+    as_json = {"response_format": {"type": "json_object"}}
+    assert "think_text" in grammar("a", messages=ask, params=as_json)   # may think first
+    assert "think_text" not in grammar("b", prompt="Time?", params=as_json)   # raw text
+    forced = {"tools": [TIME], "tool_choice": "required"}
+    assert "think_text" in grammar("c", messages=ask, params=forced)
+    assert "think_text" not in grammar("d", messages=ask, params={**forced,   # turned off
+                                                                  "enable_thinking": False})
