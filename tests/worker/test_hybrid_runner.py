@@ -2,14 +2,11 @@
 alone, longer than the window, in chunks (state carried in a state slot), with
 overlap on and off."""
 
-import itertools
-
 import pytest
 
+import test_model_runner
 from mlxd.protocol import PrefillInput, SamplingParams, Step
-from support import PROMPTS, encode, load_reference, reference_tokens
-from mlxd.worker_proc.kv_pool import KVPool
-from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
+from support import PROMPTS, encode, reference_tokens
 
 MAX_TOKENS = 12
 WINDOWED = ["gemma3_text", "gpt_oss"]
@@ -17,32 +14,11 @@ RECURRENT = ["qwen3_next", "lfm2", "mamba2", "falcon_h1", "granitemoehybrid"]
 LONG = " ".join(PROMPTS)   # longer than the test models' 8-token windows
 
 
-class Driver:
+class Driver(test_model_runner.Driver):
     """Plays the scheduler: books token slots and state slots, records the tokens."""
 
     def __init__(self, model_path: str, overlap: bool = False, state_slots: int = 16):
-        model, _ = load_reference(model_path)
-        self.runner = ModelRunner(model, KVPool(probe_geometry(model), 8192, state_slots),
-                                  overlap=overlap)
-        self.slots = itertools.count(1)
-        self.step_id = itertools.count(1)
-        self.running: list[int] = []
-        self.slot_ids: dict[int, list[int]] = {}
-        self.out: dict[int, list[tuple[int, float]]] = {}
-
-    def new_slots(self, rid: int, n: int) -> list[int]:
-        slots = [next(self.slots) for _ in range(n)]
-        self.slot_ids.setdefault(rid, []).extend(slots)
-        return slots
-
-    def step(self, prefills=(), releases=()):
-        self.running = [r for r in self.running if r not in releases]
-        decode_slots = [self.new_slots(rid, 1)[0] for rid in self.running]
-        result = self.runner.run(Step(next(self.step_id), list(self.running), decode_slots,
-                                      list(prefills), list(releases)))
-        for rid, tok, lp in zip(result.rids, result.tokens, result.logprobs):
-            self.out.setdefault(rid, []).append((tok, lp))
-        self.running += [p.rid for p in prefills if p.needs_logits]
+        super().__init__(model_path, overlap=overlap, state_slots=state_slots)
 
     def prefill(self, rid, ids, prefix=(), needs_logits=True, state_from=0, state_slot=0):
         return PrefillInput(rid, ids, list(prefix), self.new_slots(rid, len(ids)),

@@ -19,10 +19,12 @@ MAX_TOKENS = 20
 class Driver:
     """Plays the scheduler: hands out slot ids and records what comes back."""
 
-    def __init__(self, model_path: str, capacity: int = 8192):
+    def __init__(self, model_path: str, capacity: int = 8192, overlap: bool = False,
+                 state_slots: int = 0):
         model, _ = load_reference(model_path)
         self.model = model
-        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity))
+        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity, state_slots),
+                                  overlap=overlap)
         self.slots = itertools.count(1)
         self.step_id = itertools.count(1)
         self.running: list[int] = []
