@@ -30,7 +30,7 @@ from mlxd.protocol import Decoder, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime import keys
 from mlxd.runtime.flags import WORKER, WORKER_RESTART_WINDOW_SECONDS, ServerFlags
-from mlxd.runtime.lifecycle import die_with_parent
+from mlxd.runtime.lifecycle import die_with_parent, pid_alive
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
 from mlxd.worker_proc.main import WorkerConfig
@@ -137,7 +137,7 @@ def remove_stale_ipc_dirs(folder: str) -> list[str]:
     removed = []
     for path in glob.glob(os.path.join(folder, IPC_PREFIX + "*")):
         pid = _recorded_pid(path)
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -149,16 +149,6 @@ def _recorded_pid(path: str) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # someone else's live process
-        return True
-    return True
 
 
 class RestartBudget:

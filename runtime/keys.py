@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from .lifecycle import pid_alive
+
 KEY_CHARS = 40
 RUNTIME_ENV = "MLXD_RUNTIME_DIR"   # overrides where local servers publish their keys
 SERVER_KEY_ENV = "MLXD_SERVER_KEY"
@@ -152,22 +154,10 @@ def _read_record(path: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def local_server_key(port: int) -> bytes | None:
     """The public key this user's live server on `port` published, if any."""
     record = _read_record(_published(port))
-    if not _alive(record.get("pid")):
+    if not pid_alive(record.get("pid")):
         return None
     try:
         return parse_key(record.get("public_key", ""))

@@ -61,6 +61,20 @@ def drain(wakeup: socket.socket) -> None:
         pass
 
 
+def pid_alive(pid) -> bool:
+    """Whether `pid` (a positive int; anything else is not) names a live process,
+    ours or another user's."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's live process
+        return True
+    return True
+
+
 def _set_linux_pdeathsig() -> None:
     try:
         import ctypes
