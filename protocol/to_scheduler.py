@@ -103,6 +103,10 @@ class WorkerLimits:
     state_slot_bytes: int = wire(Int(minimum=0), default=0)
     # the sliding windows of the model's attention layers, one per windowed layer
     window_sizes: list[int] = wire(List(Int(minimum=1)), default_factory=list)
+    # Window pool (0: none, windowed layers' KV sits in the KV pool): slots for the
+    # sliding-window layers' KV, booked by the scheduler per token like KV slots but
+    # held only for the `window_sizes` positions before a point that needs them
+    window_capacity: int = wire(Int(minimum=0), default=0)
 
 
 @message

@@ -94,11 +94,22 @@ class PrefillInput:
     state_from: int = wire(Int(minimum=0), default=0)
     state_slot: int = wire(Int(minimum=0), default=0)
     snapshot_slot: int = wire(Int(minimum=0), default=0)
+    # Models with sliding-window layers and a window pool (window slots booked by the
+    # scheduler; empty lists otherwise): per prefix and per new token, the window
+    # slot holding that position's window-layer KV. 0: not held (a prefix position
+    # older than the window, which the window mask never reaches and which reads as
+    # zeros), or not to be stored (a new token the scheduler frees at once).
+    prefix_window_ids: list[int] = wire(List(Int(minimum=0)), default_factory=list)
+    new_window_ids: list[int] = wire(List(Int(minimum=0)), default_factory=list)
 
     def check(self):
         if not self.input_ids or len(self.input_ids) != len(self.new_slot_ids):
             raise ProtocolError(f"prefill {self.rid}: input_ids and new_slot_ids must be "
                                 "non-empty and of equal length")
+        if self.new_window_ids and (len(self.new_window_ids) != len(self.new_slot_ids) or
+                                    len(self.prefix_window_ids) != len(self.prefix_slot_ids)):
+            raise ProtocolError(f"prefill {self.rid}: window ids must match the slot ids "
+                                "one for one")
 
 
 @message
@@ -113,7 +124,11 @@ class Step:
     decode_slot_ids: list[int] = wire(List(Int()), default_factory=list)
     prefills: list[PrefillInput] = wire(List(Struct(PrefillInput)), default_factory=list)
     releases: list[int] = wire(List(Int()), default_factory=list)
+    # with a window pool: each decode row's window slot for its input token
+    decode_window_ids: list[int] = wire(List(Int(minimum=0)), default_factory=list)
 
     def check(self):
         if len(self.decode_rids) != len(self.decode_slot_ids):
             raise ProtocolError("decode_rids and decode_slot_ids differ in length")
+        if self.decode_window_ids and len(self.decode_window_ids) != len(self.decode_rids):
+            raise ProtocolError("decode_rids and decode_window_ids differ in length")

@@ -32,7 +32,8 @@ LIMITS = WorkerLimits(kv_capacity=4096, decode_cache_tokens=16384, max_context=2
                       vocab_size=32000, bytes_per_token=2**14, kv_pool_bytes=4097 * 2**14,
                       weights_bytes=2**28, buffer_cache_bytes=0, kv_dtype="mlx.core.float16",
                       device="Device(cpu, 0)", blas="/usr/lib/libopenblas.so.0",
-                      quantized=True, dequantize=False, overlap=True)
+                      quantized=True, dequantize=False, overlap=True, window_sizes=[512],
+                      window_capacity=2048)
 TIMING = StepTiming(compute_ms=12.25, wait_ms=0.5, idle_ms=0.0, ahead_wait_ms=0.75,
                     chained=True, active_memory=2**33, peak_memory=2**34)
 
@@ -69,6 +70,9 @@ SAMPLES = [
     Step(7, decode_rids=[1, 2], decode_slot_ids=[30, 31], prefills=[PREFILL],
          releases=[4, 5]),
     Step(8, prefills=[PREFILL, RESUMED, PrefillInput(5, [1], [7], [8], SamplingParams())]),
+    Step(9, decode_rids=[1], decode_slot_ids=[30], decode_window_ids=[3],
+         prefills=[PrefillInput(5, [1, 2], [7], [8, 9], SamplingParams(),
+                                prefix_window_ids=[4], new_window_ids=[0, 5])]),
     StepResult(1, [], [], []),
     StepResult(2, [1, 2], [5, 6], [-0.25, -3.5], top_logprobs=[None, [[6, 5], [-3.5, -4.0]]],
                timing=StepTiming(compute_ms=1.5)),
@@ -217,7 +221,7 @@ def good_sampling():
 
 
 def good_prefill():
-    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0]
+    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0, [], []]
 
 
 def good_entry():
@@ -304,30 +308,30 @@ WRONG_TYPES = [
     (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, [1])]),
     (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, {"prompt_tokens": 1})]),
     (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 6, 0)]),
-    (Step, [1, [1], [2], [], []], 0, "1"),
-    (Step, [1, [1], [2], [], []], 0, None),
-    (Step, [1, [1], [2], [], []], 1, [True]),
-    (Step, [1, [1], [2], [], []], 1, "1"),
-    (Step, [1, [1], [2], [], []], 2, [2.0]),
-    (Step, [1, [1], [2], [], []], 3, None),
-    (Step, [1, [1], [2], [], []], 3, [None]),
-    (Step, [1, [1], [2], [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
-    (Step, [1, [1], [2], [], []], 3, [good_prefill() + [0]]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 0, "3")]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 1, "ab")]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 2, None)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 4, None)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 5, 1)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 5, None)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, -1)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, 1.0)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, True)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, None)]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, "2")]),
-    (Step, [1, [1], [2], [], []], 3, [replace(good_prefill(), 6, [2])]),
-    (Step, [1, [1], [2], [], []], 4, None),
-    (Step, [1, [1], [2], [], []], 4, [1.0]),
+    (Step, [1, [1], [2], [], [], []], 0, "1"),
+    (Step, [1, [1], [2], [], [], []], 0, None),
+    (Step, [1, [1], [2], [], [], []], 1, [True]),
+    (Step, [1, [1], [2], [], [], []], 1, "1"),
+    (Step, [1, [1], [2], [], [], []], 2, [2.0]),
+    (Step, [1, [1], [2], [], [], []], 3, None),
+    (Step, [1, [1], [2], [], [], []], 3, [None]),
+    (Step, [1, [1], [2], [], [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
+    (Step, [1, [1], [2], [], [], []], 3, [good_prefill() + [0]]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 0, "3")]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 1, "ab")]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 2, None)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 4, None)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 5, 1)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 5, None)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 6, -1)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 6, 1.0)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 6, True)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 6, None)]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 6, "2")]),
+    (Step, [1, [1], [2], [], [], []], 3, [replace(good_prefill(), 6, [2])]),
+    (Step, [1, [1], [2], [], [], []], 4, None),
+    (Step, [1, [1], [2], [], [], []], 4, [1.0]),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 0, 1.0),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 1, "1"),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing()], 1, [None]),
@@ -351,7 +355,7 @@ SAMPLING_FIELD_BAD = [(0, "0.5"), (0, None), (0, True), (1, None), (1, [1.0]), (
                       (4, True), (5, 1.0), (5, None), (5, True), (12, 7), (12, ["g"])]
 WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, []], 2,
                  replace(good_sampling(), i, v)) for i, v in SAMPLING_FIELD_BAD]
-WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], []], 3,
+WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], [], []], 3,
                  [replace(good_prefill(), 4, replace(good_sampling(), i, v))])
                 for i, v in SAMPLING_FIELD_BAD]
 # the worker's step timing: figures of the wrong type are refused, not left out
@@ -406,15 +410,31 @@ def test_aligned_step_result_with_top_logprobs_is_accepted():
     ([5, 6], [10]), ([5], [10, 11]), ([], []), ([5, 6], []), ([], [10]),
 ])
 def test_prefill_lengths_must_match(input_ids, new_slot_ids):
-    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], [], 0, 0, 0]
+    prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], [], 0, 0, 0,
+               [], []]
     with pytest.raises(ProtocolError, match="equal length"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], []])
+
+
+@pytest.mark.parametrize("prefix_windows,new_windows", [
+    ([], [1]), ([4], [1]), ([], [1, 2, 3]), ([4, 5], [1, 2]),
+])
+def test_prefill_window_ids_must_match_slot_ids(prefix_windows, new_windows):
+    prefill = [3, [5, 6], [9], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0,
+               prefix_windows, new_windows]
+    with pytest.raises(ProtocolError, match="window ids"):
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], []])
+
+
+def test_decode_window_ids_must_match_rows():
+    with pytest.raises(ProtocolError, match="decode_window_ids"):
+        decode_as(Step, [Step.TAG, 1, [1, 2], [5, 6], [], [], [7]])
 
 
 @pytest.mark.parametrize("num_generated", [0, 1, 7, 2**31, 2**63 - 1])
 def test_prefill_num_generated_in_range_is_accepted(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], []])
     assert step.prefills[0].num_generated == num_generated
     assert step.prefills[0].to_wire() == prefill
 
@@ -422,7 +442,7 @@ def test_prefill_num_generated_in_range_is_accepted(num_generated):
 def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context():
     p = PrefillInput(3, [5], [], [10], SamplingParams())
     assert p.num_generated == 0 and p.needs_logits is True
-    assert p.to_wire()[6] == 0 and p.to_wire()[7:] == [[], [], [], 0, 0, 0]
+    assert p.to_wire()[6] == 0 and p.to_wire()[7:] == [[], [], [], 0, 0, 0, [], []]
     assert RESUMED.to_wire()[6] == 2**40
 
 
@@ -430,7 +450,7 @@ def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context
 def test_prefill_negative_num_generated_is_rejected(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
     with pytest.raises(ProtocolError, match="num_generated"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], []])
 
 
 def test_step_decode_rids_and_slots_must_match():
@@ -457,7 +477,7 @@ def test_out_of_range_sampling_params(index, value):
         decode_as(TokenizedRequest, [30, 1, [1], replace(good_sampling(), index, value), 4, []])
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], []])
 
 
 @pytest.mark.parametrize("index,value", [
@@ -468,7 +488,7 @@ def test_in_range_sampling_params_are_accepted(index, value):
     msg = decode_as(TokenizedRequest, [30, 1, [1], replace(good_sampling(), index, value), 4, []])
     assert msg.sampling.to_wire()[index] == value
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], []])
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], []])
     assert step.prefills[0].sampling.to_wire()[index] == value
 
 
