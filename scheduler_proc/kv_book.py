@@ -13,6 +13,17 @@ tied to the tree node where that KV ends. A prefix is usable only with the state
 it ends at, so `match` cuts a match back to the deepest node with a snapshot.
 Invariant: free + held by a running request == working slots; free + in the tree
 + pending (written by a step, not yet in the tree) == snapshot slots.
+
+Models with sliding-window layers get window slots too (the worker's window pool):
+per token position like KV slots (`Request.window_ids`, parallel to `slot_ids`, 0
+where none is held), but held only where some step may still read them: the
+`window` positions before the first new token of any step (a chunk's or a resumed
+request's prefix) and before every point the tree may reuse. A request's private
+window slots older than that are freed as it advances, and new positions that are
+already older get none (the worker does not store them). So a request holds about
+`window` of them however long it runs, and the tree `window` per cached prefix end.
+`match` cuts a match back to a length whose `window` preceding positions are held.
+Invariant: free + in the tree + private to running requests == window capacity.
 """
 
 from .allocator import SlotAllocator
@@ -22,8 +33,13 @@ from .request import Request
 
 class KVBook:
     def __init__(self, capacity: int, use_tree: bool = True, state_slots: int = 0,
-                 snapshot_slots: int = 0):
+                 snapshot_slots: int = 0, window_capacity: int = 0, window: int = 0):
         self.capacity = capacity
+        # window slots: the largest sliding window of the model (0: no window pool)
+        self.window = window if window_capacity else 0
+        self.window_capacity = window_capacity if self.window else 0
+        self.windows = SlotAllocator(self.window_capacity)
+        self._holders: dict[int, Request] = {}   # requests between attach and release
         self.state_slots = state_slots
         self.snapshot_slots = snapshot_slots if use_tree else 0
         self._free_states = list(range(state_slots, 0, -1))
@@ -32,8 +48,8 @@ class KVBook:
         # Eviction walks the whole tree: free a batch at a time, not one slot per step.
         self.evict_batch = max(1, min(256, capacity // 64))
         self.allocator = SlotAllocator(capacity)
-        self.tree = (RadixCache(self.allocator.free, self._free_snapshots.append)
-                     if use_tree else None)
+        self.tree = (RadixCache(self.allocator.free, self._free_snapshots.append,
+                                self.windows.free) if use_tree else None)
 
     # ---- capacity ---------------------------------------------------------------
 
@@ -42,12 +58,42 @@ class KVBook:
         """Slots that can be had now: free, or evictable from the tree."""
         return self.allocator.num_free + (self.tree.evictable_size if self.tree else 0)
 
-    def make_room(self, n: int) -> bool:
-        """Ensure `n` free slots, evicting unlocked tree leaves if needed."""
+    @property
+    def available_windows(self) -> int:
+        """Window slots that can be had now: free, or kept by the tree and read by
+        no running request (each may read up to `window + 1` of the tree's)."""
+        if not self.tree:
+            return self.windows.num_free
+        reading = sum(min(self.window + 1, r.prefix_len) for r in self._holders.values())
+        return self.windows.num_free + max(0, self.tree.num_windows - reading)
+
+    def window_need(self, n: int) -> int:
+        """Window slots one request's next `n` tokens take at most."""
+        return min(n, self.window + 1)
+
+    def can_have(self, n: int, windows: int = 0) -> bool:
+        """`n` slots and `windows` window slots can be had (evicting if need be)."""
+        return self.available >= n and (not self.window or self.available_windows >= windows)
+
+    def make_room(self, n: int, windows: int = 0) -> bool:
+        """Ensure `n` free slots and `windows` free window slots (with a window
+        pool), evicting unlocked tree leaves if needed."""
+        windows = windows if self.window else 0
         short = n - self.allocator.num_free
-        if short > 0 and self.tree:
-            self.tree.evict(max(short, self.evict_batch))
-        return self.allocator.num_free >= n
+        short_windows = windows - self.windows.num_free
+        if (short > 0 or short_windows > 0) and self.tree:
+            self.tree.evict(max(short, self.evict_batch) if short > 0 else 0,
+                            max(short_windows, self.evict_batch) if short_windows > 0 else 0)
+            short_windows = windows - self.windows.num_free
+            if short_windows > 0:   # then windows of locked nodes no request reads
+                self.tree.drop_windows(short_windows, self._windows_read())
+        return self.allocator.num_free >= n and self.windows.num_free >= windows
+
+    def _windows_read(self) -> set[int]:
+        """The window slots a running request's next step may read."""
+        keep = self.window + 1
+        return {w for r in self._holders.values()
+                for w in r.window_ids[max(0, len(r.window_ids) - keep):] if w}
 
     def allocate(self, n: int) -> list[int]:
         """`n` free slots that belong to no request (call make_room first)."""
@@ -56,6 +102,8 @@ class KVBook:
     def extend(self, req: Request, n: int) -> list[int]:
         """`n` new private slots for the request's next `n` tokens, appended to its
         `slot_ids` (call make_room first). Returns them."""
+        if self.window:
+            self._extend_windows(req, n)
         slots = self.allocator.allocate(n)
         req.slot_ids += slots
         return slots
@@ -63,10 +111,43 @@ class KVBook:
     def extend_each(self, reqs: list[Request]) -> list[int]:
         """One new private slot for each request's next token (a decode step).
         Returns them in the order of `reqs`."""
+        if self.window:
+            for req in reqs:
+                self._extend_windows(req, 1)
         slots = self.allocator.allocate(len(reqs))
         for req, slot in zip(reqs, slots):
             req.slot_ids.append(slot)
         return slots
+
+    # ---- window slots ---------------------------------------------------------------
+
+    def _extend_windows(self, req: Request, n: int) -> None:
+        """Window slots for the request's next `n` positions: only for those among the
+        last `window + 1` of its new length (a point and the one before it stay
+        extendable: a match stops one token short of a repeated prompt's end). Its
+        private ones older than the `window + 1` before this step's first new position
+        are freed: no step reads them again."""
+        start, keep = len(req.window_ids), self.window + 1
+        fresh = self.windows.allocate(min(n, keep))
+        req.window_ids += [0] * (n - len(fresh)) + fresh
+        stale_end = start - keep
+        begin = max(req.prefix_len, req.window_floor)
+        if stale_end > begin:
+            stale = [w for w in req.window_ids[begin:stale_end] if w]
+            req.window_ids[begin:stale_end] = [0] * (stale_end - begin)
+            self.windows.free(stale)
+        req.window_floor = max(req.window_floor, stale_end)
+
+    def usable_prefix(self, windows: list[int]) -> int:
+        """The longest length L <= len(windows) whose `window` preceding positions all
+        have window KV (a prefix the worker can extend)."""
+        end = len(windows)
+        while end > 0:
+            zeros = [i for i in range(max(0, end - self.window), end) if not windows[i]]
+            if not zeros:
+                return end
+            end = zeros[-1]
+        return 0
 
     # ---- state slots ----------------------------------------------------------------
 
@@ -111,10 +192,16 @@ class KVBook:
         if not self.tree or not tokens:
             return [], None
         slots, node = self.tree.match_prefix(tokens)
-        if self.needs_state:   # back to the deepest node whose state is kept
-            while node is not self.tree.root and not node.snapshot:
-                slots, node = slots[:len(slots) - len(node.value)], node.parent
-        return slots, node
+        while True:
+            if self.needs_state:   # back to the deepest node whose state is kept
+                while node is not self.tree.root and not node.snapshot:
+                    slots, node = slots[:len(slots) - len(node.value)], node.parent
+            if not self.window:
+                return slots, node
+            usable = self.usable_prefix(self.tree.path_windows(node))
+            if usable == len(slots):
+                return slots, node
+            slots, node = self.tree.match_prefix(tokens[:usable])   # ends on a node
 
     def attach_prefix(self, req: Request, slots: list[int], node: Node | None) -> None:
         """The request starts from a cached prefix: lock it, refer to its slots (and,
@@ -123,6 +210,10 @@ class KVBook:
             self.tree.lock(node)
         req.last_node, req.prefix_len, req.slot_ids = node, len(slots), list(slots)
         req.state_from = node.snapshot if slots else 0
+        if self.window:
+            req.window_ids = self.tree.path_windows(node) if slots else []
+            req.window_floor = 0
+            self._holders[req.rid] = req
 
     def cache_progress(self, req: Request) -> None:
         """Put everything the request has computed into the tree and move its lock
@@ -130,14 +221,19 @@ class KVBook:
         if not self.tree:
             return
         tokens = req.all_ids[:len(req.slot_ids)]
-        already = self.tree.insert(tokens, req.slot_ids)
+        already = self.tree.insert(tokens, req.slot_ids, req.window_ids)
         self.allocator.free(req.slot_ids[req.prefix_len:already])   # duplicates
+        if self.window:   # the tree takes the duplicates' window slots where it has none
+            private = [0] * req.prefix_len + req.window_ids[req.prefix_len:already]
+            self.windows.free(self.tree.adopt_windows(tokens, private, already))
         slots, node = self.tree.match_prefix(tokens)
         self._place_snapshot(req, node)
         self.tree.lock(node)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len, req.slot_ids = node, len(slots), slots
+        if self.window:
+            req.window_ids = self.tree.path_windows(node)
 
     def release(self, req: Request, keep: bool) -> None:
         """The request stops running: its KV goes to the tree (`keep`, when the KV
@@ -146,9 +242,12 @@ class KVBook:
             self.cache_progress(req)
         else:
             self.allocator.free(req.slot_ids[req.prefix_len:])
+            self.windows.free([w for w in req.window_ids[req.prefix_len:] if w])
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len, req.slot_ids = None, 0, []
+        req.window_ids, req.window_floor = [], 0
+        self._holders.pop(req.rid, None)
         if req.state_slot:
             self._free_states.append(req.state_slot)
             req.state_slot = 0
@@ -170,7 +269,11 @@ class KVBook:
                    "snapshot_slots": self.snapshot_slots,
                    "snapshots": tree.num_snapshots if tree else 0}
                   if self.needs_state else {})
-        return {**states,
+        windows = ({"window_slots": self.window_capacity,
+                    "free_window_slots": self.windows.num_free,
+                    "cached_window_slots": tree.num_windows if tree else 0}
+                   if self.window else {})
+        return {**states, **windows,
             "capacity": self.capacity, "free_slots": self.allocator.num_free,
             "cached_slots": tree.total_size if tree else 0,
             "evictable_slots": tree.evictable_size if tree else 0,
@@ -192,6 +295,7 @@ class KVBook:
             f"{len(private)} != capacity {self.capacity}")
         for r in running:
             assert r.prefix_len == 0 or r.last_node is not None
+        self._check_windows(running)
         held = [r.state_slot for r in running if r.state_slot]
         assert len(held) + len(self._free_states) == self.state_slots, "a state slot is lost"
         assert len(set(held + self._free_states)) == self.state_slots, "a state slot is held twice"
@@ -201,3 +305,17 @@ class KVBook:
         assert sorted(snapshots) == list(range(self.state_slots + 1,
                                                self.state_slots + self.snapshot_slots + 1)), \
             "a snapshot slot is lost or held twice"
+
+    def _check_windows(self, running: list[Request]) -> None:
+        self.windows.check_integrity()
+        for r in running:
+            assert len(r.window_ids) == (len(r.slot_ids) if self.window else 0), \
+                "window ids and slot ids differ in length"
+        private = [w for r in running for w in r.window_ids[r.prefix_len:] if w]
+        cached = self.tree.all_windows() if self.tree else []
+        assert len(set(private)) == len(private), "a private window slot is held twice"
+        assert not set(private) & set(cached), "a window slot is both private and cached"
+        total = self.windows.num_free + len(private) + len(cached)
+        assert total == self.window_capacity, (
+            f"window slots: free {self.windows.num_free} + cached {len(cached)} + private "
+            f"{len(private)} != {self.window_capacity}")

@@ -8,6 +8,12 @@ eviction hands them back through `free_slots`.
 A node may also hold a `snapshot`: the state slot of a recurrent model's state at
 the end of its edge. It belongs to the node (freed with it through `free_snapshot`,
 or taken back earlier, LRU, by `take_lru_snapshot`).
+
+Models with a window pool also cache, per token, its window slot (`Node.windows`,
+parallel to `value`; 0 where the window-layer KV was not kept). Held window slots
+belong to the tree like KV slots and go back through `free_windows` with their node,
+or earlier, from any node, through `drop_windows` (the caller names the ones a
+running request still reads).
 """
 
 import heapq
@@ -16,9 +22,10 @@ from typing import Callable
 
 
 class Node:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "snapshot")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "snapshot",
+                 "windows", "held")
 
-    def __init__(self, parent: "Node | None" = None, key=(), value=()):
+    def __init__(self, parent: "Node | None" = None, key=(), value=(), windows=()):
         self.children: dict[int, Node] = {}
         self.parent = parent
         self.key: list[int] = list(key)      # token ids on the edge into this node
@@ -26,6 +33,9 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.snapshot = 0   # state slot of the state at the end of the edge (0: none)
+        # window pool: their window slots (0: not kept; empty without a window pool)
+        self.windows: list[int] = list(windows)
+        self.held = len(self.windows) - self.windows.count(0)   # window slots kept
 
     def __lt__(self, other: "Node") -> bool:   # heap order: least recently used first
         return self.last_access < other.last_access
@@ -41,10 +51,13 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 class RadixCache:
     def __init__(self, free_slots: Callable[[list[int]], None],
-                 free_snapshot: Callable[[int], None] = lambda slot: None):
+                 free_snapshot: Callable[[int], None] = lambda slot: None,
+                 free_windows: Callable[[list[int]], None] = lambda slots: None):
         self._free_slots = free_slots
         self._free_snapshot = free_snapshot
+        self._free_windows = free_windows
         self.num_snapshots = 0
+        self.num_windows = 0   # window slots the tree keeps
         self._clock = itertools.count(1)
         self.root = Node()
         self.root.lock_ref = 1
@@ -64,19 +77,49 @@ class RadixCache:
         node, _, slots, _ = self._walk(tokens)
         return slots, node
 
-    def insert(self, tokens: list[int], slots: list[int]) -> int:
-        """Cache `slots` for `tokens`. Returns how many leading tokens were already
-        cached: the caller still owns `slots[:that]` and must free the ones that
-        are not the tree's own (duplicates computed while the prefix was cached)."""
-        assert len(tokens) == len(slots)
+    def insert(self, tokens: list[int], slots: list[int], windows: list[int] = ()) -> int:
+        """Cache `slots` (and their `windows`, with a window pool) for `tokens`.
+        Returns how many leading tokens were already cached: the caller still owns
+        `slots[:that]` and `windows[:that]` and must free the ones that are not the
+        tree's own (duplicates computed while the prefix was cached)."""
+        assert len(tokens) == len(slots) and len(windows) in (0, len(slots))
         node, i, _, now = self._walk(tokens)
         if i < len(tokens):
-            leaf = Node(node, tokens[i:], slots[i:])
+            leaf = Node(node, tokens[i:], slots[i:], windows[i:])
             leaf.last_access = now
             node.children[tokens[i]] = leaf
             self.evictable_size += len(leaf.value)
+            self.num_windows += leaf.held
             self.version += 1
         return i
+
+    def adopt_windows(self, tokens: list[int], windows: list[int], n: int) -> list[int]:
+        """Positions [0, n) of `tokens` are cached: where the tree kept no window
+        slot and `windows` has one, the tree takes it. Returns the rest of
+        `windows[:n]` (held elsewhere already: the caller frees them)."""
+        node, i, left = self.root, 0, []
+        while i < n:
+            node = node.children[tokens[i]]
+            for j in range(len(node.key)):
+                w = windows[i + j] if i + j < n else 0
+                if w and not node.windows[j]:
+                    node.windows[j] = w
+                    node.held += 1
+                    self.num_windows += 1
+                    self.version += 1
+                elif w:
+                    left.append(w)
+            i += len(node.key)
+        return left
+
+    @staticmethod
+    def path_windows(node: Node) -> list[int]:
+        """The window slots of the prefix ending at `node`, root first."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.windows)
+            node = node.parent
+        return [w for part in reversed(parts) for w in part]
 
     def touch(self, node: Node) -> None:
         """Mark the path root..node as just used (LRU), as a match would."""
@@ -104,10 +147,12 @@ class RadixCache:
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; return the new upper node."""
         parent = child.parent
-        upper = Node(parent, child.key[:n], child.value[:n])
+        upper = Node(parent, child.key[:n], child.value[:n], child.windows[:n])
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         parent.children[upper.key[0]] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        child.windows = child.windows[n:]
+        child.held -= upper.held
         upper.children[child.key[0]] = child
         return upper
 
@@ -133,8 +178,11 @@ class RadixCache:
         return slot
 
     def _drop(self, node: Node) -> None:
-        """Hand a removed node's slots and snapshot back."""
+        """Hand a removed node's slots, window slots and snapshot back."""
         self._free_slots(node.value)
+        if node.held:
+            self._free_windows([w for w in node.windows if w])
+            self.num_windows -= node.held
         if node.snapshot:
             self._free_snapshot(node.snapshot)
             self.num_snapshots -= 1
@@ -161,19 +209,21 @@ class RadixCache:
 
     # ---- eviction ---------------------------------------------------------------
 
-    def evict(self, n: int) -> int:
-        """Free at least `n` slots from unlocked leaves, least recently used first
-        (fewer if not enough are unlocked). Returns the number freed."""
+    def evict(self, n: int, windows: int = 0) -> int:
+        """Free at least `n` slots and `windows` window slots from unlocked leaves,
+        least recently used first (fewer if not enough are unlocked). Returns the
+        number of slots freed."""
         heap = [node for node in self._nodes() if not node.children and node.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
-        while freed < n and heap:
+        freed = freed_windows = 0
+        while (freed < n or freed_windows < windows) and heap:
             leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             self._drop(leaf)
             self.evictable_size -= len(leaf.value)
             freed += len(leaf.value)
+            freed_windows += leaf.held
             self.version += 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
@@ -188,6 +238,24 @@ class RadixCache:
         self.evictable_size = 0
         self.version += 1
 
+    def drop_windows(self, n: int, needed: set[int]) -> int:
+        """Free at least `n` window slots, least recently used nodes first, locked
+        or not, but none in `needed`; their KV slots stay. Returns the number freed."""
+        heap = [node for node in self._nodes() if node.held]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n and heap:
+            node = heapq.heappop(heap)
+            dropped = [w for w in node.windows if w and w not in needed]
+            if dropped:
+                node.windows = [0 if w and w not in needed else w for w in node.windows]
+                node.held -= len(dropped)
+                self.num_windows -= len(dropped)
+                self._free_windows(dropped)
+                freed += len(dropped)
+                self.version += 1
+        return freed
+
     # ---- checks -----------------------------------------------------------------
 
     def _nodes(self):
@@ -200,23 +268,33 @@ class RadixCache:
     def all_slots(self) -> list[int]:
         return [s for node in self._nodes() for s in node.value]
 
+    def all_windows(self) -> list[int]:
+        """Every window slot the tree keeps."""
+        return [w for node in self._nodes() for w in node.windows if w]
+
     def all_snapshots(self) -> list[int]:
         return [node.snapshot for node in self._nodes() if node.snapshot]
 
     def check_integrity(self) -> None:
-        evictable = protected = 0
+        evictable = protected = windows_held = 0
         for node in self._nodes():
             assert node.key and len(node.key) == len(node.value), "empty or ragged edge"
+            assert len(node.windows) in (0, len(node.value)), "ragged window slots"
+            assert node.held == len(node.windows) - node.windows.count(0), "window count"
             assert node.parent.children.get(node.key[0]) is node, "broken parent link"
             assert node.lock_ref >= 0
             assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root, \
                 "a child is locked more than its parent"
+            windows_held += node.held
             if node.lock_ref:
                 protected += len(node.value)
             else:
                 evictable += len(node.value)
         assert (evictable, protected) == (self.evictable_size, self.protected_size), \
             f"sizes {(self.evictable_size, self.protected_size)} != {(evictable, protected)}"
+        assert windows_held == self.num_windows, "window count"
+        windows = self.all_windows()
+        assert len(set(windows)) == len(windows), "a window slot is cached twice"
         slots = self.all_slots()
         assert len(set(slots)) == len(slots), "a slot is cached twice"
         snapshots = self.all_snapshots()

@@ -23,6 +23,10 @@ class Request:
     # KV of all_ids[:len(slot_ids)]; written by KVBook only (the slots' owner)
     slot_ids: list[int] = field(default_factory=list)
     prefix_len: int = 0          # leading slots owned by the radix tree (locked)
+    # window-pool models (KVBook writes these): per position, its window slot (0:
+    # none held); private ones before `window_floor` were freed already
+    window_ids: list[int] = field(default_factory=list)
+    window_floor: int = 0
     last_node: object = None     # the tree node this request's lock ends at
     # recurrent-state models (KVBook writes these): its working state slot (0: none),
     # the slot holding the state its KV ends at, and the snapshot its prefill in

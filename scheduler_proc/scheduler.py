@@ -43,13 +43,16 @@ class SchedulerLimits:
     vocab_size: int = 0             # the model's token ids are [0, vocab_size) (0: unchecked)
     state_slots: int = 0            # the worker's recurrent-state slots (0: the model has none)
     snapshot_slots: int = 0         # and its slots for snapshots of states (after those)
+    window_capacity: int = 0        # the worker's window pool (0: none)
+    window: int = 0                 # the largest sliding window of the model
 
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
         self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache,
-                         limits.state_slots, limits.snapshot_slots)
+                         limits.state_slots, limits.snapshot_slots,
+                         limits.window_capacity, limits.window)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests)
         self.waiting = WaitingQueue(self.kv)
@@ -133,12 +136,14 @@ class Scheduler:
         """The next Step, or None when there is nothing to send."""
         decoding = self._make_room_for_decode()
         decode_slots = self.kv.extend_each(decoding)
+        decode_windows = [r.window_ids[-1] for r in decoding] if self.kv.window else []
         prefills = self._schedule_prefills(decoding)
         if not (decoding or prefills or self._releases):
             return None
         releases, self._releases = self._releases, []
         self._step_id += 1
-        return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases)
+        return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases,
+                    decode_windows)
 
     def take_outputs(self) -> list[TokenEntry]:
         out, self._outbox = self._outbox, []
@@ -161,7 +166,7 @@ class Scheduler:
     def _make_room_for_decode(self) -> list[Request]:
         decoding = [r for r in self.running.values() if not r.prefilling]
         while decoding and not (self._width_fits(decoding) and
-                                self.kv.make_room(len(decoding))):
+                                self.kv.make_room(len(decoding), len(decoding))):
             if len(self.running) == 1:   # alone and still too big: it cannot run at all
                 req = decoding[0]
                 self._finish(req, "error", TokenEntry(req.rid, [], [], error=self._too_big(req)))
@@ -248,7 +253,7 @@ class Scheduler:
         last = start + n == req.fill_len
         if last and rows and not self._width_fits(rows, req.fill_len):
             return None   # its row would not fit the decode caches yet: wait
-        if not self.kv.make_room(n):
+        if not self.kv.make_room(n, self.kv.window_need(n)):
             return None
         return self._prefill_input(req, n)
 
@@ -269,11 +274,12 @@ class Scheduler:
         # Headroom for the running rows' next tokens; never asked of a request alone.
         alone = not self.running
         need = n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
+        windows = self.kv.window_need(n) + len(rows)   # and one per decoding row
         self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
-        if self.kv.available < need or not self.kv.take_state(req):
+        if not self.kv.can_have(need, windows) or not self.kv.take_state(req):
             self.kv.release(req, keep=False)
             return None
-        self.kv.make_room(need)
+        self.kv.make_room(need, windows)
         self.waiting.remove(req)
         req.status = Status.RUNNING
         if req.cached_tokens is None:
@@ -295,6 +301,10 @@ class Scheduler:
         p = PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
                          new_slots, req.sampling, needs_logits=done,
                          num_generated=len(req.output_ids))
+        if self.kv.window:   # only the window before the new tokens is read
+            keep = min(start, self.kv.window + 1)
+            p.prefix_window_ids = [0] * (start - keep) + req.window_ids[start - keep:start]
+            p.new_window_ids = req.window_ids[start:]
         if req.state_slot:
             # the state the prefix ends at (a snapshot, or the working slot after a
             # chunk); the state after this piece goes to the working slot if another

@@ -11,6 +11,9 @@ The Harness checks every Step twice:
 The modelled pool stores, per slot, a hash of the whole token prefix ending there, so KV
 that was overwritten while someone still used it is caught when it is read back. Between
 steps every tree node and every running request must read back its own tokens.
+With a window pool (`window_capacity`), the modelled window pool is checked the same
+way: every prefill's `window` prefix positions before its new tokens read back what
+they hold, and a request never holds more than two windows of private window slots.
 """
 
 from collections import defaultdict
@@ -69,6 +72,7 @@ class Harness:
         self.ctx: dict[int, list[int]] = {}        # rid -> tokens with KV (batch or chunks)
         self.hashes: dict[int, list[int]] = {}
         self.states: dict[int, list[int]] = {}    # state slot -> the tokens its state follows
+        self.wpool: dict[int, tuple] = {}          # window slot -> (chain hash, token)
 
     # -- driving --
     def add(self, *msgs):
@@ -122,6 +126,8 @@ class Harness:
         self.hashes.clear()
         for slot in step.decode_slot_ids + [s for p in step.prefills for s in p.new_slot_ids]:
             self.pool[slot] = ("half-written",)
+        for slot in step.decode_window_ids + [w for p in step.prefills for w in p.new_window_ids]:
+            self.wpool[slot] = ("half-written",)
         self._after()
 
     def abandon(self, step: Step, message="unresponsive"):
@@ -142,6 +148,7 @@ class Harness:
         self.ctx.clear()
         self.hashes.clear()
         self.pool.clear()
+        self.wpool.clear()
         self._after()
 
     def run_step(self) -> Step | None:
@@ -176,6 +183,9 @@ class Harness:
         cached = tree.total_size if tree is not None else 0
         assert self.s.kv.allocator.num_free + cached == self.cap
         assert tree is None or tree.protected_size == 0
+        kv = self.s.kv
+        cached_windows = len(tree.all_windows()) if tree is not None else 0
+        assert kv.windows.num_free + cached_windows == kv.window_capacity
 
     # -- checks against the scheduler's books, right after schedule() --
     def _check_books(self, step: Step, before: dict[int, set[int]]):
@@ -222,10 +232,38 @@ class Harness:
             assert not holders & set(running), f"slot {slot} is still held by {holders}"
             for r in running.values():
                 assert r.rid == owner or slot not in r.slot_ids, f"slot {slot} is shared"
+        self._check_window_books(step, before)
         rows = [running[rid] for rid in step.decode_rids]
         if rows:   # the worker's padded decode caches
             width = round_up(max(len(r.slot_ids) for r in rows))
             assert len(rows) * width <= s.decode_cache_tokens
+
+    def _check_window_books(self, step: Step, before: dict[int, set[int]]):
+        kv, running = self.s.kv, self.s.running
+        if not kv.window:
+            assert not step.decode_window_ids
+            assert all(not p.prefix_window_ids and not p.new_window_ids for p in step.prefills)
+            return
+        assert len(step.decode_window_ids) == len(step.decode_rids)
+        handed = list(step.decode_window_ids)
+        for rid, w in zip(step.decode_rids, step.decode_window_ids):
+            assert w and running[rid].window_ids[-1] == w
+        for p in step.prefills:
+            req = running[p.rid]
+            assert len(p.prefix_window_ids) == len(p.prefix_slot_ids)
+            start = len(p.prefix_window_ids)
+            reach = max(0, start - kv.window - 1)   # older positions are never read
+            assert p.new_window_ids == req.window_ids[start:]
+            assert p.prefix_window_ids[reach:] == req.window_ids[reach:start]
+            assert not any(p.prefix_window_ids[:reach]), "a window beyond reach is sent"
+            assert all(p.new_window_ids[-min(len(p.new_window_ids), kv.window + 1):])
+            handed += [w for w in p.new_window_ids if w]
+        assert len(set(handed)) == len(handed), "a window slot is handed out twice"
+        cached = set(kv.tree.all_windows()) if kv.tree else set()
+        assert not set(handed) & cached, "a window slot is handed out while cached"
+        for req in running.values():
+            private = [w for w in req.window_ids[req.prefix_len:] if w]
+            assert len(private) <= 2 * (kv.window + 1), "a request holds old window slots"
 
     # -- the stub worker --
     def _run_worker(self, step: Step) -> StepResult:
@@ -240,8 +278,10 @@ class Harness:
             # chunked request, or it was aborted while this step was in flight
             assert self.s.chunking is self.s.running.get(rid) or rid not in self.s.running
         rids, tokens = [], []
-        for rid, slot in zip(step.decode_rids, step.decode_slot_ids):
+        windows = step.decode_window_ids or [0] * len(step.decode_rids)
+        for rid, slot, window in zip(step.decode_rids, step.decode_slot_ids, windows):
             self._write(rid, [self.batch[rid]], [slot])
+            self._write_window(rid, [window])
             rids.append(rid)
             tokens.append(self.token_fn(rid, len(self.ctx[rid])))
         for p in step.prefills:
@@ -255,7 +295,9 @@ class Harness:
                             check_only=True)
             assert not set(p.new_slot_ids) & set(p.prefix_slot_ids)
             self._check_state(p)
+            self._check_window_prefix(p)
             self._write(p.rid, p.input_ids, p.new_slot_ids)
+            self._write_window(p.rid, p.new_window_ids or [0] * len(p.input_ids))
             for slot in (p.state_slot, p.snapshot_slot):
                 if slot:
                     self.states[slot] = list(self.ctx[p.rid])
@@ -282,6 +324,26 @@ class Harness:
             assert self.states.get(p.state_from) == self.ctx[p.rid], "a stale state"
         else:
             assert p.state_from == 0
+
+    def _check_window_prefix(self, p):
+        """The window before a prefill's new tokens reads back from the window pool."""
+        window = self.s.kv.window
+        if not window:
+            return
+        hashes, ctx = self.hashes[p.rid], self.ctx[p.rid]
+        assert len(hashes) == len(p.prefix_window_ids)
+        for i in range(max(0, len(hashes) - window), len(hashes)):
+            w = p.prefix_window_ids[i]
+            assert w, f"prefix position {i} of {p.rid} has no window KV"
+            assert self.wpool.get(w) == (hashes[i], ctx[i]), f"window slot {w} is stale"
+
+    def _write_window(self, rid, windows):
+        """The window KV of the positions just written (the last len(windows))."""
+        hashes, ctx = self.hashes[rid], self.ctx[rid]
+        n = len(windows)
+        for w, h, token in zip(windows, hashes[-n:], ctx[-n:]):
+            if w:
+                self.wpool[w] = (h, token)
 
     def _read(self, slots) -> list[int]:
         """The tokens a run of pool slots holds, checking it is one consistent prefix."""
@@ -345,12 +407,21 @@ class Harness:
                 node, h = stack.pop()
                 for child in node.children.values():
                     hh = h
-                    for token, slot in zip(child.key, child.value):
+                    windows = child.windows or [0] * len(child.key)
+                    for token, slot, w in zip(child.key, child.value, windows):
                         hh = chain(hh, token)
                         assert self.pool.get(slot) == (hh, token), f"cached slot {slot} is stale"
+                        assert not w or self.wpool.get(w) == (hh, token), f"window {w} is stale"
                     stack.append((child, hh))
         for req in self.s.running.values():
             assert self._read(req.slot_ids) == req.all_ids[:len(req.slot_ids)]
+            # its private window slots and the ones its next step reads (older ones in
+            # its view may have been dropped by the tree since)
+            h, reads = 0, len(req.window_ids) - self.s.kv.window - 1
+            for i, (token, w) in enumerate(zip(req.all_ids, req.window_ids)):
+                h = chain(h, token)
+                if w and (i >= req.prefix_len or i >= reads):
+                    assert self.wpool.get(w) == (h, token), f"window {w} is stale"
 
 
 def prefilled(step) -> list[int]:
