@@ -140,7 +140,7 @@ class AsyncClient:
                        **params) -> Result | list[Result]:
         """Run one request to its end. `params` use OpenAI's names: max_tokens,
         temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-        logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
+        skip_special_tokens (default true: special tokens' text is left out), logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias ({token id: bias}), min_tokens, n,
         response_format (OpenAI's `{"type": "json_object"}` or `{"type": "json_schema",
         "json_schema": {"name", "schema", "strict"}}`, or `{"type": "regex", "regex"}`,

@@ -368,7 +368,9 @@ class TokenizerCore:
         tools = params.chat.tools if params.chat.calls_tools else None
         parser = self.syntax.parser(tools, pending.req.messages is not None, pending.thinking)
         decode = self.codec.decode
-        if parser is not None:
+        if not params.skip_special_tokens:
+            decode = self.codec.decode_all
+        elif parser is not None:
             if self._marked_decode is None:
                 self._marked_decode = self.codec.decoder_keeping(self.syntax.markers)
             decode = self._marked_decode

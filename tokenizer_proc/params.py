@@ -38,6 +38,7 @@ class RequestParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    skip_special_tokens: bool = True   # special tokens are left out of the text
     timeout: float | None = None   # seconds the whole request may take, server-side
     n: int = 1                     # choices: samples of the same prompt
     chat: ChatOptions = field(default_factory=ChatOptions)   # tools, template kwargs
@@ -71,8 +72,8 @@ def _integer(params, name, default, lo, hi):
     return value
 
 
-def _flag(params, name):
-    value = params.get(name, False)
+def _flag(params, name, default=False):
+    value = params.get(name, default)
     if type(value) is not bool:
         raise InvalidRequest(f"{name} must be true or false, got {value!r}")
     return value
@@ -181,7 +182,7 @@ def _penalties(params) -> dict:
 
 
 KNOWN = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "timeout",
+                   "stop_token_ids", "ignore_eos", "skip_special_tokens", "logprobs", "top_logprobs", "timeout",
                    "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "logit_bias", "min_tokens", "n", "tools", "tool_choice",
                    "parallel_tool_calls", "chat_template_kwargs", "enable_thinking",
@@ -230,6 +231,7 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
         stop_token_ids=_token_ids(params, "stop_token_ids", vocab_size),
         ignore_eos=ignore_eos,
         logprobs=logprobs,
+        skip_special_tokens=_flag(params, "skip_special_tokens", True),
         timeout=_timeout(params),
         n=_integer(params, "n", 1, 1, MAX_CHOICES),
         chat=_chat(params),

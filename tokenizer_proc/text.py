@@ -145,6 +145,10 @@ class TextCodec:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def decode_all(self, token_ids: list[int]) -> str:
+        """`decode` with the special tokens' text kept (`skip_special_tokens` false)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def decoder_keeping(self, markers: tuple[str, ...]) -> Callable[[list[int]], str]:
         """`decode`, except that the special tokens spelling one of `markers` (tool-call
         and thinking markup, which some tokenizers make special) stay in the text."""

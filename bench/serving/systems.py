@@ -214,7 +214,9 @@ class MlxdHttpDriver(MlxLmDriver):
     def _body(self, prompt, messages, max_tokens) -> tuple[str, dict]:
         path, body = super()._body(prompt, messages, max_tokens)
         del body["logit_bias"]
-        body.update(model=self.model_name, ignore_eos=True)
+        # text as mlx_lm.server streams it: special tokens spelled out, so that a
+        # reply of special tokens still arrives as text chunks
+        body.update(model=self.model_name, ignore_eos=True, skip_special_tokens=False)
         return path, body
 
 

@@ -136,6 +136,17 @@ def test_seeds_are_reproducible(oai, llama_model):
     assert len({sample(s) for s in range(5)}) > 1   # the seed does change the sampling
 
 
+def test_special_tokens_are_spelled_out_when_asked(oai, llama_model):
+    """`skip_special_tokens` false keeps the special tokens' text (here BOS, forced by
+    logit_bias), as vLLM's parameter of that name does."""
+    def text(**extra):
+        return oai.completions.create(model=model_name(llama_model), prompt=PROMPTS[0],
+                                      max_tokens=3, logit_bias={"1": 100},
+                                      extra_body=extra).choices[0].text
+    assert text() == text(skip_special_tokens=True) == ""
+    assert text(skip_special_tokens=False) == "<s><s><s>"
+
+
 def test_stop_strings(oai, llama_model):
     name = model_name(llama_model)
     full = oai.completions.create(model=name, prompt=PROMPTS[3], max_tokens=MAX_TOKENS,

@@ -54,10 +54,11 @@ def test_params_pass_through_under_openai_names():
     body = CompletionRequest.model_validate({
         "model": "m", "prompt": "x", "presence_penalty": 0.5, "frequency_penalty": 0.1,
         "repetition_penalty": 1.1, "min_tokens": 2, "n": 2, "logit_bias": {"7": -100},
-        "user": "u", "metadata": {"a": "b"}})
+        "user": "u", "metadata": {"a": "b"}, "skip_special_tokens": False})
     params = core_params(body, 9)
     assert params == {"presence_penalty": 0.5, "frequency_penalty": 0.1,
                       "repetition_penalty": 1.1, "min_tokens": 2, "n": 2,
+                      "skip_special_tokens": False,
                       "logit_bias": {7: -100.0}, "max_tokens": 9}
 
 

@@ -108,6 +108,7 @@ INVALID = {
     "prompt text too long": {"prompt": "word " * KV_CAPACITY},
     "unknown parameter": {"prompt": "hi", "params": {"max_new_tokens": 5}},
     "temperature str": {"prompt": "hi", "params": {"temperature": "0.5"}},
+    "skip_special_tokens str": {"prompt": "hi", "params": {"skip_special_tokens": "no"}},
     "max_tokens 0": {"prompt": "hi", "params": {"max_tokens": 0}},
     "stop_token_ids out of vocab": {"prompt": "hi", "params": {"stop_token_ids": [VOCAB]}},
     "messages empty": {"messages": []},
@@ -251,6 +252,21 @@ def test_chunks_fan_out_to_each_requests_own_sink(core, codec):
                            "cached_tokens": 0}
     assert core.stats() == {"streams": 0}
     core.check_integrity()
+
+
+@pytest.mark.parametrize("skip", [None, True, False])
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(core, codec, skip):
+    a = Peer(core, b"a")
+    params = {} if skip is None else {"skip_special_tokens": skip}
+    req = a.submitted("x", prompt="hi", params=params)
+    ids = [BOS] + text_ids(codec, "water") + [EOS]
+    assert core.on_batch(TokenBatch([entry(req.rid, ids, "length")])) == []
+    [whole] = a.take()
+    assert whole.token_ids == ids
+    if skip is False:
+        assert whole.text == codec.decode_all(ids) and whole.text.startswith("<s>")
+    else:
+        assert whole.text == codec.decode(ids) == "water"
 
 
 def test_a_stop_string_finishes_the_request_and_aborts_it_in_the_scheduler(core, codec):

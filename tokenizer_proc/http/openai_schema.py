@@ -38,6 +38,7 @@ class Sampling(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
     min_tokens: int | None = None
     n: int | None = None
     presence_penalty: float | None = None

@@ -9,7 +9,7 @@ from .errors import ApiError, bad_request
 
 # Passed to the core under the same name whenever sent; the core validates them.
 PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-          "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+          "ignore_eos", "skip_special_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "timeout")
 
 
