@@ -1,0 +1,181 @@
+"""Ragged decode batches on the worker's own ModelRunner, in-process (no sockets).
+
+Two figures of issue "decode without padding", each a ratio of two step times
+measured alternately in one run (machine noise hits both alike):
+
+  ragged  steady decode step of 63 rows x 256 tokens + 1 row x 4096, over the step of
+          64 rows x 256 (padded caches: every row as wide as the longest)
+  join    a step in which 1 row of 1280 tokens joins a 60-row batch of 1280-token rows
+          (its prompt's KV read from the pool: one new token), over a step with no join
+
+    python -m bench.ragged                      # the ~40M bench model (8k context)
+    python -m bench.ragged --repeats 10 --json out.json
+
+The runner is driven as the scheduler would drive it (slot ids booked here, one Step
+per call); overlap is off, so a step's time is its compute. Runs in a child process
+with the worker's BLAS (bench/common.py blas_env).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from bench.common import ROOT, blas_env, machine_summary
+
+
+def bench_model_8k() -> str:
+    """The bench model with an 8192-token context (bench/serving's)."""
+    from bench.serving.__main__ import default_model
+
+    return default_model()
+
+
+class Driver:
+    """Books slots and sends Steps to one ModelRunner, like the scheduler."""
+
+    def __init__(self, model, capacity: int):
+        from mlxd.worker_proc.kv_pool import KVPool
+        from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
+
+        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity))
+        self.slots = itertools.count(1)
+        self.step_ids = itertools.count(1)
+        self.slot_ids: dict[int, list[int]] = {}
+        self.running: list[int] = []
+
+    def new_slots(self, rid: int, n: int) -> list[int]:
+        got = [next(self.slots) for _ in range(n)]
+        self.slot_ids.setdefault(rid, []).extend(got)
+        return got
+
+    def prefill(self, rid: int, ids: list[int], prefix_slots=(), needs_logits=True):
+        from mlxd.protocol import PrefillInput, SamplingParams
+
+        return PrefillInput(rid, ids, list(prefix_slots), self.new_slots(rid, len(ids)),
+                            SamplingParams(), needs_logits)
+
+    def step(self, prefills=(), releases=()) -> float:
+        """Run one Step; returns its wall time in seconds."""
+        from mlxd.protocol import Step
+
+        self.running = [r for r in self.running if r not in releases]
+        decode = [self.new_slots(rid, 1)[0] for rid in self.running]
+        start = time.perf_counter()
+        self.runner.run(Step(next(self.step_ids), list(self.running), decode, list(prefills),
+                             list(releases)))
+        elapsed = time.perf_counter() - start
+        self.running += [p.rid for p in prefills if p.needs_logits]
+        return elapsed
+
+
+def fill(driver: Driver, lengths: list[int], vocab: int, rng: random.Random,
+         group_tokens: int = 4096) -> None:
+    """Prefill one row per length, a few rows per step (decoding the ones in)."""
+    rid = len(driver.slot_ids)
+    batch, tokens = [], 0
+    for n in lengths:
+        batch.append(driver.prefill(rid, [rng.randrange(10, vocab) for _ in range(n)]))
+        rid, tokens = rid + 1, tokens + n
+        if tokens >= group_tokens:
+            driver.step(batch)
+            batch, tokens = [], 0
+    if batch:
+        driver.step(batch)
+
+
+def ragged(model, vocab: int, steps: int, rng: random.Random) -> dict:
+    short, long_ = 256, 4096
+    even = Driver(model, 64 * (short + steps + 64))
+    mixed = Driver(model, 63 * (short + steps + 64) + long_ + steps + 64)
+    fill(even, [short] * 64, vocab, rng)
+    fill(mixed, [short] * 63 + [long_], vocab, rng)
+    for _ in range(3):   # warm up: buffers of these shapes exist
+        even.step(), mixed.step()
+    times = {"even": [], "mixed": []}
+    for _ in range(steps):
+        times["even"].append(even.step())
+        times["mixed"].append(mixed.step())
+    return _ratio(times, "mixed", "even")
+
+
+def join(model, vocab: int, steps: int, rng: random.Random) -> dict:
+    length = 1280
+    d = Driver(model, 61 * (length + 2 * steps + 64) + steps * (length + 64))
+    fill(d, [length] * 60, vocab, rng)
+    # KV for the joining rows' prompts, in the pool (prefilled once, not decoded)
+    source = d.prefill(10_000, [rng.randrange(10, vocab) for _ in range(length)],
+                       needs_logits=False)
+    d.step([source])
+    prefix = d.slot_ids[10_000][:length - 1]
+    for _ in range(3):
+        d.step()
+    times = {"step": [], "join": []}
+    for i in range(steps):
+        times["step"].append(d.step())
+        rid = 20_000 + i
+        times["join"].append(d.step([d.prefill(rid, [rng.randrange(10, vocab)], prefix)]))
+        d.step(releases=[rid])   # back to 60 rows (the dead row is dropped at the next join)
+    return _ratio(times, "join", "step")
+
+
+def _ratio(times: dict, num: str, den: str) -> dict:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {f"{k}_ms": round(v * 1e3, 2) for k, v in med.items()} | {
+        "ratio": round(med[num] / med[den], 3),
+        "ratio_per_pair": [round(a / b, 3) for a, b in zip(times[num], times[den])]}
+
+
+def measure(args) -> dict:
+    import mlx.core as mx
+
+    from mlxd.worker_proc.loading import load_model, resolve_dequantize
+    from mlxd.worker_proc.main import loaded_blas
+
+    model, _ = load_model(args.model, resolve_dequantize("auto"))
+    vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
+    rng = random.Random(args.seed)
+    out = {"blas": loaded_blas(), "device": str(mx.default_device())}
+    if "ragged" in args.cases:
+        out["ragged"] = ragged(model, vocab, args.repeats, rng)
+    if "join" in args.cases:
+        out["join"] = join(model, vocab, args.repeats, rng)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the bench model with an 8k context")
+    ap.add_argument("--cases", default="ragged,join")
+    ap.add_argument("--repeats", type=int, default=8, help="timed steps per figure")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.model = args.model or bench_model_8k()
+    if args.in_process:
+        print(json.dumps(measure(args)))
+        return
+    cmd = [sys.executable, "-m", "bench.ragged", "--in-process", "--model", args.model,
+           "--cases", args.cases, "--repeats", str(args.repeats), "--seed", str(args.seed)]
+    out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(out.stderr[-4000:])
+    result = json.loads(out.stdout.strip().splitlines()[-1]) | {"machine": machine_summary()}
+    for case, goal in (("ragged", "<= 1.3"), ("join", "<= 1.2")):
+        if case in result:
+            r = result[case]
+            times = ", ".join(f"{k} {v} ms" for k, v in r.items() if k.endswith("_ms"))
+            print(f"{case}: ratio {r['ratio']} (target {goal}); median {times}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
