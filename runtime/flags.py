@@ -57,7 +57,8 @@ class ServerFlags:
     max_running_requests: int = flag(
         64, "most requests decoded together", (WORKER, SCHEDULER), minimum=1)
     max_prefill_tokens: int = flag(
-        4096, "prompt tokens prefilled per step, all requests together", (SCHEDULER,), minimum=1)
+        4096, "prompt tokens prefilled per step, all requests together", (WORKER, SCHEDULER),
+        minimum=1)
     chunked_prefill_size: int = flag(
         512, "longest piece of one prompt per step; longer prompts are prefilled in "
         "chunks between decode steps", (SCHEDULER,), minimum=1)
@@ -66,6 +67,11 @@ class ServerFlags:
     kv_capacity: int = flag(
         0, "KV pool size in tokens; 0 derives it from the memory limit", (WORKER,),
         shown="0 (auto)", minimum=0)
+    window_capacity: int = flag(
+        0, "sliding-window models: slots of the window pool, which holds the windowed "
+        "layers' KV only for the positions a window may still reach; 0 derives it "
+        "(2 x (max running requests x the window + max prefill tokens), at most the KV "
+        "pool's size)", (WORKER,), shown="0 (auto)", minimum=0)
     dequantize: str = flag(
         "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
         "(float32), off on Metal; `on`; `off`", (WORKER,))

@@ -10,7 +10,7 @@ the newest position's KV, size and width.
 Models whose layers are not all plain KV caches are described by a `CacheLayout`,
 discovered from the model's own `make_cache()`: per layer a KV cache, a
 sliding-window one (served as a full KV cache whose mask the model limits to the
-window, so its KV sits in the pool like any other layer's), a recurrent state
+window; its KV sits in the pool, or in the window pool: kv_pool), a recurrent state
 (`ArraysCache`, one row per request) or a `CacheList` of those. Its KV leaves are
 the pool's layers, in order; its state leaves the state pool's.
 

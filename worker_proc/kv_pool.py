@@ -4,6 +4,12 @@ Per layer, keys and values are `[capacity + 1, n_kv_heads, head_dim]`; slot 0 is
 padding and never handed out. Writes are scatters at the slot ids the scheduler
 sent; MLX donates the pool buffer, so a write costs the rows written, not the pool.
 
+Sliding-window layers may get a smaller pool of their own, the window pool: their
+arrays are `[window_capacity + 1, n_kv_heads, head_dim]`, indexed by window ids the
+scheduler books per position but holds only for the positions a window may still
+reach. Window id 0 means "not held": its row stays zeros (never written), which a
+prefix position older than the window reads and the window mask never reaches.
+
 Models with recurrent layers also get a `StatePool`: per state array,
 `[state_slots + 1, ...]`, one slot per request's state (slot 0: the zero state,
 never written). Its slot ids are booked by the scheduler too.
@@ -32,9 +38,24 @@ class KVGeometry:
         return self.layout or CacheLayout.all_kv(self.num_layers)
 
     @property
+    def bytes_per_layer_token(self) -> int:
+        """KV of one token in one layer."""
+        return self.n_kv_heads * (self.k_head_dim + self.v_head_dim) * self.dtype.size
+
+    @property
     def bytes_per_token(self) -> int:
-        per_layer = self.n_kv_heads * (self.k_head_dim + self.v_head_dim)
-        return self.num_layers * per_layer * self.dtype.size
+        return self.num_layers * self.bytes_per_layer_token
+
+    @property
+    def max_window(self) -> int:
+        """The largest sliding window (0: no windowed layer)."""
+        return max(self.cache_layout.windows, default=0)
+
+    @property
+    def bytes_per_window_token(self) -> int:
+        """KV of one token in the sliding-window layers only."""
+        windowed = sum(1 for w in self.cache_layout.windows if w)
+        return windowed * self.bytes_per_layer_token
 
     @property
     def bytes_per_state(self) -> int:
@@ -72,17 +93,55 @@ class StatePool:
         return [a[slots] for a in self.arrays[leaf]]
 
 
+@dataclass(frozen=True)
+class WriteIds:
+    """Where a write's n positions go: every one at its slot id in the global
+    layers; with a window pool, in the windowed layers only those whose window id
+    is not 0 (`window_rows` of the n; None: all of them), at those ids."""
+
+    slots: mx.array
+    windows: mx.array
+    window_rows: mx.array | None
+
+
+def write_ids(slot_ids: list[int], window_ids: list[int]) -> WriteIds:
+    """`WriteIds` for positions with these slot and window ids (window ids empty:
+    no window pool)."""
+    rows = [i for i, w in enumerate(window_ids) if w]
+    kept = None if len(rows) == len(window_ids) else mx.array(rows, mx.int32)
+    return WriteIds(mx.array(slot_ids, mx.int32),
+                    mx.array([window_ids[i] for i in rows], mx.int32), kept)
+
+
 class KVPool:
-    def __init__(self, geometry: KVGeometry, capacity: int, state_slots: int = 0):
+    """KV layers indexed by slot ids; with `window_capacity` > 0 and windowed layers
+    in the geometry's layout, those layers indexed by window ids instead."""
+
+    def __init__(self, geometry: KVGeometry, capacity: int, state_slots: int = 0,
+                 window_capacity: int = 0):
         g = geometry
         self.geometry = g
         self.capacity = capacity
-        self.keys = [mx.zeros((capacity + 1, g.n_kv_heads, g.k_head_dim), g.dtype)
-                     for _ in range(g.num_layers)]
-        self.values = [mx.zeros((capacity + 1, g.n_kv_heads, g.v_head_dim), g.dtype)
-                       for _ in range(g.num_layers)]
+        self.window_capacity = window_capacity if g.max_window else 0
+        self.window = g.max_window if self.window_capacity else 0
+        self.keys = [mx.zeros((self._rows(i), g.n_kv_heads, g.k_head_dim), g.dtype)
+                     for i in range(g.num_layers)]
+        self.values = [mx.zeros((self._rows(i), g.n_kv_heads, g.v_head_dim), g.dtype)
+                       for i in range(g.num_layers)]
         self.states = StatePool(g, state_slots) if g.state_shapes else None
         mx.eval(self.keys, self.values)
+
+    def _rows(self, layer: int) -> int:
+        return (self.window_capacity if self.windowed(layer) else self.capacity) + 1
+
+    @property
+    def uses_windows(self) -> bool:
+        """The windowed layers live in the window pool (indexed by window ids)."""
+        return self.window_capacity > 0
+
+    def windowed(self, layer: int) -> bool:
+        """Layer `layer` is in the window pool."""
+        return self.uses_windows and self.geometry.cache_layout.windows[layer] > 0
 
     @property
     def nbytes(self) -> int:
@@ -99,10 +158,25 @@ class KVPool:
         if slot_ids and (min(slot_ids) < 1 or max(slot_ids) > self.capacity):
             raise ValueError(f"slot id outside 1..{self.capacity}")
 
+    def check_window_ids(self, window_ids: list[int]) -> None:
+        """Window ids are 0 (not held) or a window pool row."""
+        if window_ids and not self.uses_windows:
+            raise ValueError("window ids sent to a worker without a window pool")
+        if window_ids and (min(window_ids) < 0 or max(window_ids) > self.window_capacity):
+            raise ValueError(f"window id outside 0..{self.window_capacity}")
+
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store `[n, heads, dim]` keys/values at `slots` (an int32 array of n ids)."""
         self.keys[layer][slots] = keys
         self.values[layer][slots] = values
+
+    def targets(self, layer: int, ids: WriteIds) -> tuple[mx.array, mx.array | None]:
+        """(the ids layer `layer` stores a write at, which of its n positions: None
+        for all). Positions with window id 0 are left out of a windowed layer's
+        scatter, so its row 0 stays zeros."""
+        if self.windowed(layer):
+            return ids.windows, ids.window_rows
+        return ids.slots, None
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         return self.keys[layer][slots], self.values[layer][slots]

@@ -70,7 +70,7 @@ def build_runner(cfg: WorkerConfig):
     from .grammar import Grammars
     from .kv_pool import KVPool
     from .loading import is_quantized, load_model, resolve_dequantize
-    from .memory import kv_budget, memory_limit_bytes
+    from .memory import kv_budget, memory_limit_bytes, window_split
     from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
 
     flags = cfg.flags
@@ -85,12 +85,16 @@ def build_runner(cfg: WorkerConfig):
     snapshot_slots = state_slots
     # the pool, the decode batch's rows and their copy while rows join
     state_bytes = (3 * state_slots + snapshot_slots + 1) * geometry.bytes_per_state
+    windows = window_split(geometry, max_context, flags.max_prefill_tokens,
+                           flags.window_capacity)
+    pool_token_bytes = geometry.bytes_per_token - (windows.bytes_per_token if windows else 0)
     budget = kv_budget(memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb),
-                       weights_bytes + state_bytes, max(1, geometry.bytes_per_token),
+                       weights_bytes + state_bytes, max(1, pool_token_bytes),
                        flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
-                       capacity=flags.kv_capacity)
-    pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots)
+                       capacity=flags.kv_capacity, windows=windows)
+    pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots,
+                  budget.window_capacity)
     # Let freed buffers be reused: joins and releases replace the decode caches'
     # buffers, and fresh memory costs a page fault per 4 KiB (a 64-row join took
     # ~1.5 s on the CPU backend, whose cache limit starts at 0). The decode caches'
@@ -109,7 +113,8 @@ def build_runner(cfg: WorkerConfig):
         overlap=not flags.disable_overlap, state_slots=state_slots,
         snapshot_slots=snapshot_slots,
         state_slot_bytes=geometry.bytes_per_state,
-        window_sizes=[w for w in geometry.cache_layout.windows if w])
+        window_sizes=[w for w in geometry.cache_layout.windows if w],
+        window_capacity=pool.window_capacity)
     return runner, limits
 
 

@@ -1,4 +1,5 @@
-"""KV capacity from a memory limit, counting the pool and the live decode caches."""
+"""KV capacity from a memory limit, counting the pool, the window pool and the live
+decode caches."""
 
 import os
 from dataclasses import dataclass
@@ -31,24 +32,64 @@ def memory_limit_bytes(mem_fraction: float, mem_limit_gb: float) -> int:
 class KVBudget:
     capacity: int             # tokens in the slot pool
     decode_cache_tokens: int  # tokens the padded decode caches may span (rows x width)
+    window_capacity: int = 0  # window pool slots (0: no window pool)
+
+
+@dataclass(frozen=True)
+class WindowSplit:
+    """A window pool's part of the split: the windowed layers' bytes per token, and
+    its size for a KV pool of C tokens: every running request's window plus one
+    step's prefill, twice over (the prefix tree keeps windows at reuse points), at
+    most C; or `explicit` slots."""
+
+    bytes_per_token: int
+    window: int               # the largest sliding window
+    max_prefill_tokens: int
+    explicit: int = 0         # --window-capacity; 0: the rule
+
+    def capacity(self, kv_capacity: int, max_running: int) -> int:
+        if self.explicit:
+            return self.explicit
+        return min(kv_capacity, 2 * (max_running * self.window + self.max_prefill_tokens))
+
+
+def window_split(geometry, max_context: int, max_prefill_tokens: int,
+                 explicit: int = 0) -> WindowSplit | None:
+    """The window pool's part of the split for a model of this `KVGeometry`, or None:
+    its windowed layers then sit in the KV pool (it has none, or a window reaches
+    as far as the context)."""
+    if not 0 < geometry.max_window < max_context:
+        return None
+    return WindowSplit(geometry.bytes_per_window_token, geometry.max_window,
+                       max_prefill_tokens, explicit)
 
 
 def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
-              max_running: int, ceiling: int, capacity: int = 0) -> KVBudget:
+              max_running: int, ceiling: int, capacity: int = 0,
+              windows: WindowSplit | None = None) -> KVBudget:
     """Split memory between the pool (C tokens) and the decode caches (D tokens, the
     scheduler's budget for C: kv_layout.decode_cache_budget), which need twice their
     size while a join copies them: C + 2D fits. An explicit `capacity` sizes only
-    the pool."""
+    the pool. With `windows`, `bytes_per_token` counts the global layers only and the
+    window pool (its slots follow from C) and the decode caches' windowed layers are
+    counted too."""
+    if windows is not None:
+        return _window_budget(limit_bytes, weights_bytes, bytes_per_token, max_running,
+                              ceiling, capacity, windows)
     if capacity:
         return KVBudget(capacity, decode_cache_budget(capacity, max_running))
     tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
     pool = _pool_share(tokens, max_running, ceiling)
+    _check_room(pool, limit_bytes, weights_bytes)
+    return KVBudget(int(pool), decode_cache_budget(int(pool), max_running))
+
+
+def _check_room(pool: int, limit_bytes: int, weights_bytes: int) -> None:
     if pool < 64:
         raise ValueError(
             f"memory limit of {limit_bytes / 1024**3:.2f} GiB leaves no room for a KV cache "
             f"(weights take {weights_bytes / 1024**3:.2f} GiB); raise --mem-fraction or "
             "--mem-limit-gb, or set --kv-capacity")
-    return KVBudget(int(pool), decode_cache_budget(int(pool), max_running))
 
 
 def _pool_share(tokens: int, max_running: int, ceiling: int) -> int:
@@ -59,3 +100,25 @@ def _pool_share(tokens: int, max_running: int, ceiling: int) -> int:
         min_decode = decode_cache_budget(0, max_running)
         pool = min(tokens - 2 * min_decode, min_decode - 1, ceiling)
     return pool
+
+
+def _window_budget(limit_bytes: int, weights_bytes: int, global_bytes: int,
+                   max_running: int, ceiling: int, capacity: int,
+                   windows: WindowSplit) -> KVBudget:
+    """The largest C <= ceiling (or the explicit `capacity`) whose pool, window pool
+    and doubled decode caches fit; each grows with C, so a binary search finds it."""
+    def cost(c: int) -> int:
+        return (c * global_bytes + windows.capacity(c, max_running) * windows.bytes_per_token
+                + 2 * decode_cache_budget(c, max_running)
+                * (global_bytes + windows.bytes_per_token))
+
+    if not capacity:
+        room = limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES
+        low, high = 0, ceiling
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if cost(mid) <= room else (low, mid - 1)
+        capacity = low
+        _check_room(capacity, limit_bytes, weights_bytes)
+    return KVBudget(capacity, decode_cache_budget(capacity, max_running),
+                    windows.capacity(capacity, max_running))

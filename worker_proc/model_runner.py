@@ -2,7 +2,8 @@
 
 The scheduler's slot ids are the only way KV reaches the pool: prefill KV is
 written at `new_slot_ids`, each decode step's input-token KV at
-`decode_slot_ids`. The runner never derives a slot id on its own.
+`decode_slot_ids` (with a window pool, the windowed layers' at `new_window_ids`
+and `decode_window_ids`). The runner never derives a slot id on its own.
 """
 
 import random
@@ -17,7 +18,7 @@ from . import batch_cache
 from .background import BackgroundJob
 from .decode_batch import DecodeBatch, JoinGroup
 from .grammar import Grammars, RowGrammar, allowed
-from .kv_pool import KVGeometry, KVPool
+from .kv_pool import KVGeometry, KVPool, write_ids
 from .penalties import RowPenalties
 from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
@@ -123,7 +124,7 @@ class ModelRunner:
         outputs = []
         if step.decode_rids:   # the chained decode if there is one; its released rows drop
             ahead, self.ahead = self.ahead or self._launch_decode(), None
-            outputs.append(self._commit_decode(ahead, step.decode_rids, step.decode_slot_ids))
+            outputs.append(self._commit_decode(ahead, step))
         elif len(self.batch):
             raise ValueError(f"step {step.step_id} decodes nothing but "
                              f"{len(self.batch)} requests are running")
@@ -195,24 +196,25 @@ class ModelRunner:
             mx.eval(self.pool.arrays, _arrays([ahead]))
         self.ahead = ahead
 
-    def _commit_decode(self, launched: _Output, rids: list[int], slot_ids: list[int]) -> _Output:
+    def _commit_decode(self, launched: _Output, step: Step) -> _Output:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
-        releases) and store their new KV at the Step's slots."""
-        slot_of = dict(zip(rids, slot_ids))
-        running = self.batch.rids
-        if len(slot_of) != len(rids) or slot_of.keys() != set(running):
-            raise ValueError(f"decode rids {sorted(slot_of)} do not match the running "
-                             f"requests {sorted(running)}")
-        self.pool.check_slots(slot_ids)
-        slots = mx.array([slot_of[rid] for rid in running])
+        releases) and store their new KV at the Step's slots (and window ids)."""
+        running = self._check_decode(step)
+        slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
+        window_of = dict(zip(step.decode_rids, step.decode_window_ids))   # empty: no window pool
+        ids = write_ids([slot_of[rid] for rid in running],
+                        [window_of[rid] for rid in running if window_of])
         keep = None
         if launched.rids != running:
             position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
             keep = mx.array([position[rid] for rid in running])
         for layer, (keys, values) in enumerate(launched.new_kv):
-            if keep is not None:
-                keys, values = keys[keep], values[keep]
-            self.pool.write(layer, slots, keys, values)
+            slots, subset = self.pool.targets(layer, ids)
+            picked = keep if subset is None else (subset if keep is None else keep[subset])
+            if picked is not None:
+                keys, values = keys[picked], values[picked]
+            if slots.size:
+                self.pool.write(layer, slots, keys, values)
         if keep is None:
             return launched
         s = launched.sampled
@@ -221,6 +223,20 @@ class ModelRunner:
             s.tokens[keep], s.logprobs[keep],
             None if s.top_ids is None else s.top_ids[keep],
             None if s.top_logprobs is None else s.top_logprobs[keep]))
+
+    def _check_decode(self, step: Step) -> list[int]:
+        """The running rids, in row order, once the Step's decode set is theirs and
+        its slot and window ids are the pool's."""
+        running = self.batch.rids
+        if len(set(step.decode_rids)) != len(step.decode_rids) or \
+                set(step.decode_rids) != set(running):
+            raise ValueError(f"decode rids {sorted(step.decode_rids)} do not match the "
+                             f"running requests {sorted(running)}")
+        self.pool.check_slots(step.decode_slot_ids)
+        self.pool.check_window_ids(step.decode_window_ids)
+        if self.pool.uses_windows and len(step.decode_window_ids) != len(step.decode_rids):
+            raise ValueError("decode_window_ids must name a window id per decoded request")
+        return running
 
     # ---- prefill ----------------------------------------------------------
 
@@ -249,9 +265,23 @@ class ModelRunner:
                 raise ValueError(f"prefill {p.rid}: token id outside [0, {self.vocab_size})")
             self.pool.check_slots(p.prefix_slot_ids)
             self.pool.check_slots(p.new_slot_ids)
+            self._check_window_ids(p)
             self._check_state_slots(p)
         self._new_grammars = {p.rid: self._grammar(p) for p in prefills
                               if p.needs_logits and p.sampling.grammar is not None}
+
+    def _check_window_ids(self, p: PrefillInput) -> None:
+        """With a window pool: a window id per slot id, in range, and the prefix's
+        last W positions held (the new tokens' windows reach them)."""
+        pool = self.pool
+        pool.check_window_ids(p.prefix_window_ids + p.new_window_ids)
+        if not pool.uses_windows:
+            return
+        if (len(p.new_window_ids) != len(p.new_slot_ids)
+                or len(p.prefix_window_ids) != len(p.prefix_slot_ids)):
+            raise ValueError(f"prefill {p.rid}: window ids must match the slot ids one for one")
+        if 0 in p.prefix_window_ids[-pool.window:]:
+            raise ValueError(f"prefill {p.rid}: a prefix without its window KV")
 
     def _check_state_slots(self, p: PrefillInput) -> None:
         states = self.pool.states

@@ -12,7 +12,7 @@ from mlxd.protocol import PrefillInput
 from mlxd.runtime.kv_layout import cache_width
 
 from . import batch_cache
-from .kv_pool import KVPool
+from .kv_pool import KVPool, write_ids
 
 PAD_TOKEN = 0
 
@@ -76,14 +76,22 @@ class GroupPrefill:
     def _load_prefixes(self, pool: KVPool) -> None:
         """Gather every row's cached prefix, right-aligned, straight into cache
         buffers with room for the new tokens (padding and room read slot 0), so
-        the forward writes in place and nothing is copied twice."""
+        the forward writes in place and nothing is copied twice. Windowed layers
+        with a window pool read at the prefix's window ids (0, zeros, beyond the
+        window)."""
         width = max(len(p.prefix_slot_ids) for p in self.group)
         new = max(len(p.input_ids) for p in self.group)
         room = cache_width(width + new) - width
-        slots = mx.array([[0] * (width - len(p.prefix_slot_ids)) + p.prefix_slot_ids
-                          + [0] * room for p in self.group])
+
+        def aligned(field: str) -> mx.array:
+            return mx.array([[0] * (width - len(p.prefix_slot_ids)) + getattr(p, field)
+                             + [0] * room for p in self.group])
+
+        slots = aligned("prefix_slot_ids")
+        windows = aligned("prefix_window_ids") if pool.uses_windows else None
         for layer, cache in enumerate(self.kv):
-            keys, values = (mx.contiguous(x.swapaxes(1, 2)) for x in pool.read(layer, slots))
+            ids = windows if pool.windowed(layer) else slots
+            keys, values = (mx.contiguous(x.swapaxes(1, 2)) for x in pool.read(layer, ids))
             batch_cache.load_prefix(cache, keys, values, width)
 
     def _load_states(self, pool: KVPool) -> None:
@@ -114,10 +122,14 @@ class GroupPrefill:
         n_max = max(len(p.input_ids) for p in self.group)
         flat = mx.array([i * n_max + n_max - len(p.input_ids) + j
                          for i, p in enumerate(self.group) for j in range(len(p.input_ids))])
-        slots = mx.array([s for p in self.group for s in p.new_slot_ids])
+        ids = write_ids([s for p in self.group for s in p.new_slot_ids],
+                        [w for p in self.group for w in p.new_window_ids])
         for layer, cache in enumerate(self.kv):
-            keys, values = batch_cache.last_positions(cache, n_max)
-            pool.write(layer, slots, _rows(keys, flat), _rows(values, flat))
+            slots, rows = pool.targets(layer, ids)
+            if slots.size:
+                at = flat if rows is None else flat[rows]
+                keys, values = batch_cache.last_positions(cache, n_max)
+                pool.write(layer, slots, _rows(keys, at), _rows(values, at))
 
 
 def _rows(x: mx.array, flat: mx.array) -> mx.array:

@@ -17,8 +17,10 @@ LONG = " ".join(PROMPTS)   # longer than the test models' 8-token windows
 class Driver(test_model_runner.Driver):
     """Plays the scheduler: books token slots and state slots, records the tokens."""
 
-    def __init__(self, model_path: str, overlap: bool = False, state_slots: int = 16):
-        super().__init__(model_path, overlap=overlap, state_slots=state_slots)
+    def __init__(self, model_path: str, overlap: bool = False, state_slots: int = 16,
+                 window_capacity: int = 0):
+        super().__init__(model_path, overlap=overlap, state_slots=state_slots,
+                         window_capacity=window_capacity)
 
     def prefill(self, rid, ids, prefix=(), needs_logits=True, state_from=0, state_slot=0):
         return PrefillInput(rid, ids, list(prefix), self.new_slots(rid, len(ids)),

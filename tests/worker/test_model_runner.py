@@ -20,11 +20,11 @@ class Driver:
     """Plays the scheduler: hands out slot ids and records what comes back."""
 
     def __init__(self, model_path: str, capacity: int = 8192, overlap: bool = False,
-                 state_slots: int = 0):
+                 state_slots: int = 0, window_capacity: int = 0):
         model, _ = load_reference(model_path)
         self.model = model
-        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity, state_slots),
-                                  overlap=overlap)
+        pool = KVPool(probe_geometry(model), capacity, state_slots, window_capacity)
+        self.runner = ModelRunner(model, pool, overlap=overlap)
         self.slots = itertools.count(1)
         self.step_id = itertools.count(1)
         self.running: list[int] = []
@@ -40,11 +40,16 @@ class Driver:
         self.running = [r for r in self.running if r not in releases]
         decode_slots = [self.new_slots(rid, 1)[0] for rid in self.running]
         result = self.runner.run(Step(next(self.step_id), list(self.running), decode_slots,
-                                      list(prefills), list(releases)))
+                                      list(prefills), list(releases),
+                                      self.window_ids(decode_slots)))
         for rid, tok, lp in zip(result.rids, result.tokens, result.logprobs):
             self.out.setdefault(rid, []).append((tok, lp))
         self.running += [p.rid for p in prefills if p.needs_logits]
         return result
+
+    def window_ids(self, slots: list[int]) -> list[int]:
+        """The window ids of these slots' positions (none: no window pool)."""
+        return []
 
     def prefill(self, rid, ids, prefix_slots=(), sampling=None, needs_logits=True):
         return PrefillInput(rid, ids, list(prefix_slots), self.new_slots(rid, len(ids)),

@@ -454,3 +454,28 @@ def test_sigterm_exits_within_5s(llama_model, tmp_path):
     with WorkerProc(llama_model, tmp_path) as w:
         code = w.child.sigterm(5)
         assert code == 0, w.log()
+
+
+@pytest.mark.parametrize("extra, window_capacity", [((), 2 * (4 * 8 + 64)),
+                                                    (("--window-capacity", "50"), 50)],
+                         ids=["rule", "flag"])
+def test_a_sliding_window_model_gets_a_window_pool(hybrid_model, tmp_path, extra,
+                                                   window_capacity):
+    """READY reports the window pool (the rule's size for 4 requests, 8-token windows
+    and 64 prefill tokens, or the flag's) and counts it in kv_pool_bytes; prefills
+    must name a window id per new token."""
+    path = hybrid_model("gemma3_text")
+    with WorkerProc(path, tmp_path, "--max-running-requests", "4", "--max-prefill-tokens",
+                    "64", *extra) as w:
+        limits = w.limits
+        assert limits.window_capacity == window_capacity and limits.window_sizes == [8]
+        layer = limits.bytes_per_token // 2   # one global layer, one windowed layer
+        assert limits.kv_pool_bytes == (KV_CAPACITY + 1 + window_capacity + 1) * layer
+        ids = encode_prompt(path, PROMPTS[1])
+        prefill = PrefillInput(1, ids, [], w.new_slots(len(ids)), GREEDY)
+        assert isinstance(w.send(Step(next(w.step_ids), [], [], [prefill])), WorkerError)
+        held = min(8, len(ids))
+        prefill.new_window_ids = [0] * (len(ids) - held) + list(range(1, held + 1))
+        reply = w.send(Step(next(w.step_ids), [], [], [prefill]))
+        assert isinstance(reply, StepResult), reply
+        assert reply.tokens == [reference_tokens(path, ids, 1)[0][0]]
