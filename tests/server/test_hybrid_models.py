@@ -73,3 +73,25 @@ def test_a_shared_prefix_is_served_from_the_cache(arch, hybrid_model):
         assert_matches(path, prompt, result)
     if arch != "gemma3_text":
         assert stats["snapshots"] > 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_window_layers_keep_only_what_the_windows_need(arch, hybrid_model):
+    """Long prompts on a sliding-window model: the window pool keeps `window + 1`
+    positions per point the cache may extend (chunk ends and finishes), not one per
+    token as the global layers' pool does, and the output stays exact."""
+    path = hybrid_model(arch)
+    server = Server(path, "--chunked-prefill-size", "48", "--log-level", "warning")
+    prompts = LONG + [p + " " + LONG[1] for p in PROMPTS[:6]]
+    try:
+        results, stats = asyncio.run(generate_all(server.address, prompts))
+    finally:
+        server.stop()
+    for prompt, result in zip(prompts, results):
+        assert_matches(path, prompt, result)
+    window = 8
+    points = sum(-(-len(encode(path, p)) // 48) + 1 for p in prompts)
+    assert stats["worker"]["window_capacity"] > 0
+    assert 0 < stats["cached_window_slots"] <= points * (window + 2)
+    assert stats["cached_slots"] > 3 * stats["cached_window_slots"]
+    assert stats["free_window_slots"] + stats["cached_window_slots"] == stats["window_slots"]
