@@ -48,6 +48,7 @@ class TinySpec:
     tie_word_embeddings: bool = False
     seed: int = 0
     extra: tuple = ()              # (key, value) pairs added to config.json (HYBRID_EXTRA's)
+    weight_scale: float = 1.0      # the layers' random matrices scaled by this
 
 
 def training_corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
@@ -119,6 +120,8 @@ def _save_weights(config: dict, spec: TinySpec, path: Path) -> None:
     for name, value in params.items():
         if name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
             params[name] = mx.random.normal(value.shape) * 1.0
+        elif value.ndim >= 2 and spec.weight_scale != 1.0:
+            params[name] = value * spec.weight_scale
     mx.save_safetensors(str(path / "model.safetensors"), params)
 
 
@@ -202,10 +205,17 @@ HYBRID_EXTRA: dict[str, tuple] = {
 }
 
 
+# With their tied embeddings and default-sized layers, these tiny models' residual
+# stream stays close to the input embedding and greedy decoding repeats one token
+# whatever the prompt (which would hide a broken state); larger layers fix that.
+HYBRID_WEIGHT_SCALE = {"lfm2": 10.0, "cohere2": 10.0}
+
+
 def hybrid_spec(arch: str, seed: int = 0, **overrides) -> TinySpec:
     """A tiny spec of `arch` (a key of HYBRID_EXTRA), 2 layers, hidden 128."""
     extra = dict(HYBRID_EXTRA[arch])
     extra.update(overrides)
     return TinySpec(arch=arch, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=256, vocab_size=512, seed=seed,
-                    extra=tuple(extra.items()))
+                    extra=tuple(extra.items()),
+                    weight_scale=HYBRID_WEIGHT_SCALE.get(arch, 1.0))

@@ -12,7 +12,7 @@ from support import PROMPTS, Server, encode, reference_tokens
 
 MAX_TOKENS = 40
 LONG = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(2)]   # longer than the window
-ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "mamba2", "falcon_h1"]
+ARCHS = ["gemma3_text", "gpt_oss", "cohere2", "qwen3_next", "lfm2", "mamba2", "falcon_h1"]
 # chunks of 5 split the test models' 8-token windows; 192 slots hold a long prompt and
 # its output but not every request's at once, so requests are retracted and resumed
 TIGHT = ("--chunked-prefill-size", "5", "--kv-capacity", "192", "--max-prefill-tokens", "64")
@@ -49,12 +49,12 @@ def test_concurrent_chunked_retracted_requests_match_mlx_lm(arch, overlap, hybri
     assert_matches(path, LONG[0], alone[0])
     assert stats["retractions"] > 0
     assert stats["worker"]["overlap"] is overlap
-    windowed = arch in ("gemma3_text", "gpt_oss")
+    windowed = arch in ("gemma3_text", "gpt_oss", "cohere2")
     assert stats["worker"]["window_sizes"] == ([8] if windowed else [])
     assert (stats["worker"]["state_slots"] > 0) is (not windowed)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2", "falcon_h1", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2", "mamba2", "falcon_h1", "gemma3_text"])
 def test_a_shared_prefix_is_served_from_the_cache(arch, hybrid_model):
     """Prompts extending a finished one resume from its cached KV and, for recurrent
     models, the snapshot of its state (cached_tokens > 0), and stay exact."""

@@ -9,7 +9,7 @@ from mlxd.protocol import PrefillInput, SamplingParams, Step
 from support import PROMPTS, encode, reference_tokens
 
 MAX_TOKENS = 12
-WINDOWED = ["gemma3_text", "gpt_oss"]
+WINDOWED = ["gemma3_text", "gpt_oss", "cohere2"]
 RECURRENT = ["qwen3_next", "lfm2", "mamba2", "falcon_h1", "granitemoehybrid"]
 LONG = " ".join(PROMPTS)   # longer than the test models' 8-token windows
 
