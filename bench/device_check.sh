@@ -96,15 +96,11 @@ join_wheels() {
 install_wheels() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "$STAGE"/*.whl || die "pip install failed"
-    link_cuda_libraries
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    # NVRTC compiles some of MLX's kernels at run time against CUDA_HOME's headers
-    # (else /usr/local/cuda's)
-    local nvcc
-    nvcc=$(command -v nvcc)
-    if [[ -z ${CUDA_HOME:-}${CUDA_PATH:-} && ! -d /usr/local/cuda && -n $nvcc ]]; then
-        CUDA_HOME=$(dirname "$(dirname "$nvcc")")
-        export CUDA_HOME
+    link_cuda_libraries
+    find_cuda_home
+    if ldd "$SITE/mlx/lib/libmlx.so" | grep "not found"; then
+        echo "libmlx.so cannot find the libraries above"
     fi
     echo "installed into $SITE; CUDA_HOME=${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}"
 }
@@ -113,8 +109,8 @@ install_wheels() {
 # folder (its RPATH), that is $SITE/nvidia: point that at the image's nvidia-* packages.
 link_cuda_libraries() {
     local nv
-    [[ -e $SITE/nvidia ]] && return
-    nv=$("$PY" -c 'import nvidia, os
+    [[ -e $SITE/nvidia ]] && return 0
+    nv=$(PYTHONPATH= "$PY" -c 'import nvidia, os
 print(next(p for p in nvidia.__path__ if os.path.isdir(os.path.join(p, "cu13"))
            or os.path.isdir(os.path.join(p, "cublas"))))' 2>/dev/null)
     if [[ -n $nv ]]; then
@@ -122,8 +118,18 @@ print(next(p for p in nvidia.__path__ if os.path.isdir(os.path.join(p, "cu13"))
     else
         echo "no nvidia-* packages found: MLX must find the CUDA libraries on the system path"
     fi
-    if ldd "$SITE/mlx/lib/libmlx.so" | grep "not found"; then
-        echo "libmlx.so is missing the libraries above"
+}
+
+# NVRTC compiles some of MLX's kernels at run time against the headers under CUDA_HOME
+# (else /usr/local/cuda): failing both, the toolkit of nvcc, or the nvidia-* packages'.
+find_cuda_home() {
+    local nvcc
+    [[ -n ${CUDA_HOME:-}${CUDA_PATH:-} || -d /usr/local/cuda ]] && return 0
+    nvcc=$(command -v nvcc)
+    if [[ -n $nvcc ]]; then
+        export CUDA_HOME=${nvcc%/bin/nvcc}
+    elif [[ -d $SITE/nvidia/cu13/include ]]; then
+        export CUDA_HOME=$SITE/nvidia/cu13
     fi
 }
 
