@@ -22,6 +22,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from importlib import metadata
 from pathlib import Path
 
 import zmq
@@ -81,14 +82,32 @@ def served_name(asked: str, folder: str) -> str:
     return Path(asked if asked and asked != "demo" else folder).name.removesuffix(".gguf")
 
 
+# MLX's GPU backends on Linux, as distributions (`pip install mlx[cuda13]`).
+GPU_BACKENDS = ("mlx-cuda-13", "mlx-cuda-12")
+
+
+def mlx_gpu_backend() -> str | None:
+    """The installed MLX GPU backend distribution, if any (found without importing MLX)."""
+    for name in GPU_BACKENDS:
+        try:
+            metadata.version(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def find_blas(choice: str, system_lib: str = "/usr/lib") -> str | None:
     """An optimized BLAS to preload into the worker (Linux CPU backend only): a system
     OpenBLAS (Debian's `libopenblas0-pthread`) first, else MKL from the `mkl` wheel,
-    which `pip install` brings on Linux x86_64. mlx calls only `cblas_sgemm`."""
+    which `pip install` brings on Linux x86_64. mlx calls only `cblas_sgemm`. With a
+    GPU backend `auto` preloads nothing: the matmuls run on the GPU."""
     if not sys.platform.startswith("linux") or choice == "off":
         return None
     if choice != "auto":
         return choice
+    if mlx_gpu_backend():
+        return None
     prefixes = dict.fromkeys([sysconfig.get_config_var("LIBDIR") or "",
                               os.path.join(sys.prefix, "lib")])
     candidates = [
@@ -248,7 +267,7 @@ class Launcher:
         if blas:
             env["LD_PRELOAD"] = os.pathsep.join(filter(None, [blas, env.get("LD_PRELOAD")]))
             log.info("worker BLAS: %s (preloaded)", blas)
-        elif sys.platform.startswith("linux"):
+        elif sys.platform.startswith("linux") and not mlx_gpu_backend():
             log.warning("no optimized BLAS found; the worker runs on mlx's slow reference "
                         "BLAS. Install one: apt-get install libopenblas0-pthread")
         return env

@@ -14,7 +14,8 @@ LABELS = {"mlxd": "mlxd", "mlx_lm": "mlx_lm.server", "mlxd_http": "mlxd (HTTP)",
           "tie": "tie"}
 
 
-def _fmt(key: str, value) -> str:
+def format_metric(key: str, value) -> str:
+    """A metric of METRICS for a table: throughputs as numbers, latencies in ms or s."""
     if value is None:
         return "-"
     if key == "errors":
@@ -38,7 +39,8 @@ def format_table(results: dict) -> str:
                 lines.append(label + f"  failed: {first_line}"[:200])
                 continue
             m = run["metrics"]
-            lines.append(label + "".join(f"{_fmt(k, m.get(k)):>{width}}" for k, *_ in METRICS))
+            lines.append(label + "".join(f"{format_metric(k, m.get(k)):>{width}}"
+                                         for k, *_ in METRICS))
         if trace.get("ratio"):
             cells = []
             for key, *_ in METRICS:
