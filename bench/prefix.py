@@ -8,6 +8,7 @@ SDK. Reports time to first token (p50, p90) and output throughput per setting.
     python -m bench.prefix --model PATH --n 64 --shared 1024 --question 32 --gen-len 32
     python -m bench.prefix --hybrid qwen3_next   # a tiny recurrent-state test model:
                                                  # the cache is KV + state snapshots
+    python -m bench.prefix --hybrid gemma3_text  # sliding windows: KV + window slots
 """
 
 import argparse
@@ -43,7 +44,8 @@ async def _drive(address: str, prompts, gen_len: int) -> dict:
             "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
             "output_tok_s": produced / elapsed, "elapsed_s": elapsed,
             "free_slots": stats["free_slots"], "cached_slots": stats["cached_slots"],
-            "snapshots": stats.get("snapshots", 0)}
+            "snapshots": stats.get("snapshots", 0),
+            "cached_window_slots": stats.get("cached_window_slots", 0)}
 
 
 def hybrid_model(arch: str) -> str:
@@ -97,8 +99,11 @@ def main() -> None:
           f"question, {args.gen_len} output tokens; {report['machine']}")
     for name in ("cache_off", "cache_on"):
         r = report[name]
+        held = (f"  window slots {r['cached_window_slots']:.0f}"
+                if r["cached_window_slots"] else "")
         print(f"{name:10s} TTFT p50 {r['ttft_p50_s']:7.2f} s  p90 {r['ttft_p90_s']:7.2f} s  "
-              f"output {r['output_tok_s']:7.1f} tok/s")
+              f"output {r['output_tok_s']:7.1f} tok/s  cached slots {r['cached_slots']:.0f}"
+              f"{held}")
     print(f"cache on vs off: TTFT p50 {report['ttft_p50_speedup']:.1f}x lower, "
           f"throughput {report['throughput_ratio']:.1f}x higher")
     if args.json:
