@@ -177,6 +177,7 @@ class SchedulerLoop:
         """The worker died: its running requests fail, its state is forgotten, and
         Steps wait for the next worker's WorkerReady."""
         if self.restarting:   # counted already: the dead worker's listener closing late
+            log.debug("a lost connection while no worker serves (counted already)")
             return            # (a new worker dying while it loads stops the server)
         self.worker_restarts += 1
         message = "the worker process died; the request was lost"

@@ -11,6 +11,7 @@ Sockets seen from the test (the scheduler binds what it receives on):
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import msgpack
@@ -76,6 +77,13 @@ class Harness(ProcHarness):
         """The worker's process ends: its bound Step socket goes away."""
         self.sockets.remove(self.steps)
         self.steps.close(linger=0)
+
+    def wait_for_log(self, text: str, timeout: float = RECV_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.child.log():
+            if time.monotonic() > deadline:
+                self.child.fail(f"no log line {text!r} within {timeout} s")
+            time.sleep(0.05)
 
     def worker_restarts(self) -> None:
         """A new worker binds the Step socket again (before its WorkerReady)."""
@@ -605,6 +613,9 @@ def test_a_disconnect_while_waiting_for_the_new_worker_is_no_second_death(sched)
     sched.worker_restarts()
     sched.assert_no_step(0.5)               # meanwhile the scheduler connects to it
     sched.worker_dies()                     # and loses it again
+    # (a real worker's WorkerReady follows its model load, seconds after the closed
+    # listener is reported; here the report must come first too)
+    sched.wait_for_log("a lost connection while no worker serves")
     sched.worker_restarts()
     sched.results.send(encode(WorkerReady(worker_limits())))
     sched.request(1, [1, 2], max_new_tokens=1)
