@@ -34,13 +34,15 @@ def test_default_max_tokens_is_the_callers():
 def test_everything_set():
     p = parse(max_tokens=10, temperature=0.8, top_p=0.95, top_k=50, min_p=0.1, seed=3,
               stop=["\n\n", "END"], stop_token_ids=[0, 511], ignore_eos=True, logprobs=True,
-              top_logprobs=5, timeout=30)
+              top_logprobs=5, timeout=30, skip_special_tokens=False)
     assert p.sampling == SamplingParams(0.8, 0.95, 50, 0.1, 3, 5)
+    assert p.skip_special_tokens is False and parse().skip_special_tokens is True
     assert p.timeout == 30.0
     assert p.max_tokens == 10 and p.stop == ["\n\n", "END"] and p.stop_token_ids == [0, 511]
     assert p.ignore_eos and p.logprobs
     assert set(KNOWN) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                          "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+                          "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                          "logprobs", "top_logprobs",
                           "timeout", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "logit_bias", "min_tokens", "n", "tools",
                           "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
