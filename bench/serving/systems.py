@@ -98,8 +98,10 @@ class MlxdDriver:
     async def stream(self, *, prompt: str | None = None, messages: list[dict] | None = None,
                      max_tokens: int):
         """Pieces, then one Final."""
+        # special tokens' text kept, as mlx_lm.server streams it: a conversation then
+        # carries the same answer text on every system
         stream = self.client.stream(prompt=prompt, messages=messages, max_tokens=max_tokens,
-                                    ignore_eos=True, temperature=0.0)
+                                    ignore_eos=True, temperature=0.0, skip_special_tokens=False)
         finished = False
         try:
             async for chunk in stream:
