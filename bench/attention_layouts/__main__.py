@@ -31,14 +31,17 @@ def model_shape(path: str) -> tuple[int, int, int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="model folder for the shapes (default: the bench model)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="model folder for the shapes (default: the bench model)")
     ap.add_argument("--heads", type=int, help="query heads (default: the model's)")
     ap.add_argument("--kv-heads", type=int, help="KV heads (default: the model's)")
     ap.add_argument("--head-dim", type=int, help="head dim (default: the model's)")
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
     ap.add_argument("--cases", default="ABCD", help="which cases, e.g. AB")
-    ap.add_argument("--scale", type=int, default=1, help="divide rows and lengths by this (quick runs)")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="divide rows and lengths by this (quick runs)")
     ap.add_argument("--page", type=int, default=256, help="page size of the paged layout")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -49,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def reexec_with_blas() -> None:
     env = blas_env()
     if env.get("LD_PRELOAD") and os.environ.get("LD_PRELOAD") != env["LD_PRELOAD"]:
-        os.execve(sys.executable, [sys.executable, "-m", "bench.attention_layouts", *sys.argv[1:]], env)
+        argv = [sys.executable, "-m", "bench.attention_layouts", *sys.argv[1:]]
+        os.execve(sys.executable, argv, env)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from .cases import Batch
 sdpa = mx.fast.scaled_dot_product_attention
 
 
-def _pad(a: mx.array, left: int, right: int) -> mx.array:
+def pad_positions(a: mx.array, left: int, right: int) -> mx.array:
     """KV `[H, L, D]` padded along positions."""
     return mx.pad(a, [(0, 0), (left, right), (0, 0)])
 
@@ -67,7 +67,7 @@ class Padded(Layout):
         self.end = end = max(batch.lengths)
         self.cap = cap = row_width(end)
         self.keys, self.values = (
-            mx.stack([_pad(kv[i], end - kv[i].shape[1], cap - end) for kv in batch.rows])
+            mx.stack([pad_positions(kv[i], end - kv[i].shape[1], cap - end) for kv in batch.rows])
             for i in (0, 1))
         lengths = mx.array(batch.lengths)[:, None]
         self.mask = (mx.arange(end)[None, :] >= end - lengths)[:, None, None, :]
@@ -81,7 +81,7 @@ class Padded(Layout):
 
     def join(self, k, v):
         length = k.shape[1]   # no longer than the batch's rows here: the width stays
-        rows = [_pad(a, self.end - length, self.cap - self.end)[None] for a in (k, v)]
+        rows = [pad_positions(a, self.end - length, self.cap - self.end)[None] for a in (k, v)]
         return [mx.concatenate([self.keys, rows[0]]), mx.concatenate([self.values, rows[1]])]
 
 
@@ -123,9 +123,10 @@ class WidthClasses(Layout):
         lengths = [self.batch.lengths[r] for r in rows]
         room = -(-len(rows) // self.row_step) * self.row_step - len(rows)
         stored = [self.batch.rows[r] for r in rows]
-        keys, values = (mx.pad(mx.stack([_pad(kv[i], 0, cap - kv[i].shape[1]) for kv in stored]),
-                               [(0, room), (0, 0), (0, 0), (0, 0)])
-                        for i in (0, 1))
+        keys, values = (
+            mx.pad(mx.stack([pad_positions(kv[i], 0, cap - kv[i].shape[1]) for kv in stored]),
+                   [(0, room), (0, 0), (0, 0), (0, 0)])
+            for i in (0, 1))
         width = max(lengths)
         return {"rows": mx.array(rows), "n": len(rows), "width": width, "keys": keys,
                 "values": values, "mask": length_mask(lengths, width)}
@@ -146,8 +147,8 @@ class WidthClasses(Layout):
         c = self.classes.get(cap)
         if c is None or c["n"] == c["keys"].shape[0]:
             return None   # a new class, or a full one: a copy of the class (not measured)
-        c["keys"][c["n"]] = _pad(k, 0, cap - k.shape[1])
-        c["values"][c["n"]] = _pad(v, 0, cap - v.shape[1])
+        c["keys"][c["n"]] = pad_positions(k, 0, cap - k.shape[1])
+        c["values"][c["n"]] = pad_positions(v, 0, cap - v.shape[1])
         return [c["keys"], c["values"]]
 
 
@@ -164,7 +165,7 @@ class PerRow(Layout):
     @staticmethod
     def _buffer(k, v):
         cap = row_width(k.shape[1])
-        return tuple(_pad(a, 0, cap - a.shape[1])[None] for a in (k, v))
+        return tuple(pad_positions(a, 0, cap - a.shape[1])[None] for a in (k, v))
 
     def arrays(self):
         return [a for kv in self.buffers for a in kv]
@@ -197,7 +198,8 @@ class SlotPool:
             free = free[n:]
         self.free = free
         slots = prefix_slots + [s for t in self.tables for s in t[p:]]
-        parts = ([batch.prefix] if batch.prefix else []) + [batch.suffix(r) for r in range(len(own))]
+        parts = [batch.prefix] if batch.prefix else []
+        parts += [batch.suffix(r) for r in range(len(own))]
         shape = (len(slots) + spare + 1, batch.shape.kv_heads, batch.shape.head_dim)
         self.keys, self.values = (mx.zeros(shape, batch.shape.dtype) for _ in (0, 1))
         idx = mx.array(slots)

@@ -4,9 +4,11 @@ read in place by `mx.gather_mm`."""
 
 import mlx.core as mx
 
-from .attend import class_capacity, grouped, length_mask, merge_partials, partial_attention, softmax_parts
+from .attend import (
+    class_capacity, grouped, length_mask, merge_partials, partial_attention, softmax_parts,
+)
 from .cases import Batch
-from .layouts import Layout, _pad
+from .layouts import Layout, pad_positions
 
 
 class Cascade(Layout):
@@ -22,8 +24,9 @@ class Cascade(Layout):
         own = [length - batch.case.prefix_len for length in batch.lengths]
         cap, self.width = class_capacity(max(own)), max(own)
         suffixes = [batch.suffix(r) for r in range(len(own))]
-        self.keys, self.values = (mx.stack([_pad(kv[i], 0, cap - kv[i].shape[1]) for kv in suffixes])
-                                  for i in (0, 1))
+        self.keys, self.values = (
+            mx.stack([pad_positions(kv[i], 0, cap - kv[i].shape[1]) for kv in suffixes])
+            for i in (0, 1))
         self.mask = length_mask(own, self.width)
 
     def arrays(self):
@@ -60,7 +63,7 @@ class Paged(Layout):
         spare = -(-batch.case.join_len // self.page)
         zero = mx.zeros((h, self.page, d), self.shape.dtype)
         self.keys, self.values = (
-            mx.stack([zero] + [_pad(c[i], 0, self.page - c[i].shape[1]) for c in chunks]
+            mx.stack([zero] + [pad_positions(c[i], 0, self.page - c[i].shape[1]) for c in chunks]
                      + [zero] * spare) for i in (0, 1))
         self.spare = list(range(len(chunks) + 1, len(chunks) + 1 + spare))
         rows = mx.array([r for r, _, _ in pairs])
@@ -95,7 +98,8 @@ class Paged(Layout):
         keys = self.keys.reshape(-1, self.page, d).swapaxes(-1, -2)
         scores = mx.gather_mm(q, keys, self.lhs, self.rhs).reshape(n, h, g, self.page)
         weights, total, lse = softmax_parts(scores, self.mask)
-        out = mx.gather_mm(weights.reshape(n * h, g, self.page), self.values.reshape(-1, self.page, d),
+        values = self.values.reshape(-1, self.page, d)
+        out = mx.gather_mm(weights.reshape(n * h, g, self.page), values,
                            mx.arange(n * h, dtype=mx.uint32), self.rhs)
         out = out.reshape(n, h, g, d) / total
         return self._merge(out, lse, b).reshape(self.batch.q.shape).astype(self.batch.q.dtype)
@@ -112,10 +116,14 @@ class Paged(Layout):
     def join(self, k, v):
         pages = self.spare[:-(-k.shape[1] // self.page)]
         for i, p in enumerate(pages):
-            s = i * self.page
-            self.keys[p] = _pad(k[:, s:s + self.page], 0, self.page - k[:, s:s + self.page].shape[1])
-            self.values[p] = _pad(v[:, s:s + self.page], 0, self.page - v[:, s:s + self.page].shape[1])
+            self.keys[p] = self._page(k, i)
+            self.values[p] = self._page(v, i)
         return [self.keys, self.values]
+
+    def _page(self, a: mx.array, i: int) -> mx.array:
+        """The i-th page of KV `[H, L, D]`, padded to a whole page."""
+        part = a[:, i * self.page:(i + 1) * self.page]
+        return pad_positions(part, 0, self.page - part.shape[1])
 
 
 def prefix_product(batch: Batch, by_hand: bool):

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [Shape(4, 4, 16, mx.float32), Shape(4, 2, 16, mx.float32)]   # MHA and GQA
 CASES = standard_cases(scale=16) + [
     Case("E", "rows of 1, 7, 40 and 3 positions", (1, 7, 40, 3)),
-    Case("F", "a 9-position prefix shared by 3 rows of different lengths", (10, 19, 30), prefix_len=9),
+    Case("F", "a 9-position prefix shared by 3 rows of different lengths", (10, 19, 30),
+         prefix_len=9),
 ]
 NAMES = {"padded", "padded, hand-written", "width classes", "per-row",
          "gather-then-attend", "paged (gather_mm)"}
