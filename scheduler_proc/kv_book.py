@@ -138,6 +138,13 @@ class KVBook:
             self.windows.free(stale)
         req.window_floor = max(req.window_floor, stale_end)
 
+    def windows_read(self, req: Request, start: int) -> list[int]:
+        """The window ids of the request's first `start` positions as a step whose new
+        tokens start there reads them: the `window + 1` before `start`, 0 for older
+        ones (no query reaches them; their slots may be someone else's by now)."""
+        keep = min(start, self.window + 1)
+        return [0] * (start - keep) + req.window_ids[start - keep:start]
+
     def usable_prefix(self, windows: list[int]) -> int:
         """The longest length L <= len(windows) whose `window` preceding positions all
         have window KV (a prefix the worker can extend)."""
@@ -282,17 +289,11 @@ class KVBook:
         }
 
     def check_integrity(self, running: list[Request]) -> None:
-        self.allocator.check_integrity()
-        private = [s for r in running for s in r.slot_ids[r.prefix_len:]]
-        cached = self.tree.all_slots() if self.tree else []
         if self.tree:
             self.tree.check_integrity()
-        assert len(set(private)) == len(private), "a private slot is held twice"
-        assert not set(private) & set(cached), "a slot is both private and cached"
-        total = self.allocator.num_free + len(cached) + len(private)
-        assert total == self.capacity, (
-            f"free {self.allocator.num_free} + cached {len(cached)} + private "
-            f"{len(private)} != capacity {self.capacity}")
+        _check_owners("slot", self.allocator,
+                      [s for r in running for s in r.slot_ids[r.prefix_len:]],
+                      self.tree.all_slots() if self.tree else [])
         for r in running:
             assert r.prefix_len == 0 or r.last_node is not None
         self._check_windows(running)
@@ -307,15 +308,22 @@ class KVBook:
             "a snapshot slot is lost or held twice"
 
     def _check_windows(self, running: list[Request]) -> None:
-        self.windows.check_integrity()
         for r in running:
             assert len(r.window_ids) == (len(r.slot_ids) if self.window else 0), \
                 "window ids and slot ids differ in length"
-        private = [w for r in running for w in r.window_ids[r.prefix_len:] if w]
-        cached = self.tree.all_windows() if self.tree else []
-        assert len(set(private)) == len(private), "a private window slot is held twice"
-        assert not set(private) & set(cached), "a window slot is both private and cached"
-        total = self.windows.num_free + len(private) + len(cached)
-        assert total == self.window_capacity, (
-            f"window slots: free {self.windows.num_free} + cached {len(cached)} + private "
-            f"{len(private)} != {self.window_capacity}")
+        _check_owners("window slot", self.windows,
+                      [w for r in running for w in r.window_ids[r.prefix_len:] if w],
+                      self.tree.all_windows() if self.tree else [])
+
+
+def _check_owners(kind: str, allocator: SlotAllocator, private: list[int],
+                  cached: list[int]) -> None:
+    """Every id of `allocator` is free, cached in the tree or private to one running
+    request: exactly one of those, once."""
+    allocator.check_integrity()
+    assert len(set(private)) == len(private), f"a private {kind} is held twice"
+    assert not set(private) & set(cached), f"a {kind} is both private and cached"
+    total = allocator.num_free + len(cached) + len(private)
+    assert total == allocator.capacity, (
+        f"{kind}s: free {allocator.num_free} + cached {len(cached)} + private "
+        f"{len(private)} != capacity {allocator.capacity}")

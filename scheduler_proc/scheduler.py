@@ -301,9 +301,8 @@ class Scheduler:
         p = PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
                          new_slots, req.sampling, needs_logits=done,
                          num_generated=len(req.output_ids))
-        if self.kv.window:   # only the window before the new tokens is read
-            keep = min(start, self.kv.window + 1)
-            p.prefix_window_ids = [0] * (start - keep) + req.window_ids[start - keep:start]
+        if self.kv.window:
+            p.prefix_window_ids = self.kv.windows_read(req, start)
             p.new_window_ids = req.window_ids[start:]
         if req.state_slot:
             # the state the prefix ends at (a snapshot, or the working slot after a

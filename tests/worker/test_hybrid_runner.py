@@ -78,14 +78,20 @@ def test_each_prompt_alone_matches_mlx_lm(arch, hybrid_model):
 @pytest.mark.parametrize("arch", WINDOWED + RECURRENT)
 def test_chunked_prefill_matches_mlx_lm(arch, size, hybrid_model):
     """Chunks that split the window; the recurrent state crosses chunks in a slot."""
-    path = hybrid_model(arch)
-    d = Driver(path)
+    run_two_chunked(hybrid_model(arch), Driver, size)
+
+
+def run_two_chunked(path: str, driver, size: int):
+    """A long prompt and a short one in chunks of `size`, the second joining the first
+    while it runs; both must match mlx_lm. Returns the driver."""
+    d = driver(path)
     ids = [encode(path, LONG), encode(path, PROMPTS[6])]
     d.chunks(0, ids[0], size)
     d.chunks(1, ids[1], size)   # joins a running row
     d.finish()
     for r in range(2):
         assert_matches(path, ids[r], d.out[r])
+    return d
 
 
 @pytest.mark.parametrize("arch", RECURRENT)

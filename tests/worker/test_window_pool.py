@@ -11,7 +11,7 @@ from mlxd.protocol import PrefillInput, Step
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry
 from support import PROMPTS, encode, load_reference
-from test_hybrid_runner import LONG, WINDOWED, assert_matches
+from test_hybrid_runner import LONG, WINDOWED, assert_matches, run_two_chunked
 
 WINDOW_CAPACITY = 96   # 9 rows x (W + 1) at most: ids are reused all the time
 
@@ -95,14 +95,7 @@ def test_staggered_batch_matches_mlx_lm(arch, overlap, hybrid_model):
 def test_chunks_splitting_the_window_read_it_from_the_pool(arch, size, hybrid_model):
     """Each chunk's prefix is everything before it, of which only the last W
     positions hold window ids."""
-    path = hybrid_model(arch)
-    d = Driver(path)
-    ids = [encode(path, LONG), encode(path, PROMPTS[6])]
-    d.chunks(0, ids[0], size)
-    d.chunks(1, ids[1], size)   # joins a running row
-    d.finish()
-    for r in range(2):
-        assert_matches(path, ids[r], d.out[r])
+    d = run_two_chunked(hybrid_model(arch), Driver, size)
     assert any(0 in p.prefix_window_ids for p in d.sent)   # beyond the window: not held
 
 
