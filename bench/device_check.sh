@@ -53,7 +53,7 @@ TESTS=(
     tests/server/test_hybrid_models.py::test_a_shared_prefix_is_served_from_the_cache
 )
 SMOKE_TESTS=(
-    "tests/worker/test_model_runner.py::test_staggered_batch_matches_mlx_lm[llama_model]"
+    "tests/worker/test_model_runner.py::test_staggered_batch_matches_mlx_lm[llama_model-paged]"
     "tests/server/test_server.py::test_concurrent_greedy_matches_mlx_lm[llama]"
 )
 

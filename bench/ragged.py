@@ -11,9 +11,13 @@ measured alternately in one run (machine noise hits both alike):
     python -m bench.ragged                      # the ~40M bench model (8k context)
     python -m bench.ragged --repeats 10 --json out.json
 
+Each figure is measured for every decode layout asked (`--layouts`, default the
+paged layout and the padded one it replaced), one after the other in one run.
 The runner is driven as the scheduler would drive it (slot ids booked here, one Step
 per call); overlap is off, so a step's time is its compute. Runs in a child process
 with the worker's BLAS (bench/common.py blas_env).
+
+    python -m bench.ragged --layouts paged,padded
 """
 
 import argparse
@@ -39,11 +43,12 @@ def bench_model_8k() -> str:
 class Driver:
     """Books slots and sends Steps to one ModelRunner, like the scheduler."""
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model, capacity: int, layout: str):
         from mlxd.worker_proc.kv_pool import KVPool
         from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
 
-        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity))
+        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity),
+                                  decode_layout=layout)
         self.slots = itertools.count(1)
         self.step_ids = itertools.count(1)
         self.slot_ids: dict[int, list[int]] = {}
@@ -89,10 +94,10 @@ def fill(driver: Driver, lengths: list[int], vocab: int, rng: random.Random,
         driver.step(batch)
 
 
-def ragged(model, vocab: int, steps: int, rng: random.Random) -> dict:
+def ragged(model, vocab: int, steps: int, rng: random.Random, layout: str) -> dict:
     short, long_ = 256, 4096
-    even = Driver(model, 64 * (short + steps + 64))
-    mixed = Driver(model, 63 * (short + steps + 64) + long_ + steps + 64)
+    even = Driver(model, 64 * (short + steps + 64), layout)
+    mixed = Driver(model, 63 * (short + steps + 64) + long_ + steps + 64, layout)
     fill(even, [short] * 64, vocab, rng)
     fill(mixed, [short] * 63 + [long_], vocab, rng)
     for _ in range(3):   # warm up: buffers of these shapes exist
@@ -104,9 +109,9 @@ def ragged(model, vocab: int, steps: int, rng: random.Random) -> dict:
     return _ratio(times, "mixed", "even")
 
 
-def join(model, vocab: int, steps: int, rng: random.Random) -> dict:
+def join(model, vocab: int, steps: int, rng: random.Random, layout: str) -> dict:
     length = 1280
-    d = Driver(model, 61 * (length + 2 * steps + 64) + steps * (length + 64))
+    d = Driver(model, 61 * (length + 2 * steps + 64) + steps * (length + 64), layout)
     fill(d, [length] * 60, vocab, rng)
     # KV for the joining rows' prompts, in the pool (prefilled once, not decoded)
     source = d.prefill(10_000, [rng.randrange(10, vocab) for _ in range(length)],
@@ -139,12 +144,12 @@ def measure(args) -> dict:
 
     model, _ = load_model(args.model, resolve_dequantize("auto"))
     vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
-    rng = random.Random(args.seed)
     out = {"blas": loaded_blas(), "device": str(mx.default_device())}
-    if "ragged" in args.cases:
-        out["ragged"] = ragged(model, vocab, args.repeats, rng)
-    if "join" in args.cases:
-        out["join"] = join(model, vocab, args.repeats, rng)
+    for layout in args.layouts.split(","):
+        rng = random.Random(args.seed)   # the same prompts for each layout
+        for case, run in (("ragged", ragged), ("join", join)):
+            if case in args.cases:
+                out.setdefault(case, {})[layout] = run(model, vocab, args.repeats, rng, layout)
     return out
 
 
@@ -152,6 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the bench model with an 8k context")
     ap.add_argument("--cases", default="ragged,join")
+    ap.add_argument("--layouts", default="paged,padded", help="decode layouts to measure")
     ap.add_argument("--repeats", type=int, default=8, help="timed steps per figure")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -162,16 +168,16 @@ def main() -> None:
         print(json.dumps(measure(args)))
         return
     cmd = [sys.executable, "-m", "bench.ragged", "--in-process", "--model", args.model,
-           "--cases", args.cases, "--repeats", str(args.repeats), "--seed", str(args.seed)]
+           "--cases", args.cases, "--layouts", args.layouts, "--repeats", str(args.repeats),
+           "--seed", str(args.seed)]
     out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         sys.exit(out.stderr[-4000:])
     result = json.loads(out.stdout.strip().splitlines()[-1]) | {"machine": machine_summary()}
     for case, goal in (("ragged", "<= 1.3"), ("join", "<= 1.2")):
-        if case in result:
-            r = result[case]
+        for layout, r in result.get(case, {}).items():
             times = ", ".join(f"{k} {v} ms" for k, v in r.items() if k.endswith("_ms"))
-            print(f"{case}: ratio {r['ratio']} (target {goal}); median {times}")
+            print(f"{case} ({layout}): ratio {r['ratio']} (target {goal}); median {times}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -82,7 +82,7 @@ class WorkerLimits:
     scheduler books KV against it, the tokenizer checks prompts against it."""
 
     kv_capacity: int = wire(Int(minimum=1))          # KV pool slots
-    decode_cache_tokens: int = wire(Int(minimum=1))  # padded width budget of the decode caches
+    decode_cache_tokens: int = wire(Int(minimum=1))  # tokens the decode caches may span
     max_context: int = wire(Int(minimum=1))
     vocab_size: int = wire(Int(minimum=1))           # token ids the model embeds: [0, vocab_size)
     bytes_per_token: int = wire(Int(minimum=0))      # KV of one token, all layers (0: no KV layer)
@@ -107,6 +107,9 @@ class WorkerLimits:
     # sliding-window layers' KV, booked by the scheduler per token like KV slots but
     # held only for the `window_sizes` positions before a point that needs them
     window_capacity: int = wire(Int(minimum=0), default=0)
+    # the decode caches' layout (runtime/kv_layout.py): positions per decode page,
+    # or 0 for the padded layout; the scheduler counts `decode_cache_tokens` by it
+    decode_page: int = wire(Int(minimum=0), default=0)
 
 
 @message

@@ -99,6 +99,11 @@ class ServerFlags:
     client_queue_limit: int = flag(
         10000, "replies queued for one client that does not read them, beyond which "
         "its requests end with an error (each still gets its finish)", (TOKENIZER,), minimum=1)
+    decode_layout: str = flag(
+        "auto", "how running requests' KV is laid out for decoding: `paged` (each "
+        "request's own pages, attended in place), `padded` (mlx_lm's batch caches, every "
+        "row as wide as the longest), or `auto` (paged where the model's attention "
+        "allows)", (WORKER,))
     disable_overlap: bool = flag(
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "

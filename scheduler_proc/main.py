@@ -267,7 +267,8 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         disable_radix_cache=flags.disable_radix_cache,
         decode_cache_tokens=worker.decode_cache_tokens, vocab_size=worker.vocab_size,
         state_slots=worker.state_slots, snapshot_slots=worker.snapshot_slots,
-        window_capacity=worker.window_capacity, window=max(worker.window_sizes, default=0))
+        window_capacity=worker.window_capacity, window=max(worker.window_sizes, default=0),
+        decode_page=worker.decode_page)
 
 
 def main(argv=None) -> None:

@@ -15,7 +15,7 @@ from mlxd.protocol import (
     WorkerError,
 )
 from mlxd.runtime.flags import ServerFlags
-from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
+from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_tokens
 from mlxd.runtime.request_limits import length_error, max_new_tokens
 
 from .kv_book import KVBook
@@ -37,7 +37,8 @@ class SchedulerLimits:
     max_prefill_tokens: int = _FLAGS.max_prefill_tokens
     chunked_prefill_size: int = _FLAGS.chunked_prefill_size
     disable_radix_cache: bool = _FLAGS.disable_radix_cache
-    decode_cache_tokens: int = 0    # room for the worker's padded decode caches (0: see below)
+    decode_cache_tokens: int = 0    # room for the worker's decode caches (0: see below)
+    decode_page: int = 0            # their layout: positions per page (0: padded; kv_layout)
     decode_headroom: int = 16       # slots kept free per running request at admission
     cached_token_cost: float = 0.25  # a cached prefix token's share of the prefill budget
     vocab_size: int = 0             # the model's token ids are [0, vocab_size) (0: unchecked)
@@ -54,7 +55,7 @@ class Scheduler:
                          limits.state_slots, limits.snapshot_slots,
                          limits.window_capacity, limits.window)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
-            limits.kv_capacity, limits.max_running_requests)
+            limits.kv_capacity, limits.max_running_requests, limits.decode_page)
         self.waiting = WaitingQueue(self.kv)
         self.running: dict[int, Request] = {}
         self.chunking: Request | None = None   # at most one request prefills in chunks
@@ -177,10 +178,10 @@ class Scheduler:
         return decoding
 
     def _width_fits(self, rows: list[Request], *extra_lens: int) -> bool:
-        """The worker's padded decode caches (kv_layout's rule) fit the budget with
-        `rows` and rows of `extra_lens` about to join."""
+        """The worker's decode caches (kv_layout's rule for its layout) fit the budget
+        with `rows` and rows of `extra_lens` about to join."""
         lengths = [len(r.slot_ids) for r in rows] + [n for n in extra_lens if n]
-        return batch_tokens(lengths) <= self.decode_cache_tokens
+        return batch_tokens(lengths, self.limits.decode_page) <= self.decode_cache_tokens
 
     def _retraction_victim(self) -> Request:
         """The running request with the least progress (then: holding the most KV)."""
@@ -204,8 +205,8 @@ class Scheduler:
         if need > self.limits.kv_capacity:
             return (f"the request needs {need} KV slots; the pool holds "
                     f"{self.limits.kv_capacity}")
-        width = row_width(len(req.slot_ids))
-        return (f"the request needs a decode cache {width} tokens wide; the "
+        width = row_tokens(len(req.slot_ids), self.limits.decode_page)
+        return (f"the request needs {width} tokens of decode cache; the "
                 f"decode caches may span {self.decode_cache_tokens} tokens")
 
     # ---- prefill: chunks, then admissions -----------------------------------------

@@ -24,7 +24,7 @@ from typing import Callable, Hashable
 
 from mlxd.protocol import (
     Abort, AbortRequest, ErrorReply, GenerateRequest, GetStats, ProtocolError, Stats,
-    StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
+    StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, Usage,
 )
 
 from .constraints import ConstraintCompiler, InvalidConstraint, after_thinking
@@ -59,6 +59,7 @@ class _Request:
     stream: RequestStream
     sink: Sink
     deadline: float | None = None   # clock() time past which the request is ended
+    prompt_tokens: int = 0          # for the usage of a request ended before any token
 
 
 @dataclass(slots=True, eq=False)
@@ -251,7 +252,9 @@ class TokenizerCore:
     def _end(self, rid: int, request: _Request, message: str) -> None:
         """Send the request's last chunk: finish_reason "error" with `message`."""
         stream = request.stream
-        usage = stream.usage and stream.usage.with_completion_tokens(len(stream.token_ids))
+        # the scheduler's count arrives with the first token; before it, the prompt's
+        usage = (stream.usage or Usage(request.prompt_tokens, 0, 0)).with_completion_tokens(
+            len(stream.token_ids))
         chunk = stream.on_entry(TokenEntry(rid, [], [], finish_reason="error", usage=usage,
                                            error=message))
         if chunk is not None:
@@ -379,7 +382,8 @@ class TokenizerCore:
                                parser)
         limits = [t for t in (params.timeout, self.request_timeout) if t]
         deadline = self.clock() + min(limits) if limits else None
-        self.requests[rid] = _Request(pending.client, stream, pending.sink, deadline)
+        self.requests[rid] = _Request(pending.client, stream, pending.sink, deadline,
+                                      len(pending.tokenized.input_ids))
 
     def _drop(self, rid: int, request: _Request) -> None:
         del self.requests[rid]

@@ -282,6 +282,41 @@ def _merge_states(parts: list[tuple]) -> ArraysCache:
     return merged
 
 
+# ---- rows leaving a prefill for the decode pages ---------------------------
+
+def row_extents(cache: LayerCache) -> tuple[list[int], int]:
+    """A prefill KV cache's rows: (each row's first column, the rows' common end);
+    row i holds columns [first[i], end)."""
+    if cache.keys is None:
+        return [0] * cache.offset.shape[0], 0
+    return cache.left_padding.tolist(), cache._idx
+
+
+def gather_columns(cache: LayerCache, rows: mx.array, cols: mx.array) -> tuple[mx.array, mx.array]:
+    """Keys/values `[n, heads, m, dim]` of columns `cols [n, m]` of rows `rows [n, 1]`."""
+    return (cache.keys[rows, :, cols].transpose(0, 2, 1, 3),
+            cache.values[rows, :, cols].transpose(0, 2, 1, 3))
+
+
+def assemble(layout: CacheLayout, kv: list, states: list[list[mx.array]]) -> tuple[list, list]:
+    """The model's caches in its own structure from given KV leaves (in pool order)
+    and per state leaf its rows' arrays: (caches, the state caches made, in state
+    order; a forward updates their arrays)."""
+    kv_iter, state_iter, made = iter(kv), iter(states), []
+
+    def build(kind):
+        if kind == KV:
+            return next(kv_iter)
+        if kind[0] == STATE:
+            cache = ArraysCache(kind[1])
+            load_state(cache, next(state_iter))
+            made.append(cache)
+            return cache
+        return CacheList(*(build(k) for k in kind))
+
+    return [build(kind) for kind in layout.layers], made
+
+
 def one_token_caches(model) -> tuple[list, list]:
     """Run one token through the model. Per KV leaf, keys/values `[1, heads,
     positions, dim]`; per state leaf, its arrays `[1, ...]` (evaluated)."""

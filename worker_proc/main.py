@@ -70,14 +70,15 @@ def build_runner(cfg: WorkerConfig):
     from .grammar import Grammars
     from .kv_pool import KVPool
     from .loading import is_quantized, load_model, resolve_dequantize
-    from .memory import kv_budget, memory_limit_bytes, window_split
-    from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
+    from .memory import ACTIVATION_RESERVE_BYTES, kv_budget, memory_limit_bytes, window_split
+    from .model_runner import ModelRunner, decode_page_for, probe_geometry, probe_vocab_size
 
     flags = cfg.flags
     dequantize = resolve_dequantize(flags.dequantize)
     model, tokenizer = load_model(flags.model, dequantize)
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
+    page = decode_page_for(model, geometry, flags.decode_layout)   # 0: padded
     max_context = model_max_context(flags.model)
     # Recurrent-state models: a state slot per running request, as many for snapshots
     # of prompts' states (prefix reuse), taken from memory first.
@@ -92,17 +93,21 @@ def build_runner(cfg: WorkerConfig):
                        weights_bytes + state_bytes, max(1, pool_token_bytes),
                        flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
-                       capacity=flags.kv_capacity, windows=windows)
+                       capacity=flags.kv_capacity, windows=windows, page=page)
     pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots,
                   budget.window_capacity)
-    # Let freed buffers be reused: joins and releases replace the decode caches'
-    # buffers, and fresh memory costs a page fault per 4 KiB (a 64-row join took
-    # ~1.5 s on the CPU backend, whose cache limit starts at 0). The decode caches'
-    # second copy is budgeted already (memory.kv_budget); this is that room.
-    cache_bytes = budget.decode_cache_tokens * geometry.bytes_per_token
+    # Let freed buffers be reused: fresh memory costs a page fault per 4 KiB (a 64-row
+    # padded join took ~1.5 s on the CPU backend, whose cache limit starts at 0).
+    # Padded: joins and releases replace the decode caches' buffers, whose second
+    # copy is budgeted already (memory.kv_budget); this is that room. Pages: the
+    # arena stays put; prefill's buffers come from the activation reserve.
+    cache_bytes = (ACTIVATION_RESERVE_BYTES if page
+                   else budget.decode_cache_tokens * geometry.bytes_per_token)
     mx.set_cache_limit(cache_bytes)
     runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap,
-                         grammars=Grammars.for_model(tokenizer, probe_vocab_size(model)))
+                         grammars=Grammars.for_model(tokenizer, probe_vocab_size(model)),
+                         decode_layout="paged" if page else "padded",
+                         decode_pages=-(-budget.decode_cache_tokens // page) if page else 0)
     limits = WorkerLimits(
         kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
         max_context=max_context, vocab_size=runner.vocab_size,
@@ -114,7 +119,7 @@ def build_runner(cfg: WorkerConfig):
         snapshot_slots=snapshot_slots,
         state_slot_bytes=geometry.bytes_per_state,
         window_sizes=[w for w in geometry.cache_layout.windows if w],
-        window_capacity=pool.window_capacity)
+        window_capacity=pool.window_capacity, decode_page=page)
     return runner, limits
 
 

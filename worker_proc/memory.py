@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget
+from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget, decode_cache_copies
 
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
@@ -31,7 +31,7 @@ def memory_limit_bytes(mem_fraction: float, mem_limit_gb: float) -> int:
 @dataclass(frozen=True)
 class KVBudget:
     capacity: int             # tokens in the slot pool
-    decode_cache_tokens: int  # tokens the padded decode caches may span (rows x width)
+    decode_cache_tokens: int  # tokens the decode caches may span (kv_layout's rule)
     window_capacity: int = 0  # window pool slots (0: no window pool)
 
 
@@ -66,22 +66,23 @@ def window_split(geometry, max_context: int, max_prefill_tokens: int,
 
 def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
               max_running: int, ceiling: int, capacity: int = 0,
-              windows: WindowSplit | None = None) -> KVBudget:
+              windows: WindowSplit | None = None, page: int = 0) -> KVBudget:
     """Split memory between the pool (C tokens) and the decode caches (D tokens, the
-    scheduler's budget for C: kv_layout.decode_cache_budget), which need twice their
-    size while a join copies them: C + 2D fits. An explicit `capacity` sizes only
+    scheduler's budget for C in the layout of decode `page` (0: padded):
+    kv_layout.decode_cache_budget), held `decode_cache_copies` times (padded: twice
+    while a join copies them): C + copies x D fits. An explicit `capacity` sizes only
     the pool. With `windows`, `bytes_per_token` counts the global layers only and the
     window pool (its slots follow from C) and the decode caches' windowed layers are
     counted too."""
     if windows is not None:
         return _window_budget(limit_bytes, weights_bytes, bytes_per_token, max_running,
-                              ceiling, capacity, windows)
+                              ceiling, capacity, windows, page)
     if capacity:
-        return KVBudget(capacity, decode_cache_budget(capacity, max_running))
+        return KVBudget(capacity, decode_cache_budget(capacity, max_running, page))
     tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
-    pool = _pool_share(tokens, max_running, ceiling)
+    pool = _pool_share(tokens, max_running, ceiling, page)
     _check_room(pool, limit_bytes, weights_bytes)
-    return KVBudget(int(pool), decode_cache_budget(int(pool), max_running))
+    return KVBudget(int(pool), decode_cache_budget(int(pool), max_running, page))
 
 
 def _check_room(pool: int, limit_bytes: int, weights_bytes: int) -> None:
@@ -92,8 +93,11 @@ def _check_room(pool: int, limit_bytes: int, weights_bytes: int) -> None:
             "--mem-limit-gb, or set --kv-capacity")
 
 
-def _pool_share(tokens: int, max_running: int, ceiling: int) -> int:
-    """A pool C <= ceiling with C + 2 * decode_cache_budget(C) <= tokens."""
+def _pool_share(tokens: int, max_running: int, ceiling: int, page: int) -> int:
+    """A pool C <= ceiling with C + copies x decode_cache_budget(C) <= tokens."""
+    copies = decode_cache_copies(page)
+    if page:   # D = C + max_running x page
+        return min((tokens - copies * max_running * page) // (1 + copies), ceiling)
     pool = min((tokens - 2 * CACHE_STEP) // 3, ceiling)   # first guess: D = C + a step
     if pool + 2 * decode_cache_budget(pool, max_running) > tokens:
         # small memory: a full batch of short rows comes first
@@ -104,12 +108,13 @@ def _pool_share(tokens: int, max_running: int, ceiling: int) -> int:
 
 def _window_budget(limit_bytes: int, weights_bytes: int, global_bytes: int,
                    max_running: int, ceiling: int, capacity: int,
-                   windows: WindowSplit) -> KVBudget:
+                   windows: WindowSplit, page: int) -> KVBudget:
     """The largest C <= ceiling (or the explicit `capacity`) whose pool, window pool
-    and doubled decode caches fit; each grows with C, so a binary search finds it."""
+    and decode caches (all their copies) fit; each grows with C, so a binary search
+    finds it."""
     def cost(c: int) -> int:
         return (c * global_bytes + windows.capacity(c, max_running) * windows.bytes_per_token
-                + 2 * decode_cache_budget(c, max_running)
+                + decode_cache_copies(page) * decode_cache_budget(c, max_running, page)
                 * (global_bytes + windows.bytes_per_token))
 
     if not capacity:
@@ -120,5 +125,5 @@ def _window_budget(limit_bytes: int, weights_bytes: int, global_bytes: int,
             low, high = (mid, high) if cost(mid) <= room else (low, mid - 1)
         capacity = low
         _check_room(capacity, limit_bytes, weights_bytes)
-    return KVBudget(capacity, decode_cache_budget(capacity, max_running),
+    return KVBudget(capacity, decode_cache_budget(capacity, max_running, page),
                     windows.capacity(capacity, max_running))

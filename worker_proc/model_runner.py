@@ -13,12 +13,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
+from mlxd.runtime.kv_layout import DECODE_PAGE
 
 from . import batch_cache
 from .background import BackgroundJob
 from .decode_batch import DecodeBatch, JoinGroup
+from .decode_pages import PageArena, install_hook
 from .grammar import Grammars, RowGrammar, allowed
 from .kv_pool import KVGeometry, KVPool, write_ids
+from .paged_batch import PagedDecodeBatch, paged_decode_reaches
 from .penalties import RowPenalties
 from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
@@ -59,6 +62,26 @@ def probe_vocab_size(model) -> int:
     return logits.shape[-1]
 
 
+def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
+    """Positions per decode page for the model, or 0 for the padded layout: "paged"
+    (UnsupportedModel if the model's attention does not go through the hook),
+    "padded", or "auto" (pages where the hook reaches every attention layer; a model
+    without KV layers has nothing to page)."""
+    if layout not in ("auto", "paged", "padded"):
+        raise ValueError(f"unknown decode layout {layout!r} (auto, paged or padded)")
+    if layout == "padded" or not geometry.num_layers:
+        return 0
+    install_hook(model)
+    g = geometry
+    probe = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 2)
+    if paged_decode_reaches(model, g.cache_layout, probe):
+        return DECODE_PAGE
+    if layout == "paged":
+        raise UnsupportedModel("mlxd cannot decode this model in pages: its attention does "
+                               "not call mlx_lm's scaled_dot_product_attention")
+    return 0
+
+
 @dataclass
 class _Output:
     rids: list[int | None]   # per row; None: a dead decode row
@@ -80,13 +103,14 @@ class ModelRunner:
 
     def __init__(self, model, pool: KVPool, prefill_step_size: int = 2048,
                  rng: random.Random | None = None, overlap: bool = False,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, decode_layout: str = "auto",
+                 decode_pages: int = 0):
         self.model = model
         self.grammars = grammars   # None: constrained requests are refused
         self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
-        self.batch = DecodeBatch(pool.geometry.layout)
+        self.batch = self._decode_batch(decode_layout, decode_pages)
         self.ahead: _Output | None = None   # a computed, uncommitted decode of the batch
         self.vocab_size = probe_vocab_size(model)
         self._rng = rng or random.Random()
@@ -95,6 +119,22 @@ class ModelRunner:
         self._background = BackgroundJob()
         self._returned_at: float | None = None   # when the last result was handed back
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
+
+    def _decode_batch(self, layout: str, pages: int) -> DecodeBatch | PagedDecodeBatch:
+        """The decode batch in pages (`decode_page_for`) or in mlx_lm's padded caches.
+        `pages`: the page arena's first size (0: as many as the pool's capacity)."""
+        g = self.pool.geometry
+        page = decode_page_for(self.model, g, layout)
+        if not page:
+            return DecodeBatch(g.layout)
+        arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
+                          pages or -(-self.pool.capacity // page) + 1, page)
+        return PagedDecodeBatch(g.cache_layout, arena)
+
+    @property
+    def decode_page(self) -> int:
+        """Positions per decode page; 0: the padded layout (kv_layout's rule)."""
+        return self.batch.arena.page if isinstance(self.batch, PagedDecodeBatch) else 0
 
     # ---- the step ---------------------------------------------------------
 
@@ -130,6 +170,10 @@ class ModelRunner:
                              f"{len(self.batch)} requests are running")
         else:
             self.ahead = None
+        if outputs and step.prefills and self.decode_page:
+            # the decode's reads of the pages come before the joins' writes into
+            # them, or the writes would copy the whole arena
+            mx.eval(_arrays(outputs), self.batch.arrays())
         outputs += self._prefill(step.prefills)
         # the chained decode, when there is one, completes the pool writes
         return self._finalize(step.step_id, outputs, pool_writes=not self._chains_next)
@@ -193,7 +237,7 @@ class ModelRunner:
         with the step's pending pool writes."""
         with mx.stream(self.stream):
             ahead = self._launch_decode()
-            mx.eval(self.pool.arrays, _arrays([ahead]))
+            mx.eval(self.pool.arrays, _arrays([ahead]), self._batch_arrays())
         self.ahead = ahead
 
     def _commit_decode(self, launched: _Output, step: Step) -> _Output:
@@ -328,7 +372,8 @@ class ModelRunner:
         # The pool writes are not in the tokens' graph: evaluate them with the step
         # (or with the chained decode), or lazy scatters pile up and pin every
         # step's KV in memory.
-        mx.eval(_arrays(outputs), *((self.pool.arrays,) if pool_writes else ()))
+        mx.eval(_arrays(outputs), self._batch_arrays(),
+                *((self.pool.arrays,) if pool_writes else ()))
         result = StepResult(step_id, [], [], [])
         tops = []
         for o in outputs:
@@ -341,6 +386,11 @@ class ModelRunner:
         if any(t is not None for t in tops):
             result.top_logprobs = tops
         return result
+
+    def _batch_arrays(self) -> list:
+        """The decode pages' pending writes (joins, decoded positions): evaluated
+        with the step, so they pin nothing."""
+        return self.batch.arrays() if self.decode_page else []
 
     @staticmethod
     def _top_logprobs(o: _Output) -> list:

@@ -79,10 +79,12 @@ def test_the_tokenizer_clamps_max_tokens_to_the_context_before_the_pool_check():
     check_length(10, worker_limits(kv_capacity=1000, max_context=100), 10**6)
 
 
-def test_overlap_decode_caches_stay_within_the_width_budget(llama_model):
+@pytest.mark.parametrize("layout", ["paged", "padded"])
+def test_overlap_decode_caches_stay_within_the_width_budget(llama_model, layout):
     """With overlap the worker appends the *next* decode position to its batched
     caches at the end of every step; the scheduler's width budget counts that
-    position, so the real caches never span more than decode_cache_tokens."""
+    position, so the real caches never span more than decode_cache_tokens, in either
+    decode layout."""
     from mlxd.protocol import SamplingParams, TokenizedRequest
     from support import load_reference
     from mlxd.worker_proc.kv_pool import KVPool
@@ -91,9 +93,10 @@ def test_overlap_decode_caches_stay_within_the_width_budget(llama_model):
     model, _ = load_reference(llama_model)
     spans = {}
     for overlap in (False, True):
+        runner = ModelRunner(model, KVPool(probe_geometry(model), 4096), overlap=overlap,
+                             decode_layout=layout)
         s = Scheduler(SchedulerLimits(kv_capacity=4096, max_context=2048,
-                                      decode_cache_tokens=512))
-        runner = ModelRunner(model, KVPool(probe_geometry(model), 4096), overlap=overlap)
+                                      decode_cache_tokens=512, decode_page=runner.decode_page))
         s.add_request(TokenizedRequest(1, [7] * 240, SamplingParams(), 40, []))
         spans[overlap] = []
         for i in range(40):
@@ -104,13 +107,13 @@ def test_overlap_decode_caches_stay_within_the_width_budget(llama_model):
                 break
             s.process_result(runner.run(step))
             s.take_outputs()
-            caches = runner.batch.caches
-            spans[overlap].append(0 if caches is None else
-                                  caches[0].keys.shape[0] * caches[0].keys.shape[2])
+            runner.close()
+            spans[overlap].append(runner.batch.cache_tokens)
     assert max(spans[False]) <= 512
     assert max(spans[True]) <= s.decode_cache_tokens, (
         f"with overlap the decode caches spanned up to {max(spans[True])} tokens "
         f"(budget {s.decode_cache_tokens})")
+    assert max(spans[True]) > 0
 
 
 def test_kv_budget_keeps_pool_plus_twice_the_decode_caches_within_memory():

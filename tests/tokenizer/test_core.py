@@ -436,6 +436,18 @@ def test_a_failed_client_gets_a_final_error_chunk_per_request(core, codec):
     core.check_integrity()
 
 
+def test_a_request_ended_before_its_first_token_still_reports_usage(core):
+    """The scheduler's usage comes with the first token; a request ended before it
+    (its client fell behind, or its deadline passed) reports its prompt's count."""
+    a = Peer(core, b"a")
+    ra = a.submitted("x", prompt="hi there", stream=True)
+    core.fail_client(b"a", "fell behind")
+    [final] = a.take()
+    assert final.finish_reason == "error"
+    assert final.usage == {"prompt_tokens": len(ra.input_ids), "completion_tokens": 0,
+                           "cached_tokens": 0}
+
+
 class Clock:
     def __init__(self):
         self.now = 1000.0

@@ -1,6 +1,7 @@
 """The worker's decode caches never span more than the shared rule (runtime/kv_layout.py)
-says, the rule the scheduler budgets `decode_cache_tokens` with: if the two sides
-disagree, the scheduler under-budgets memory without a sign.
+says, the rule the scheduler budgets `decode_cache_tokens` with, in either layout
+(pages, or padded): if the two sides disagree, the scheduler under-budgets memory
+without a sign.
 
 The ModelRunner runs real Steps on a stand-in model that writes random KV into the
 caches it is handed, so widths of hundreds of positions cost nothing."""
@@ -12,9 +13,12 @@ import mlx.core as mx
 import pytest
 
 from mlxd.protocol import PrefillInput, SamplingParams, Step
-from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
+from mlxd.runtime.kv_layout import (
+    DECODE_PAGE, batch_tokens, decode_cache_budget, decode_cache_copies, row_tokens, row_width,
+)
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.worker_proc.kv_pool import KVGeometry, KVPool
+from mlxd.worker_proc.decode_pages import scaled_dot_product_attention
 from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, kv_budget
 from mlxd.worker_proc.model_runner import ModelRunner
 
@@ -26,14 +30,17 @@ VOCAB = 16
 
 class KVWriter:
     """Stands in for a model: writes random keys/values for its input positions into
-    every layer's cache and returns zero logits (greedy sampling picks token 0)."""
+    every layer's cache, attends through the hooked attention, and returns zero
+    logits (greedy sampling picks token 0)."""
 
     def __call__(self, tokens: mx.array, cache=None) -> mx.array:
         b, t = tokens.shape
         g = GEOMETRY
         for c in cache or []:
-            c.update_and_fetch(mx.random.normal((b, g.n_kv_heads, t, g.k_head_dim)),
-                               mx.random.normal((b, g.n_kv_heads, t, g.v_head_dim)))
+            k, v = c.update_and_fetch(mx.random.normal((b, g.n_kv_heads, t, g.k_head_dim)),
+                                      mx.random.normal((b, g.n_kv_heads, t, g.v_head_dim)))
+            scaled_dot_product_attention(mx.zeros((b, g.n_kv_heads, t, g.k_head_dim)), k, v,
+                                         cache=c, scale=1.0, mask=None)
         return mx.zeros((b, t, VOCAB))
 
 
@@ -41,8 +48,11 @@ class Driver:
     """Plays the scheduler: counts each row's KV positions as the scheduler does (the
     slots it holds) and checks the worker's caches against the rule after each Step."""
 
-    def __init__(self, overlap: bool):
-        self.runner = ModelRunner(KVWriter(), KVPool(GEOMETRY, CAPACITY), overlap=overlap)
+    def __init__(self, overlap: bool, layout: str = "padded"):
+        self.runner = ModelRunner(KVWriter(), KVPool(GEOMETRY, CAPACITY), overlap=overlap,
+                                  decode_layout=layout)
+        self.page = self.runner.decode_page
+        assert (self.page > 0) == (layout == "paged")
         self.slots = itertools.cycle(range(1, CAPACITY + 1))
         self.step_ids = itertools.count(1)
         self.lengths: dict[int, int] = {}   # rid -> KV positions (its slots)
@@ -80,21 +90,27 @@ class Driver:
         if None not in batch.row_rids:   # a join or a compaction dropped the dead rows
             self.dead = []
         assert sorted(batch.rids) == sorted(self.running)
-        rule = batch_tokens([self.lengths[rid] for rid in batch.rids] + self.dead)
+        rule = batch_tokens([self.lengths[rid] for rid in batch.rids] + self.dead, self.page)
         self.spans.append((batch.cache_tokens, rule))
         assert batch.cache_tokens <= rule, (
             f"the decode caches span {batch.cache_tokens} tokens, the rule budgets {rule} "
             f"(rows {[self.lengths[r] for r in batch.rids]}, dead {self.dead})")
-        if joined:
+        if self.page:   # every page held by one row, or free
+            batch.arena.check_integrity(batch.tables)
+            ahead = 1 if self.runner.overlap else 0   # the chained decode's position
+            assert batch.lengths == [self.lengths[rid] + ahead for rid in batch.rids]
+        elif joined:
             assert batch.cache_tokens == rule, "a join lays the rows out as the rule says"
 
 
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+LAYOUTS = pytest.mark.parametrize("layout", ["paged", "padded"])
 
 
+@LAYOUTS
 @OVERLAP
-def test_rows_of_various_lengths_join_and_decode_across_steps(overlap):
-    d = Driver(overlap)
+def test_rows_of_various_lengths_join_and_decode_across_steps(overlap, layout):
+    d = Driver(overlap, layout)
     d.step({1: (250, 0), 2: (3, 0)})
     d.decode(8)   # rid 1 crosses 254 -> 255 positions: the rule's width steps to 512
     d.step({3: (40, 0), 4: (41, 0)})
@@ -106,9 +122,10 @@ def test_rows_of_various_lengths_join_and_decode_across_steps(overlap):
     assert any(span != rule for span, rule in d.spans)   # decodes between joins count too
 
 
+@LAYOUTS
 @OVERLAP
-def test_joins_with_cached_prefixes_of_different_lengths(overlap):
-    d = Driver(overlap)
+def test_joins_with_cached_prefixes_of_different_lengths(overlap, layout):
+    d = Driver(overlap, layout)
     d.step({1: (20, 0)})
     d.step({2: (6, 240), 3: (6, 100), 4: (6, 10)})   # one left-padded prefill group
     d.decode(12)
@@ -117,10 +134,28 @@ def test_joins_with_cached_prefixes_of_different_lengths(overlap):
 
 
 @OVERLAP
+def test_released_rows_give_their_pages_back_at_once(overlap):
+    """In pages a released row leaves the batch in the step that releases it, and
+    its pages serve the rows that join next."""
+    d = Driver(overlap, "paged")
+    d.step({rid: (100 + rid, 0) for rid in range(6)})
+    d.decode(2)
+    arena = d.runner.batch.arena
+    free_before = arena.num_free
+    d.step(releases=(0, 3))
+    assert d.runner.batch.rids == [1, 2, 4, 5]
+    assert arena.num_free >= free_before + 2 * (100 // DECODE_PAGE)
+    pages = arena.pages
+    d.step({7: (200, 0), 8: (3, 0)}, releases=(1,))
+    d.decode(3)
+    assert arena.pages == pages   # the freed pages were enough: no growth
+
+
+@OVERLAP
 def test_decode_with_dead_rows_stays_within_what_the_scheduler_last_counted(overlap):
     """A released row stays in the caches (dead) until a join or a compaction; the
     caches must not outgrow what the scheduler counted with that row still running."""
-    d = Driver(overlap)
+    d = Driver(overlap, "padded")
     d.step({rid: (250 if rid == 0 else 20 + rid, 0) for rid in range(10)})
     d.decode(2)
     d.step(releases=(0,))   # the longest row: 1 of 10 dead, kept
@@ -136,7 +171,7 @@ def test_decode_with_dead_rows_stays_within_what_the_scheduler_last_counted(over
 def test_a_compaction_lays_the_rows_out_as_the_rule_says(overlap):
     """Dropping the longest rows must not leave a buffer that later grows past what
     the scheduler counts for the rows left."""
-    d = Driver(overlap)
+    d = Driver(overlap, "padded")
     d.step({rid: (500 if rid < 2 else 255, 0) for rid in range(9)})
     d.step(releases=(0, 1))   # 2 of 9 dead: compacted
     assert None not in d.runner.batch.row_rids
@@ -160,17 +195,41 @@ def test_the_scheduler_budgets_with_the_shared_rule():
     assert default.decode_cache_tokens == decode_cache_budget(1000, 3) == row_width(999)
 
 
+def test_the_paged_rule_counts_each_row_by_its_own_pages():
+    """In pages a row costs its own length rounded up to a page (with the decode's
+    room), however long the others are; the budget covers any batch the pool admits."""
+    page = DECODE_PAGE
+    assert row_tokens(1, page) == page and row_tokens(page - 2, page) == page
+    assert row_tokens(page - 1, page) == 2 * page
+    assert batch_tokens([10, 4000], page) == page + row_tokens(4000, page)
+    assert batch_tokens([10, 4000], 0) == 2 * row_width(4000)
+    for capacity, running in [(1000, 3), (5000, 64)]:
+        budget = decode_cache_budget(capacity, running, page)
+        # rows holding the whole pool between them (each its slots and the next input)
+        lengths = [capacity // running - 1] * running
+        assert batch_tokens(lengths, page) <= budget
+    limits = SchedulerLimits(kv_capacity=4096, max_context=4096, decode_page=page,
+                             decode_cache_tokens=batch_tokens([40, 300, 254], page))
+    rows = [SimpleNamespace(slot_ids=[0] * n) for n in (40, 300)]
+    assert Scheduler(limits)._width_fits(rows, 254)
+    assert not Scheduler(limits)._width_fits(rows, 254 + page)
+
+
+@pytest.mark.parametrize("page", [DECODE_PAGE, 0], ids=["paged", "padded"])
 @pytest.mark.parametrize("tokens", [40_000, 100_000, 1_000_000])
 @pytest.mark.parametrize("max_running", [1, 16, 64])
-def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running):
+def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running, page):
     """memory.kv_budget reports the scheduler's budget for its pool, and the pool plus
-    twice that budget (a join's copy) fits the memory it split."""
+    that budget times the layout's copies (two while a padded join copies) fits the
+    memory it split."""
     budget = kv_budget(tokens * 100 + ACTIVATION_RESERVE_BYTES, 0, 100,
-                       max_running=max_running, ceiling=10**9)
-    assert budget.decode_cache_tokens == decode_cache_budget(budget.capacity, max_running)
-    assert budget.capacity + 2 * budget.decode_cache_tokens <= tokens
-    fixed = kv_budget(0, 0, 100, max_running=max_running, ceiling=10**9, capacity=3000)
-    assert fixed.decode_cache_tokens == decode_cache_budget(3000, max_running)
+                       max_running=max_running, ceiling=10**9, page=page)
+    assert budget.decode_cache_tokens == decode_cache_budget(budget.capacity, max_running, page)
+    copies = decode_cache_copies(page)
+    assert budget.capacity + copies * budget.decode_cache_tokens <= tokens
+    fixed = kv_budget(0, 0, 100, max_running=max_running, ceiling=10**9, capacity=3000,
+                      page=page)
+    assert fixed.decode_cache_tokens == decode_cache_budget(3000, max_running, page)
 
 
 @OVERLAP
@@ -181,7 +240,7 @@ def test_a_decode_that_would_grow_the_caches_drops_the_dead_rows_first(llama_mod
     from test_model_runner import Driver as ModelDriver
     from test_model_runner import assert_matches_reference, assert_pool_holds_mlx_lm_kv
 
-    d = ModelDriver(llama_model)
+    d = ModelDriver(llama_model, decode_layout="padded")
     d.runner.overlap = overlap
     ids = [[(7 * i + r) % 500 + 3 for i in range(240 if r == 0 else 20 + r)]
            for r in range(9)]

@@ -20,11 +20,11 @@ class Driver:
     """Plays the scheduler: hands out slot ids and records what comes back."""
 
     def __init__(self, model_path: str, capacity: int = 8192, overlap: bool = False,
-                 state_slots: int = 0, window_capacity: int = 0):
+                 state_slots: int = 0, window_capacity: int = 0, decode_layout: str = "auto"):
         model, _ = load_reference(model_path)
         self.model = model
         pool = KVPool(probe_geometry(model), capacity, state_slots, window_capacity)
-        self.runner = ModelRunner(model, pool, overlap=overlap)
+        self.runner = ModelRunner(model, pool, overlap=overlap, decode_layout=decode_layout)
         self.slots = itertools.count(1)
         self.step_id = itertools.count(1)
         self.running: list[int] = []
@@ -63,10 +63,14 @@ def assert_matches_reference(model_path, input_ids, got):
     assert max(abs(a[1] - b[1]) for a, b in zip(got, ref)) < 1e-3
 
 
+LAYOUTS = pytest.mark.parametrize("layout", ["paged", "padded"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("model_fixture", ["llama_model", "qwen3_model"])
-def test_staggered_batch_matches_mlx_lm(model_fixture, request):
+def test_staggered_batch_matches_mlx_lm(model_fixture, request, layout):
     path = request.getfixturevalue(model_fixture)
-    d = Driver(path)
+    d = Driver(path, decode_layout=layout)
     ids = [encode(path, p) for p in PROMPTS]
     for step in range(MAX_TOKENS + 6):
         joining = [d.prefill(r, ids[r]) for r in range(len(ids)) if r % 3 == step]
@@ -111,17 +115,20 @@ def test_pool_holds_the_kv_mlx_lm_computes(llama_model):
     assert_pool_holds_mlx_lm_kv(d, 7, ids)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
-def test_pool_writes_skip_released_rows(llama_model, overlap):
-    """With a released row still in the decode caches (and, chained, a decode launched
-    before the release), each survivor's decode KV still lands at its own slots."""
-    d = Driver(llama_model)
+def test_pool_writes_skip_released_rows(llama_model, overlap, layout):
+    """With a released row still in the decode caches (padded), or gone from the
+    pages at once, and, chained, a decode launched before the release, each
+    survivor's decode KV still lands at its own slots."""
+    d = Driver(llama_model, decode_layout=layout)
     d.runner.overlap = overlap
     ids = [encode(llama_model, p) for p in PROMPTS] + [encode(llama_model, PROMPTS[1] + " a")]
     d.step([d.prefill(r, ids[r]) for r in range(9)])
     d.step()
-    d.step(releases=[4])   # 1 of 9 rows dead: it stays in the caches
-    assert d.runner.batch.row_rids.count(None) == 1
+    d.step(releases=[4])   # padded: 1 of 9 rows dead, it stays in the caches
+    dead = d.runner.batch.row_rids.count(None) if layout == "padded" else 1
+    assert dead == 1 and 4 not in d.runner.batch.rids
     for _ in range(3):
         d.step()
     d.runner.close()
@@ -129,11 +136,12 @@ def test_pool_writes_skip_released_rows(llama_model, overlap):
         assert_pool_holds_mlx_lm_kv(d, rid, ids[rid])
 
 
+@LAYOUTS
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
-def test_pool_writes_survive_compactions_and_joins(llama_model, overlap):
+def test_pool_writes_survive_compactions_and_joins(llama_model, overlap, layout):
     """Releases that compact the caches between a chained decode's launch and its
     commit, a join in the same step, a dead row, then another compaction."""
-    d = Driver(llama_model)
+    d = Driver(llama_model, decode_layout=layout)
     d.runner.overlap = overlap
     ids = [encode(llama_model, p) for p in PROMPTS] + [encode(llama_model, PROMPTS[1] + " a")]
     d.step([d.prefill(r, ids[r]) for r in range(8)])
@@ -293,19 +301,27 @@ def test_chained_step_timing_reports_the_wait_as_busy(llama_model):
     assert t.chained and t.idle_ms <= t.wait_ms and t.ahead_wait_ms >= 0
 
 
+def decode_cache_bytes(batch) -> int:
+    if hasattr(batch, "arena"):
+        return batch.arena.nbytes
+    return sum(c.keys.nbytes + c.values.nbytes for c in batch.caches)
+
+
+@LAYOUTS
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
-def test_decode_steps_update_the_caches_in_place(llama_model, overlap):
-    """A decode step writes one position into each row's cache; nothing may hold the
-    caches' previous buffers meanwhile (a pending pool write did, with overlap), or
-    every step copies every layer's whole cache (seconds per step at serving sizes)."""
-    d = Driver(llama_model)
+def test_decode_steps_update_the_caches_in_place(llama_model, overlap, layout):
+    """A decode step writes one position into each row's cache (or page); nothing may
+    hold the caches' previous buffers meanwhile (a pending pool write did, with
+    overlap), or every step copies every layer's whole cache (seconds per step at
+    serving sizes)."""
+    d = Driver(llama_model, decode_layout=layout)
     d.runner.overlap = overlap
     long = [(i % 400) + 10 for i in range(900)]   # a wide cache: 8 rows x ~1024 positions
     d.step([d.prefill(r, long[r:] + long[:r]) for r in range(8)])
     for _ in range(3):
         d.step()
     d.runner.close()
-    cache_bytes = sum(c.keys.nbytes + c.values.nbytes for c in d.runner.batch.caches)
+    cache_bytes = decode_cache_bytes(d.runner.batch)
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     for _ in range(6):
@@ -316,8 +332,9 @@ def test_decode_steps_update_the_caches_in_place(llama_model, overlap):
 
 def test_released_rows_wait_for_the_next_join_and_every_output_stays_exact(llama_model):
     """Released rows stay in the caches (dead) until a join copies the batch anyway,
-    or until they are more than 1/8 of the rows; outputs are unaffected."""
-    d = Driver(llama_model)
+    or until they are more than 1/8 of the rows (the padded layout); outputs are
+    unaffected."""
+    d = Driver(llama_model, decode_layout="padded")
     ids = [encode(llama_model, p) for p in PROMPTS]
     ids += [ids[0] + ids[2], ids[3] + ids[1]]
     d.step([d.prefill(r, ids[r]) for r in range(9)])

@@ -1,0 +1,165 @@
+"""The paged decode attention (worker_proc/decode_pages.py) against a dense reference,
+and the hook that routes mlx_lm's attention to it.
+
+Exactness of whole models decoding in pages against mlx_lm is checked by every runner
+and server test (pages are the default layout); these check the pieces alone: rows of
+very different lengths, pages shared out in any order, sliding windows, attention
+sinks, grouped-query heads, and what happens to a model the hook cannot reach."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxd.worker_proc import decode_pages
+from mlxd.worker_proc.decode_pages import (
+    PageArena, PagedLayerCache, install_hook, paged_attention, step_pairs,
+)
+from mlxd.worker_proc.kv_pool import KVPool
+from mlxd.worker_proc.model_runner import (
+    ModelRunner, UnsupportedModel, decode_page_for, probe_geometry,
+)
+from support import load_reference
+
+PAGE = 8
+
+
+def dense_reference(q, keys, values, scale, window=0, sinks=None):
+    """Per row, softmax attention over its own positions (numpy, float64)."""
+    out = []
+    for r, (k, v) in enumerate(zip(keys, values)):   # k: [Hkv, L, D]
+        hq, hkv = q.shape[1], k.shape[0]
+        g = hq // hkv
+        n = k.shape[1]
+        low = max(0, n - window) if window else 0
+        rows = []
+        for h in range(hq):
+            s = (np.asarray(q[r, h, 0], np.float64) * scale) @ np.asarray(k[h // g, low:], np.float64).T
+            logits = s if sinks is None else np.append(s, float(sinks[h]))
+            w = np.exp(logits - logits.max())
+            w = w / w.sum()
+            rows.append(w[:n - low] @ np.asarray(v[h // g, low:], np.float64))
+        out.append(rows)
+    return np.array(out)[:, :, None, :]
+
+
+def arena_with(rows_kv, heads, dim, rng):
+    """An arena holding each row's KV `[heads, n, dim]` in pages handed out in a
+    shuffled order; returns (arena, tables)."""
+    total = sum(-(-k.shape[1] // PAGE) for k, _ in rows_kv)
+    arena = PageArena(1, heads, dim, dim, mx.float32, total + 3, PAGE)
+    order = list(range(1, arena.pages + 1))
+    rng.shuffle(order)
+    arena._free = order
+    tables = []
+    for k, v in rows_kv:
+        n = k.shape[1]
+        table = arena.allocate(-(-n // PAGE))
+        pad = len(table) * PAGE - n
+        blocks = [mx.pad(a, [(0, 0), (0, pad), (0, 0)]).reshape(heads, len(table), PAGE, dim)
+                  .transpose(1, 0, 2, 3).reshape(-1, dim) for a in (k, v)]
+        arena.write(0, mx.array(arena.rows_of(np.array(table)), mx.int32), *blocks)
+        tables.append(table)
+    return arena, tables
+
+
+@pytest.mark.parametrize("window", [0, 5, 13])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention_matches_dense_attention(window, heads, sinks):
+    rng = random.Random(window * 7 + heads[1])
+    hq, hkv = heads
+    dim = 16
+    lengths = [1, 3, PAGE, PAGE + 1, 5 * PAGE - 1, 40]
+    rows_kv = [(mx.random.normal((hkv, n, dim)), mx.random.normal((hkv, n, dim))) for n in lengths]
+    arena, tables = arena_with(rows_kv, hkv, dim, rng)
+    q = mx.random.normal((len(lengths), hq, 1, dim))
+    sink = mx.random.normal((hq,)) if sinks else None
+    pairs = step_pairs(tables, lengths, hkv, PAGE, window)
+    got = paged_attention(q, arena.keys[0], arena.values[0], pairs, PAGE, 0.25, sink)
+    want = dense_reference(q, [k for k, _ in rows_kv], [v for _, v in rows_kv], 0.25, window,
+                           None if sink is None else np.asarray(sink))
+    assert got.shape == (len(lengths), hq, 1, dim)
+    assert np.allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_a_window_reads_only_the_pages_it_overlaps():
+    tables = [[4, 9, 2, 7], [5]]
+    pairs = step_pairs(tables, [30, 3], heads=1, page=PAGE, window=6)
+    # row 0 holds positions 0..29; its window 24..29 lies in its 4th page only
+    assert pairs.rows.tolist() == [0, 1]
+    assert pairs.rhs.tolist() == [7, 5]
+    mask = np.asarray(pairs.mask)[:, 0, 0]
+    assert mask[0].tolist() == [True] * 6 + [False] * 2
+    assert mask[1].tolist() == [True] * 3 + [False] * 5
+
+
+def test_the_cache_writes_the_new_position_where_the_batch_says():
+    arena = PageArena(2, 2, 4, 4, mx.float32, 4, PAGE)
+    rows = mx.array([(3 * 2 + h) * PAGE + 5 for h in range(2)], mx.int32)   # page 3, position 5
+    pairs = step_pairs([[3]], [6], 2, PAGE)
+    cache = PagedLayerCache(arena, 1, mx.array([5]), rows, pairs)
+    k, v = mx.ones((1, 2, 1, 4)), 2 * mx.ones((1, 2, 1, 4))
+    assert cache.update_and_fetch(k, v) == (k, v)
+    keys = np.asarray(arena.keys[1]).reshape(-1, 2, PAGE, 4)
+    assert (keys[3, :, 5] == 1).all() and keys.sum() == 2 * 4
+    assert np.asarray(arena.keys[0]).sum() == 0   # another layer untouched
+    assert cache.make_mask(1, window_size=4) is None
+
+
+def test_pages_go_back_and_the_arena_grows_when_asked_for_more():
+    arena = PageArena(1, 1, 2, 2, mx.float32, 3, PAGE)
+    a = arena.allocate(2)
+    arena.write(0, mx.array(arena.rows_of(np.array(a)), mx.int32),
+                mx.ones((2 * PAGE, 2)), mx.ones((2 * PAGE, 2)))
+    b = arena.allocate(3)   # 1 free: grows, keeping what was written
+    assert arena.pages >= 5 and len(set(a + b)) == 5
+    arena.check_integrity([a, b])
+    keys = np.asarray(arena.keys[0]).reshape(-1, PAGE, 2)
+    assert (keys[a] == 1).all()
+    arena.free(a)
+    arena.check_integrity([b])
+
+
+def test_the_hook_sends_only_paged_caches_to_the_pages(llama_model):
+    model, _ = load_reference(llama_model)
+    install_hook(model)
+    module = __import__(type(model).__module__, fromlist=["x"])
+    assert module.scaled_dot_product_attention is decode_pages.scaled_dot_product_attention
+    q, k, v = (mx.random.normal((1, 2, 3, 4)) for _ in range(3))
+    plain = decode_pages.scaled_dot_product_attention(q, k, v, cache=None, scale=0.5, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
+    assert mx.allclose(plain, ref)
+    install_hook(model)   # twice: still mlx_lm's function underneath, not the hook itself
+    again = decode_pages.scaled_dot_product_attention(q, k, v, cache=None, scale=0.5, mask="causal")
+    assert mx.allclose(again, ref)
+
+
+class DirectAttention:
+    """Stands in for a model whose attention calls mx.fast directly: the hook never
+    sees its caches."""
+
+    def __init__(self, geometry):
+        self.g = geometry
+
+    def __call__(self, tokens, cache=None):
+        shape = (tokens.shape[0], self.g.n_kv_heads, tokens.shape[1], self.g.k_head_dim)
+        for c in cache:
+            k, v = c.update_and_fetch(mx.zeros(shape), mx.zeros(shape))
+            mx.fast.scaled_dot_product_attention(k, k, v, scale=1.0)
+        return mx.zeros((tokens.shape[0], tokens.shape[1], 10))
+
+
+def test_a_model_the_hook_cannot_reach_decodes_padded(llama_model):
+    model, _ = load_reference(llama_model)
+    geometry = probe_geometry(model)
+    assert decode_page_for(model, geometry) > 0
+    direct = DirectAttention(geometry)
+    assert decode_page_for(direct, geometry, "auto") == 0
+    with pytest.raises(UnsupportedModel, match="pages"):
+        decode_page_for(direct, geometry, "paged")
+    with pytest.raises(ValueError, match="decode layout"):
+        decode_page_for(model, geometry, "ragged")
+    runner = ModelRunner(model, KVPool(geometry, 256), decode_layout="padded")
+    assert runner.decode_page == 0

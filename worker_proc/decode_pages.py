@@ -1,0 +1,228 @@
+"""Decode without padding: the running rows' KV in pages, attended where it lies.
+
+Each KV leaf of the model has a page arena: keys and values `[(pages + 1) * heads
+* P, dim]`, page-major (page, head, position in the page; P = kv_layout's
+DECODE_PAGE), page 0 never handed out. A running row owns a list of pages (its
+page table) holding its positions in order; the page ids are the same in every
+leaf. A decode step writes each row's new position into its last page (a scatter
+of one position per row), then attends, per (row, page) pair, the row's queries
+to that page in place with `mx.gather_mm` (scores, then weights x values), and
+merges each row's pairs by their softmax's log-sum-exp. A step's cost follows the
+pages the rows hold, not the longest row; a row joins by writing its own pages and
+leaves by giving them back; nothing else moves.
+
+The model stays mlx_lm's own module. Its attention layers call
+`scaled_dot_product_attention(queries, keys, values, cache=..., ...)` from the
+module they are defined in; `install_hook` replaces that name (where it is
+mlx_lm's `base` function) with one that sends a `PagedLayerCache` to its own
+`attend` and anything else to mlx_lm's function. The cache object is what the
+model sees: `offset` (each row's position, for RoPE), `update_and_fetch` (writes
+the new position, returns it), `make_mask` (None: the pages' masks are built here).
+A model whose attention does not go through that name (a layer calling mx.fast
+directly) is found by `hook_reaches`, and decodes in the padded layout instead.
+
+Sliding-window layers attend only the pages that overlap their window, masked to
+the window's positions; attention sinks (gpt_oss) join the log-sum-exp merge.
+"""
+
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlxd.runtime.kv_layout import DECODE_PAGE
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageArena:
+    """The decode pages of every KV leaf. `keys[i]`/`values[i]` are leaf i's arena,
+    flat `[(pages + 1) * heads * page, dim]`. Grows (one copy) when out of pages."""
+
+    def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
+                 pages: int, page: int = DECODE_PAGE):
+        self.num_leaves, self.heads, self.page = num_leaves, heads, page
+        self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
+        self.pages = 0
+        self.keys: list[mx.array] = [mx.zeros((0, k_dim), dtype) for _ in range(num_leaves)]
+        self.values: list[mx.array] = [mx.zeros((0, v_dim), dtype) for _ in range(num_leaves)]
+        self._free: list[int] = []
+        self._grow(max(1, pages))
+
+    @property
+    def page_rows(self) -> int:
+        """Arena rows per page: heads x positions."""
+        return self.heads * self.page
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    def _grow(self, pages: int) -> None:
+        """Room for `pages` pages (page 0 included beyond them)."""
+        extra = (pages - self.pages) * self.page_rows + (0 if self.pages else self.page_rows)
+        self.keys = [mx.concatenate([k, mx.zeros((extra, self.k_dim), self.dtype)])
+                     for k in self.keys]
+        self.values = [mx.concatenate([v, mx.zeros((extra, self.v_dim), self.dtype)])
+                       for v in self.values]
+        mx.eval(self.keys, self.values)
+        self._free += range(pages, self.pages, -1)   # pop() hands out low ids first
+        self.pages = pages
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            self._grow(max(2 * self.pages, self.pages + n - len(self._free)))
+        pages = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free += pages
+
+    def check_integrity(self, held: list[list[int]]) -> None:
+        """Every page is free or held by one row, never both or twice."""
+        every = self._free + [p for table in held for p in table]
+        assert sorted(every) == list(range(1, self.pages + 1)), "pages lost or shared"
+
+    def rows_of(self, pages: np.ndarray) -> np.ndarray:
+        """The arena rows of whole pages, in (page, head, position) order."""
+        return (pages[:, None] * self.page_rows + np.arange(self.page_rows)).reshape(-1)
+
+    def write(self, leaf: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store `[n, dim]` keys/values at arena rows `rows` (MLX donates the buffer:
+        the write costs the rows written)."""
+        self.keys[leaf][rows] = keys.astype(self.dtype)
+        self.values[leaf][rows] = values.astype(self.dtype)
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """What one decode step's attention reads for one window size: the (row, page)
+    pairs, as `gather_mm` indices per KV head, and which positions of each pair's
+    page count `[n, 1, 1, page]`."""
+
+    rows: mx.array    # [n] int32: the pair's row
+    lhs: mx.array     # [n * heads] uint32: row * heads + head
+    rhs: mx.array     # [n * heads] uint32: page * heads + head
+    mask: mx.array    # [n, 1, 1, page] bool
+
+
+def step_pairs(tables: list[list[int]], lengths: list[int], heads: int, page: int,
+               window: int = 0) -> Pairs:
+    """The pairs of rows holding `lengths[i]` positions (the newest included) in
+    pages `tables[i]`; with a `window`, only its last `window` positions count."""
+    rows, pages, starts, ends, lows = [], [], [], [], []
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        low = max(0, n - window) if window else 0
+        first, last = low // page, (n - 1) // page
+        count = last - first + 1
+        rows.append(np.full(count, r))
+        pages.append(np.asarray(table[first:last + 1]))
+        starts.append(np.arange(first, last + 1) * page)
+        ends.append(np.full(count, n))
+        lows.append(np.full(count, low))
+    rows_np, pages_np = np.concatenate(rows), np.concatenate(pages)
+    positions = np.concatenate(starts)[:, None] + np.arange(page)
+    mask = (positions < np.concatenate(ends)[:, None]) & (positions >= np.concatenate(lows)[:, None])
+    per_head = np.arange(heads)
+    return Pairs(mx.array(rows_np, mx.int32),
+                 mx.array((rows_np[:, None] * heads + per_head).reshape(-1), mx.uint32),
+                 mx.array((pages_np[:, None] * heads + per_head).reshape(-1), mx.uint32),
+                 mx.array(mask[:, None, None, :]))
+
+
+def paged_attention(queries: mx.array, keys: mx.array, values: mx.array, pairs: Pairs,
+                    page: int, scale: float, sinks: mx.array | None = None) -> mx.array:
+    """Attention of one query per row `[B, Hq, 1, D]` over the pairs' pages of an
+    arena (`keys`/`values` flat, `[(pages + 1) * Hkv * page, D]`): `[B, Hq, 1, Dv]`."""
+    b, hq, _, d = queries.shape
+    dv = values.shape[-1]
+    heads = pairs.lhs.shape[0] // pairs.rows.shape[0]
+    g, n = hq // heads, pairs.rows.shape[0]
+    q = (queries * scale).astype(keys.dtype).reshape(b * heads, g, d)
+    k = keys.reshape(-1, page, d).swapaxes(-1, -2)
+    scores = mx.gather_mm(q, k, pairs.lhs, pairs.rhs).astype(mx.float32)
+    scores = mx.where(pairs.mask, scores.reshape(n, heads, g, page), -mx.inf)
+    peak = mx.max(scores, axis=-1, keepdims=True)
+    peak = mx.where(mx.isinf(peak), 0.0, peak)   # a page with no position counted
+    weights = mx.exp(scores - peak)
+    total = mx.sum(weights, axis=-1)
+    lse = peak.squeeze(-1) + mx.log(mx.maximum(total, 1e-30))
+    lse = mx.where(total > 0, lse, -mx.inf)
+    out = mx.gather_mm(weights.astype(values.dtype).reshape(n * heads, g, page),
+                       values.reshape(-1, page, dv),
+                       mx.arange(n * heads, dtype=mx.uint32), pairs.rhs)
+    out = out.astype(mx.float32).reshape(n, heads, g, dv) / mx.maximum(total, 1e-30)[..., None]
+    # each row's pairs merged by their log-sum-exp (and the sinks' logits, if any)
+    rows = pairs.rows
+    row_peak = mx.full((b, heads, g), -mx.inf).at[rows].maximum(lse)
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, heads, g)
+        row_peak = mx.maximum(row_peak, sink)
+    w = mx.exp(lse - row_peak[rows])
+    norm = mx.zeros((b, heads, g)).at[rows].add(w)
+    if sinks is not None:
+        norm = norm + mx.exp(sink - row_peak)
+    merged = mx.zeros((b, heads, g, dv)).at[rows].add(w[..., None] * out)
+    return (merged / norm[..., None]).reshape(b, hq, 1, dv).astype(queries.dtype)
+
+
+class PagedLayerCache:
+    """One KV leaf's cache for one decode forward, as the model sees it."""
+
+    def __init__(self, arena: PageArena, leaf: int, offset: mx.array, write_rows: mx.array,
+                 pairs: Pairs):
+        self.arena, self.leaf, self.pairs = arena, leaf, pairs
+        self.offset = offset            # [B]: each row's position (RoPE)
+        self.write_rows = write_rows    # [B * heads]: the arena rows of the new position
+        self.newest: tuple[mx.array, mx.array] | None = None
+        self.attended = False
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the new position `[B, heads, 1, dim]` into the rows' pages."""
+        self.newest = (keys, values)
+        b, h, _, _ = keys.shape
+        self.arena.write(self.leaf, self.write_rows,
+                         keys.reshape(b * h, -1), values.reshape(b * h, -1))
+        return keys, values
+
+    def make_mask(self, *args, **kwargs):
+        return None
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+        self.attended = True
+        return paged_attention(queries, self.arena.keys[self.leaf], self.arena.values[self.leaf],
+                               self.pairs, self.arena.page, scale, sinks)
+
+
+# ---- the hook -------------------------------------------------------------
+
+def _original():
+    from mlx_lm.models import base
+    return getattr(base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention)
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, PagedLayerCache):
+        return cache.attend(queries, scale, sinks)
+    return _original()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install_hook(model) -> None:
+    """Route the attention of the model's modules through `scaled_dot_product_attention`
+    above (where they call mlx_lm's base function by that name)."""
+    original = _original()
+    scaled_dot_product_attention.__wrapped__ = original
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    names = {type(m).__module__ for m in modules} | {"mlx_lm.models.base"}
+    for name in names:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "scaled_dot_product_attention", None) is original:
+            module.scaled_dot_product_attention = scaled_dot_product_attention

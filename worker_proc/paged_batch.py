@@ -1,0 +1,173 @@
+"""The running requests' decode state in pages (decode_pages): one page table per
+row, the KV in the page arena, recurrent states (hybrid models) one row each.
+
+A joining row writes its own KV into fresh pages; a leaving row gives its pages
+back; neither touches another row's KV. Each forward builds the caches the model
+sees (a `PagedLayerCache` per KV leaf, the persistent state caches) from the
+tables: the new position's arena rows and the (row, page) pairs each window size
+reads.
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from . import batch_cache
+from .batch_cache import CacheLayout
+from .decode_batch import JoinGroup
+from .decode_pages import PageArena, PagedLayerCache, step_pairs
+from .sampling import RowState
+
+
+class PagedDecodeBatch:
+    """Rows in order; `row_rids` never holds a released row (release is free)."""
+
+    def __init__(self, layout: CacheLayout, arena: PageArena):
+        self.layout, self.arena = layout, arena
+        self.row_rids: list[int] = []
+        self.rows: list[RowState] = []
+        self.tables: list[list[int]] = []   # per row: its pages, in position order
+        self.lengths: list[int] = []        # per row: positions held (the newest input's excluded)
+        self.tokens: mx.array | None = None  # [rows] next input token of each row
+        # per state leaf, in the layout's order: [rows, ...] arrays (hybrid models)
+        self.states: list[list[mx.array]] = []
+        self._leaves: list[PagedLayerCache] = []   # the last forward's KV leaves
+
+    @property
+    def rids(self) -> list[int]:
+        return list(self.row_rids)
+
+    def __len__(self) -> int:
+        return len(self.row_rids)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the rows' pages span (kv_layout's rule budgets at least this)."""
+        return sum(len(t) for t in self.tables) * self.arena.page
+
+    # ---- rows joining and leaving ------------------------------------------
+
+    def add(self, groups: list[JoinGroup]) -> None:
+        """Write every joining row's KV into pages of its own; append the rows."""
+        tokens = [] if self.tokens is None else [self.tokens]
+        for group in groups:
+            self._write_group(group)
+            tokens.append(group.first_tokens)
+            self.row_rids += group.rids
+            self.rows += group.rows
+        self.tokens = mx.concatenate(tokens)
+
+    def _write_group(self, group: JoinGroup) -> None:
+        kv = batch_cache.kv_leaves(self.layout, group.caches)
+        states = batch_cache.state_leaves(self.layout, group.caches)
+        lefts, end = batch_cache.row_extents(kv[0])
+        lengths = [end - left for left in lefts]
+        page = self.arena.page
+        tables = [self.arena.allocate(-(-n // page)) for n in lengths]
+        if end:
+            self._write_pages(kv, tables, lefts, lengths, end)
+        self.tables += tables
+        self.lengths += lengths
+        for i, leaf in enumerate(states):
+            arrays = batch_cache.state_arrays(leaf)
+            if len(self.states) <= i:
+                self.states.append(arrays)
+            else:
+                self.states[i] = [mx.concatenate([a, b]) for a, b in zip(self.states[i], arrays)]
+
+    def _write_pages(self, kv: list, tables: list[list[int]], lefts: list[int],
+                     lengths: list[int], end: int) -> None:
+        """Every row's positions of every KV leaf into its pages: per leaf, one
+        gather from the prefill cache and one scatter into the arena."""
+        page = self.arena.page
+        rows, sources, pages = [], [], []
+        for r, (table, left, n) in enumerate(zip(tables, lefts, lengths)):
+            for j, p in enumerate(table):
+                rows.append(r)
+                # past the row's end: its last position again (finite; masked out)
+                sources.append(np.minimum(left + j * page + np.arange(page), end - 1))
+                pages.append(p)
+        if not rows:
+            return
+        rows_idx = mx.array(np.array(rows)[:, None], mx.int32)
+        cols = mx.array(np.stack(sources), mx.int32)
+        targets = mx.array(self.arena.rows_of(np.array(pages)), mx.int32)
+        for leaf, cache in enumerate(kv):
+            k, v = batch_cache.gather_columns(cache, rows_idx, cols)   # [pairs, heads, page, dim]
+            self.arena.write(leaf, targets, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+
+    def remove(self, rids: set[int]) -> None:
+        """Drop released rows: their pages go back, the rest stay where they are."""
+        if not rids.intersection(self.row_rids):
+            return
+        keep = [i for i, rid in enumerate(self.row_rids) if rid not in rids]
+        if not keep:
+            self.clear()
+            return
+        for i, rid in enumerate(self.row_rids):
+            if rid in rids:
+                self.arena.free(self.tables[i])
+        self.row_rids = [self.row_rids[i] for i in keep]
+        self.rows = [self.rows[i] for i in keep]
+        self.tables = [self.tables[i] for i in keep]
+        self.lengths = [self.lengths[i] for i in keep]
+        index = mx.array(keep)
+        self.tokens = self.tokens[index]
+        self.states = [[a[index] for a in leaf] for leaf in self.states]
+
+    def clear(self) -> None:
+        for table in self.tables:
+            self.arena.free(table)
+        self.row_rids, self.rows, self.tables, self.lengths = [], [], [], []
+        self.tokens, self.states, self._leaves = None, [], []
+
+    # ---- decode ----------------------------------------------------------
+
+    def forward(self, model) -> mx.array:
+        """Logits `[rows, V]` for the next token of every row (lazy). Each row's
+        input goes at its next position, in a new page when the last is full."""
+        page, heads = self.arena.page, self.arena.heads
+        for table, n in zip(self.tables, self.lengths):
+            if n // page >= len(table):
+                table += self.arena.allocate(1)
+        positions = np.array(self.lengths)
+        last_pages = np.array([t[n // page] for t, n in zip(self.tables, self.lengths)])
+        write_rows = mx.array(((last_pages[:, None] * heads + np.arange(heads)) * page
+                               + (positions % page)[:, None]).reshape(-1), mx.int32)
+        offset = mx.array(positions, mx.int32)
+        after = [n + 1 for n in self.lengths]
+        pairs = {w: step_pairs(self.tables, after, heads, page, w)
+                 for w in set(self.layout.windows)}
+        self._leaves = [PagedLayerCache(self.arena, i, offset, write_rows, pairs[w])
+                        for i, w in enumerate(self.layout.windows)]
+        caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states)
+        logits = model(self.tokens[:, None], cache=caches)[:, -1, :]
+        # the states the forward left (lazy)
+        self.states = [batch_cache.state_arrays(c) for c in state_caches]
+        self.lengths = after
+        return logits
+
+    def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
+        """Per KV leaf, keys/values `[rows, heads, dim]` the last forward wrote."""
+        return [(c.newest[0][:, :, -1, :], c.newest[1][:, :, -1, :]) for c in self._leaves]
+
+    def hook_reached(self) -> bool:
+        """The last forward's attention went through every KV leaf's `attend`."""
+        return all(c.attended for c in self._leaves)
+
+    def arrays(self) -> list[mx.array]:
+        """What a step evaluates to complete the batch's writes."""
+        return [self.arena.keys, self.arena.values, self.states]
+
+
+def paged_decode_reaches(model, layout: CacheLayout, arena: PageArena) -> bool:
+    """Whether a decode in pages reaches every attention layer of the model through
+    the hook (a layer calling mx.fast's attention directly would see only the new
+    position): one token of two rows prefilled, joined and decoded once."""
+    caches = batch_cache.model_caches(layout, [0, 0])
+    logits = model(mx.array([[1], [2]]), cache=caches)[:, -1, :]
+    batch = PagedDecodeBatch(layout, arena)
+    batch.add([JoinGroup([0, 1], [None, None], caches, mx.argmax(logits, axis=-1))])
+    mx.eval(batch.forward(model))
+    reached = batch.hook_reached()
+    batch.clear()
+    return reached
