@@ -6,7 +6,9 @@ measured alternately in one run (machine noise hits both alike):
   ragged  steady decode step of 63 rows x 256 tokens + 1 row x 4096, over the step of
           64 rows x 256 (padded caches: every row as wide as the longest)
   join    a step in which 1 row of 1280 tokens joins a 60-row batch of 1280-token rows
-          (its prompt's KV read from the pool: one new token), over a step with no join
+          (its prompt's KV read from the pool: one new token), over a step with no join;
+          every step's time includes evaluating what it left lazy in the decode caches
+          (the padded layout's join copy would otherwise land in the next step)
 
     python -m bench.ragged                      # the ~40M bench model (8k context)
     python -m bench.ragged --repeats 10 --json out.json
@@ -71,9 +73,13 @@ class Driver:
 
         self.running = [r for r in self.running if r not in releases]
         decode = [self.new_slots(rid, 1)[0] for rid in self.running]
+        import mlx.core as mx
+
         start = time.perf_counter()
         self.runner.run(Step(next(self.step_ids), list(self.running), decode, list(prefills),
                              list(releases)))
+        # what the step left lazy (the padded layout's join copy) counts in its time
+        mx.eval(self.runner.batch.arrays())
         elapsed = time.perf_counter() - start
         self.running += [p.rid for p in prefills if p.needs_logits]
         return elapsed

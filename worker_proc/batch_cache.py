@@ -292,10 +292,9 @@ def row_extents(cache: LayerCache) -> tuple[list[int], int]:
     return cache.left_padding.tolist(), cache._idx
 
 
-def gather_columns(cache: LayerCache, rows: mx.array, cols: mx.array) -> tuple[mx.array, mx.array]:
-    """Keys/values `[n, heads, m, dim]` of columns `cols [n, m]` of rows `rows [n, 1]`."""
-    return (cache.keys[rows, :, cols].transpose(0, 2, 1, 3),
-            cache.values[rows, :, cols].transpose(0, 2, 1, 3))
+def row_columns(cache: LayerCache, row: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+    """Keys/values `[heads, stop - start, dim]` of one row's columns start .. stop - 1."""
+    return cache.keys[row, :, start:stop], cache.values[row, :, start:stop]
 
 
 def assemble(layout: CacheLayout, kv: list, states: list[list[mx.array]]) -> tuple[list, list]:

@@ -122,6 +122,11 @@ class DecodeBatch:
         the position the last forward wrote."""
         return [batch_cache.newest_kv(c) for c in self.kv]
 
+    def arrays(self) -> list[mx.array]:
+        """The caches' arrays (what a join's copy computes; lazy until the next
+        decode otherwise)."""
+        return batch_cache.cache_arrays(self.caches) if self.caches is not None else []
+
     def _live_index(self) -> mx.array | None:
         """Positions of the live rows; None when every row is live."""
         if None not in self.row_rids:

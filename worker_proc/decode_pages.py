@@ -73,23 +73,35 @@ class PageArena:
         self.values = [mx.concatenate([v, mx.zeros((extra, self.v_dim), self.dtype)])
                        for v in self.values]
         mx.eval(self.keys, self.values)
-        self._free += range(pages, self.pages, -1)   # pop() hands out low ids first
+        self.free(range(self.pages + 1, pages + 1))
         self.pages = pages
 
     def allocate(self, n: int) -> list[int]:
+        """The `n` lowest free page ids, ascending: mostly a contiguous run, which a
+        join writes with one slice per run."""
         if n > len(self._free):
             self._grow(max(2 * self.pages, self.pages + n - len(self._free)))
-        pages = self._free[len(self._free) - n:]
+        pages = self._free[len(self._free) - n:][::-1]
         del self._free[len(self._free) - n:]
         return pages
 
-    def free(self, pages: list[int]) -> None:
-        self._free += pages
+    def free(self, pages) -> None:
+        # kept in descending order (a merge of two runs for timsort: linear)
+        self._free.extend(pages)
+        self._free.sort(reverse=True)
 
     def check_integrity(self, held: list[list[int]]) -> None:
         """Every page is free or held by one row, never both or twice."""
         every = self._free + [p for table in held for p in table]
         assert sorted(every) == list(range(1, self.pages + 1)), "pages lost or shared"
+
+    def write_run(self, leaf: int, first: int, keys: mx.array, values: mx.array) -> None:
+        """Store whole pages `[n, heads, page, dim]` at pages first .. first + n - 1
+        (one slice: a copy of the rows written)."""
+        n = keys.shape[0]
+        start, end = first * self.page_rows, (first + n) * self.page_rows
+        self.keys[leaf][start:end] = keys.reshape(-1, self.k_dim).astype(self.dtype)
+        self.values[leaf][start:end] = values.reshape(-1, self.v_dim).astype(self.dtype)
 
     def rows_of(self, pages: np.ndarray) -> np.ndarray:
         """The arena rows of whole pages, in (page, head, position) order."""

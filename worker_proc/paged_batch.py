@@ -76,24 +76,17 @@ class PagedDecodeBatch:
 
     def _write_pages(self, kv: list, tables: list[list[int]], lefts: list[int],
                      lengths: list[int], end: int) -> None:
-        """Every row's positions of every KV leaf into its pages: per leaf, one
-        gather from the prefill cache and one scatter into the arena."""
+        """Every row's positions of every KV leaf into its pages: per run of
+        consecutive page ids, one slice of the prefill cache into one slice of the
+        arena (columns past the row's end are padding, masked out)."""
         page = self.arena.page
-        rows, sources, pages = [], [], []
-        for r, (table, left, n) in enumerate(zip(tables, lefts, lengths)):
-            for j, p in enumerate(table):
-                rows.append(r)
-                # past the row's end: its last position again (finite; masked out)
-                sources.append(np.minimum(left + j * page + np.arange(page), end - 1))
-                pages.append(p)
-        if not rows:
-            return
-        rows_idx = mx.array(np.array(rows)[:, None], mx.int32)
-        cols = mx.array(np.stack(sources), mx.int32)
-        targets = mx.array(self.arena.rows_of(np.array(pages)), mx.int32)
-        for leaf, cache in enumerate(kv):
-            k, v = batch_cache.gather_columns(cache, rows_idx, cols)   # [pairs, heads, page, dim]
-            self.arena.write(leaf, targets, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+        for r, (table, left) in enumerate(zip(tables, lefts)):
+            for j, first, n in _runs(table):
+                start = left + j * page
+                stop = min(start + n * page, end)
+                for leaf, cache in enumerate(kv):
+                    k, v = batch_cache.row_columns(cache, r, start, stop)   # [heads, m, dim]
+                    self.arena.write_run(leaf, first, _as_pages(k, n, page), _as_pages(v, n, page))
 
     def remove(self, rids: set[int]) -> None:
         """Drop released rows: their pages go back, the rest stay where they are."""
@@ -157,6 +150,26 @@ class PagedDecodeBatch:
     def arrays(self) -> list[mx.array]:
         """What a step evaluates to complete the batch's writes."""
         return [self.arena.keys, self.arena.values, self.states]
+
+
+def _runs(table: list[int]) -> list[tuple[int, int, int]]:
+    """(index in the table, first page id, pages) of each run of consecutive ids."""
+    runs, j = [], 0
+    while j < len(table):
+        n = 1
+        while j + n < len(table) and table[j + n] == table[j] + n:
+            n += 1
+        runs.append((j, table[j], n))
+        j += n
+    return runs
+
+
+def _as_pages(a: mx.array, n: int, page: int) -> mx.array:
+    """KV `[heads, m, dim]` (m <= n x page) as n pages `[n, heads, page, dim]`."""
+    heads, m, dim = a.shape
+    if m < n * page:
+        a = mx.pad(a, [(0, 0), (0, n * page - m), (0, 0)])
+    return a.reshape(heads, n, page, dim).transpose(1, 0, 2, 3)
 
 
 def paged_decode_reaches(model, layout: CacheLayout, arena: PageArena) -> bool:

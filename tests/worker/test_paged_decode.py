@@ -163,3 +163,33 @@ def test_a_model_the_hook_cannot_reach_decodes_padded(llama_model):
         decode_page_for(model, geometry, "ragged")
     runner = ModelRunner(model, KVPool(geometry, 256), decode_layout="padded")
     assert runner.decode_page == 0
+
+
+def test_a_join_writes_each_row_into_its_own_pages_however_they_lie(llama_model):
+    """Rows of a left-padded prefill group join into pages handed out in runs and
+    alone (a fragmented arena): every page holds its row's positions, in order."""
+    from mlxd.worker_proc import batch_cache
+    from mlxd.worker_proc.decode_batch import JoinGroup
+    from mlxd.worker_proc.paged_batch import PagedDecodeBatch
+
+    model, _ = load_reference(llama_model)
+    g = probe_geometry(model)
+    lengths = [3, 2 * PAGE + 5, PAGE]
+    width = max(lengths)
+    caches = batch_cache.model_caches(g.cache_layout, [width - n for n in lengths])
+    tokens = mx.array([[1] * (width - n) + [(7 * i + r) % 50 + 3 for i in range(n)]
+                       for r, n in enumerate(lengths)])
+    model(tokens, cache=caches)
+    arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 12, PAGE)
+    arena._free = [12, 11, 3, 9, 8, 5, 2, 1, 10, 7, 6, 4]   # runs and lone pages, no order
+    batch = PagedDecodeBatch(g.cache_layout, arena)
+    batch.add([JoinGroup([0, 1, 2], [None] * 3, caches, mx.zeros((3,), mx.int32))])
+    assert batch.lengths == lengths
+    arena.check_integrity(batch.tables)
+    assert any(b != a + 1 for t in batch.tables for a, b in zip(t, t[1:])), "no gap tested"
+    for leaf in (0, g.num_layers - 1):
+        stored = np.asarray(arena.keys[leaf]).reshape(-1, g.n_kv_heads, PAGE, g.k_head_dim)
+        want = np.asarray(caches[leaf].keys)
+        for r, (table, n) in enumerate(zip(batch.tables, lengths)):
+            got = np.concatenate([stored[p] for p in table], axis=1)[:, :n]
+            assert np.array_equal(got, want[r, :, width - n:width])
