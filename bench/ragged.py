@@ -49,8 +49,16 @@ class Driver:
         from mlxd.worker_proc.kv_pool import KVPool
         from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
 
-        self.runner = ModelRunner(model, KVPool(probe_geometry(model), capacity),
-                                  decode_layout=layout)
+        import mlx.core as mx
+
+        from mlxd.runtime.kv_layout import decode_cache_budget
+        from mlxd.worker_proc.memory import buffer_cache_bytes
+
+        geometry = probe_geometry(model)
+        self.runner = ModelRunner(model, KVPool(geometry, capacity), decode_layout=layout)
+        page = self.runner.decode_page   # MLX's buffer cache set as the worker sets it
+        mx.set_cache_limit(buffer_cache_bytes(page, decode_cache_budget(capacity, 64, page),
+                                              geometry.bytes_per_token))
         self.slots = itertools.count(1)
         self.step_ids = itertools.count(1)
         self.slot_ids: dict[int, list[int]] = {}

@@ -40,22 +40,21 @@ class OutOfPages(RuntimeError):
 
 class PageArena:
     """The decode pages of every KV leaf. `keys[i]`/`values[i]` are leaf i's arena,
-    flat `[(pages + 1) * heads * page, dim]`. Grows (one copy) when out of pages."""
+    head-major `[heads, (pages + 1) * page, dim]`: a head's page is `page` consecutive
+    rows, and a run of consecutive pages is one slice per head, written from a row
+    of a prefill cache (`[heads, positions, dim]`) without reordering. Grows (one
+    copy) when out of pages."""
 
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  pages: int, page: int = DECODE_PAGE):
         self.num_leaves, self.heads, self.page = num_leaves, heads, page
         self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
         self.pages = 0
-        self.keys: list[mx.array] = [mx.zeros((0, k_dim), dtype) for _ in range(num_leaves)]
-        self.values: list[mx.array] = [mx.zeros((0, v_dim), dtype) for _ in range(num_leaves)]
+        self.keys: list[mx.array] = [mx.zeros((heads, 0, k_dim), dtype) for _ in range(num_leaves)]
+        self.values: list[mx.array] = [mx.zeros((heads, 0, v_dim), dtype)
+                                       for _ in range(num_leaves)]
         self._free: list[int] = []
         self._grow(max(1, pages))
-
-    @property
-    def page_rows(self) -> int:
-        """Arena rows per page: heads x positions."""
-        return self.heads * self.page
 
     @property
     def num_free(self) -> int:
@@ -67,11 +66,13 @@ class PageArena:
 
     def _grow(self, pages: int) -> None:
         """Room for `pages` pages (page 0 included beyond them)."""
-        extra = (pages - self.pages) * self.page_rows + (0 if self.pages else self.page_rows)
-        self.keys = [mx.concatenate([k, mx.zeros((extra, self.k_dim), self.dtype)])
-                     for k in self.keys]
-        self.values = [mx.concatenate([v, mx.zeros((extra, self.v_dim), self.dtype)])
-                       for v in self.values]
+        extra = (pages - self.pages + (0 if self.pages else 1)) * self.page
+
+        def grown(a: mx.array, dim: int) -> mx.array:
+            return mx.concatenate([a, mx.zeros((self.heads, extra, dim), self.dtype)], axis=1)
+
+        self.keys = [grown(k, self.k_dim) for k in self.keys]
+        self.values = [grown(v, self.v_dim) for v in self.values]
         mx.eval(self.keys, self.values)
         self.free(range(self.pages + 1, pages + 1))
         self.pages = pages
@@ -96,22 +97,19 @@ class PageArena:
         assert sorted(every) == list(range(1, self.pages + 1)), "pages lost or shared"
 
     def write_run(self, leaf: int, first: int, keys: mx.array, values: mx.array) -> None:
-        """Store whole pages `[n, heads, page, dim]` at pages first .. first + n - 1
-        (one slice: a copy of the rows written)."""
-        n = keys.shape[0]
-        start, end = first * self.page_rows, (first + n) * self.page_rows
-        self.keys[leaf][start:end] = keys.reshape(-1, self.k_dim).astype(self.dtype)
-        self.values[leaf][start:end] = values.reshape(-1, self.v_dim).astype(self.dtype)
+        """Store positions `[heads, m, dim]` (m <= n x page) from the start of page
+        `first` on, through pages first .. first + ceil(m / page) - 1: one slice per
+        array, a copy of what is written."""
+        start, m = first * self.page, keys.shape[1]
+        self.keys[leaf][:, start:start + m] = keys.astype(self.dtype)
+        self.values[leaf][:, start:start + m] = values.astype(self.dtype)
 
-    def rows_of(self, pages: np.ndarray) -> np.ndarray:
-        """The arena rows of whole pages, in (page, head, position) order."""
-        return (pages[:, None] * self.page_rows + np.arange(self.page_rows)).reshape(-1)
-
-    def write(self, leaf: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store `[n, dim]` keys/values at arena rows `rows` (MLX donates the buffer:
-        the write costs the rows written)."""
-        self.keys[leaf][rows] = keys.astype(self.dtype)
-        self.values[leaf][rows] = values.astype(self.dtype)
+    def write(self, leaf: int, heads: mx.array, rows: mx.array, keys: mx.array,
+              values: mx.array) -> None:
+        """Store `[n, dim]` keys/values at (head, row) pairs (MLX donates the
+        buffer: the write costs the rows written)."""
+        self.keys[leaf][heads, rows] = keys.astype(self.dtype)
+        self.values[leaf][heads, rows] = values.astype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -122,14 +120,16 @@ class Pairs:
 
     rows: mx.array    # [n] int32: the pair's row
     lhs: mx.array     # [n * heads] uint32: row * heads + head
-    rhs: mx.array     # [n * heads] uint32: page * heads + head
+    rhs: mx.array     # [n * heads] uint32: head * (arena pages + 1) + page
     mask: mx.array    # [n, 1, 1, page] bool
 
 
-def step_pairs(tables: list[list[int]], lengths: list[int], heads: int, page: int,
+def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
                window: int = 0) -> Pairs:
     """The pairs of rows holding `lengths[i]` positions (the newest included) in
-    pages `tables[i]`; with a `window`, only its last `window` positions count."""
+    pages `tables[i]` of `arena`; with a `window`, only its last `window` positions
+    count."""
+    heads, page = arena.heads, arena.page
     rows, pages, starts, ends, lows = [], [], [], [], []
     for r, (table, n) in enumerate(zip(tables, lengths)):
         low = max(0, n - window) if window else 0
@@ -141,19 +141,22 @@ def step_pairs(tables: list[list[int]], lengths: list[int], heads: int, page: in
         ends.append(np.full(count, n))
         lows.append(np.full(count, low))
     rows_np, pages_np = np.concatenate(rows), np.concatenate(pages)
+    stride = arena.pages + 1
     positions = np.concatenate(starts)[:, None] + np.arange(page)
     mask = (positions < np.concatenate(ends)[:, None]) & (positions >= np.concatenate(lows)[:, None])
     per_head = np.arange(heads)
     return Pairs(mx.array(rows_np, mx.int32),
                  mx.array((rows_np[:, None] * heads + per_head).reshape(-1), mx.uint32),
-                 mx.array((pages_np[:, None] * heads + per_head).reshape(-1), mx.uint32),
+                 mx.array((per_head * stride + pages_np[:, None]).reshape(-1), mx.uint32),
                  mx.array(mask[:, None, None, :]))
 
 
 def paged_attention(queries: mx.array, keys: mx.array, values: mx.array, pairs: Pairs,
                     page: int, scale: float, sinks: mx.array | None = None) -> mx.array:
     """Attention of one query per row `[B, Hq, 1, D]` over the pairs' pages of an
-    arena (`keys`/`values` flat, `[(pages + 1) * Hkv * page, D]`): `[B, Hq, 1, Dv]`."""
+    arena (`keys`/`values` `[Hkv, (pages + 1) * page, D]`; as `[Hkv * (pages + 1),
+    page, D]`, a free reshape, matrix `head * (pages + 1) + page` is one head's
+    page): `[B, Hq, 1, Dv]`."""
     b, hq, _, d = queries.shape
     dv = values.shape[-1]
     heads = pairs.lhs.shape[0] // pairs.rows.shape[0]
@@ -189,11 +192,11 @@ def paged_attention(queries: mx.array, keys: mx.array, values: mx.array, pairs: 
 class PagedLayerCache:
     """One KV leaf's cache for one decode forward, as the model sees it."""
 
-    def __init__(self, arena: PageArena, leaf: int, offset: mx.array, write_rows: mx.array,
-                 pairs: Pairs):
+    def __init__(self, arena: PageArena, leaf: int, offset: mx.array,
+                 write_at: tuple[mx.array, mx.array], pairs: Pairs):
         self.arena, self.leaf, self.pairs = arena, leaf, pairs
         self.offset = offset            # [B]: each row's position (RoPE)
-        self.write_rows = write_rows    # [B * heads]: the arena rows of the new position
+        self.write_at = write_at        # ([B * heads] head, [B * heads] arena row): the new position
         self.newest: tuple[mx.array, mx.array] | None = None
         self.attended = False
 
@@ -201,7 +204,7 @@ class PagedLayerCache:
         """Write the new position `[B, heads, 1, dim]` into the rows' pages."""
         self.newest = (keys, values)
         b, h, _, _ = keys.shape
-        self.arena.write(self.leaf, self.write_rows,
+        self.arena.write(self.leaf, *self.write_at,
                          keys.reshape(b * h, -1), values.reshape(b * h, -1))
         return keys, values
 

@@ -70,7 +70,7 @@ def build_runner(cfg: WorkerConfig):
     from .grammar import Grammars
     from .kv_pool import KVPool
     from .loading import is_quantized, load_model, resolve_dequantize
-    from .memory import ACTIVATION_RESERVE_BYTES, kv_budget, memory_limit_bytes, window_split
+    from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
     from .model_runner import ModelRunner, decode_page_for, probe_geometry, probe_vocab_size
 
     flags = cfg.flags
@@ -96,13 +96,7 @@ def build_runner(cfg: WorkerConfig):
                        capacity=flags.kv_capacity, windows=windows, page=page)
     pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots,
                   budget.window_capacity)
-    # Let freed buffers be reused: fresh memory costs a page fault per 4 KiB (a 64-row
-    # padded join took ~1.5 s on the CPU backend, whose cache limit starts at 0).
-    # Padded: joins and releases replace the decode caches' buffers, whose second
-    # copy is budgeted already (memory.kv_budget); this is that room. Pages: the
-    # arena stays put; prefill's buffers come from the activation reserve.
-    cache_bytes = (ACTIVATION_RESERVE_BYTES if page
-                   else budget.decode_cache_tokens * geometry.bytes_per_token)
+    cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
     mx.set_cache_limit(cache_bytes)
     runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap,
                          grammars=Grammars.for_model(tokenizer, probe_vocab_size(model)),

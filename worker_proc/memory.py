@@ -85,6 +85,17 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
     return KVBudget(int(pool), decode_cache_budget(int(pool), max_running, page))
 
 
+def buffer_cache_bytes(page: int, decode_cache_tokens: int, bytes_per_token: int) -> int:
+    """MLX's buffer cache limit: freed buffers are kept for reuse, since fresh memory
+    costs a page fault per 4 KiB (a 64-row padded join took ~1.5 s on the CPU backend,
+    whose cache limit starts at 0). Padded: joins and releases replace the decode
+    caches' buffers, whose second copy the split already counts; that is the room.
+    Pages: the arena stays put; prefill's buffers come from the activation reserve."""
+    if page:
+        return ACTIVATION_RESERVE_BYTES
+    return decode_cache_tokens * bytes_per_token
+
+
 def _check_room(pool: int, limit_bytes: int, weights_bytes: int) -> None:
     if pool < 64:
         raise ValueError(

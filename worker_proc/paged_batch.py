@@ -86,7 +86,7 @@ class PagedDecodeBatch:
                 stop = min(start + n * page, end)
                 for leaf, cache in enumerate(kv):
                     k, v = batch_cache.row_columns(cache, r, start, stop)   # [heads, m, dim]
-                    self.arena.write_run(leaf, first, _as_pages(k, n, page), _as_pages(v, n, page))
+                    self.arena.write_run(leaf, first, k, v)
 
     def remove(self, rids: set[int]) -> None:
         """Drop released rows: their pages go back, the rest stay where they are."""
@@ -124,13 +124,14 @@ class PagedDecodeBatch:
                 table += self.arena.allocate(1)
         positions = np.array(self.lengths)
         last_pages = np.array([t[n // page] for t, n in zip(self.tables, self.lengths)])
-        write_rows = mx.array(((last_pages[:, None] * heads + np.arange(heads)) * page
-                               + (positions % page)[:, None]).reshape(-1), mx.int32)
+        rows = last_pages * page + positions % page
+        write_at = (mx.array(np.tile(np.arange(heads), len(rows)), mx.int32),
+                    mx.array(np.repeat(rows, heads), mx.int32))
         offset = mx.array(positions, mx.int32)
         after = [n + 1 for n in self.lengths]
-        pairs = {w: step_pairs(self.tables, after, heads, page, w)
+        pairs = {w: step_pairs(self.tables, after, self.arena, w)
                  for w in set(self.layout.windows)}
-        self._leaves = [PagedLayerCache(self.arena, i, offset, write_rows, pairs[w])
+        self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w])
                         for i, w in enumerate(self.layout.windows)]
         caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states)
         logits = model(self.tokens[:, None], cache=caches)[:, -1, :]
@@ -162,14 +163,6 @@ def _runs(table: list[int]) -> list[tuple[int, int, int]]:
         runs.append((j, table[j], n))
         j += n
     return runs
-
-
-def _as_pages(a: mx.array, n: int, page: int) -> mx.array:
-    """KV `[heads, m, dim]` (m <= n x page) as n pages `[n, heads, page, dim]`."""
-    heads, m, dim = a.shape
-    if m < n * page:
-        a = mx.pad(a, [(0, 0), (0, n * page - m), (0, 0)])
-    return a.reshape(heads, n, page, dim).transpose(1, 0, 2, 3)
 
 
 def paged_decode_reaches(model, layout: CacheLayout, arena: PageArena) -> bool:

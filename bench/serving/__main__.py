@@ -175,12 +175,14 @@ def check_context(traces: list[Trace], context: int) -> None:
 def start_system(system: str, model: str, args):
     if system in ("mlxd", "mlxd_http"):
         return MlxdProcess(model, shlex.split(args.mlxd_args))
+    if system == "mlxd_padded":
+        return MlxdProcess(model, shlex.split(args.mlxd_args) + ["--decode-layout", "padded"])
     return MlxLmProcess(model, shlex.split(args.mlx_lm_args))
 
 
 async def drive_system(system: str, proc, traces: list[Trace], args, codecs: PromptCodecs,
                        warm_prompt: str, progress) -> dict:
-    driver = (proc.driver(args.timeout) if system == "mlxd" else
+    driver = (proc.driver(args.timeout) if system in ("mlxd", "mlxd_padded") else
               proc.http_driver(args.timeout) if system == "mlxd_http" else
               proc.driver(args.timeout, codecs.mlx_lm_eos_ids))
     out = {}
@@ -260,6 +262,9 @@ def trace_result(trace: Trace, runs: dict[str, dict]) -> dict:
     if all("metrics" in systems.get(s, {}) for s in ("mlxd_http", "mlxd")):
         result["http_over_sdk"] = ratios(systems["mlxd_http"]["metrics"],
                                          systems["mlxd"]["metrics"])
+    if all("metrics" in systems.get(s, {}) for s in ("mlxd", "mlxd_padded")):
+        result["paged_over_padded"] = ratios(systems["mlxd"]["metrics"],
+                                             systems["mlxd_padded"]["metrics"])
     return result
 
 
@@ -277,6 +282,7 @@ def meta(args, model: str, codecs: PromptCodecs) -> dict:
 
 def ignore_eos_note(codecs: PromptCodecs) -> dict:
     return {"mlxd": "ignore_eos=true", "mlxd_http": "ignore_eos: true",
+            "mlxd_padded": "ignore_eos=true",
             "mlx_lm": f"logit_bias {EOS_BIAS:g} on the EOS ids {codecs.mlx_lm_eos_ids} "
                       "(mlx_lm.server has no ignore_eos)"}
 
@@ -304,9 +310,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="model folder, or 'smollm2'; default: the ~40M bench model, 8k context")
-    ap.add_argument("--systems", type=_csv(str), default=list(SYSTEMS),
-                    help="comma-separated: mlxd,mlx_lm,mlxd_http (default all; mlxd_http is "
-                         "mlxd through its HTTP API)")
+    ap.add_argument("--systems", type=_csv(str), default=["mlxd", "mlx_lm", "mlxd_http"],
+                    help="comma-separated: mlxd,mlx_lm,mlxd_http,mlxd_padded (default the "
+                         "first three; mlxd_http is mlxd through its HTTP API, mlxd_padded "
+                         "mlxd with --decode-layout padded)")
     ap.add_argument("--traces", type=_csv(str), default=list(KINDS),
                     help=f"comma-separated kinds to generate: {','.join(KINDS)}")
     ap.add_argument("--trace", action="append", default=[],

@@ -11,6 +11,7 @@ from pathlib import Path
 from bench.serving.metrics import METRICS, itl_samples, winner
 
 LABELS = {"mlxd": "mlxd", "mlx_lm": "mlx_lm.server", "mlxd_http": "mlxd (HTTP)",
+          "mlxd_padded": "mlxd (padded)",
           "tie": "tie"}
 
 
@@ -48,14 +49,16 @@ def format_table(results: dict) -> str:
                 mark = {"mlxd": "+", "mlx_lm": "-", None: " "}[winner(key, r)]
                 cells.append("-" if r is None else f"{r:.2f}{mark}")
             lines.append(f"{name:<14}{'mlxd/mlx_lm':<15}" + "".join(f"{c:>{width}}" for c in cells))
-        if trace.get("http_over_sdk"):
-            cells = ["-" if (r := trace["http_over_sdk"].get(key)) is None else f"{r:.2f}"
-                     for key, *_ in METRICS]
-            lines.append(f"{name:<14}{'http/sdk':<15}" + "".join(f"{c:>{width}}" for c in cells))
+        for key_name, row in (("http_over_sdk", "http/sdk"), ("paged_over_padded", "paged/padded")):
+            if trace.get(key_name):
+                cells = ["-" if (r := trace[key_name].get(key)) is None else f"{r:.2f}"
+                         for key, *_ in METRICS]
+                lines.append(f"{name:<14}{row:<15}" + "".join(f"{c:>{width}}" for c in cells))
         lines.append("")
     lines.append("ratio = mlxd / mlx_lm.server; '+' where mlxd is better (higher req/s and "
                  "tok/s, lower latency), '-' where mlx_lm.server is; http/sdk = mlxd over "
-                 "its HTTP API / mlxd through its SDK.")
+                 "its HTTP API / mlxd through its SDK; paged/padded = mlxd / mlxd with "
+                 "--decode-layout padded.")
     lines.append("TTFT: send to first token; ITL: gap between streamed chunks per token; "
                  "E2E: send to last reply.")
     return "\n".join(lines)

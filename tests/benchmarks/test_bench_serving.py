@@ -245,13 +245,20 @@ def test_serving_bench_against_mlxd(tiny_model, tmp_path):
             *(f"cdf_{name}.png" for name in names), "throughput_vs_load.png"}
     assert wait_until(lambda: not processes_using(tiny_model), 10), processes_using(tiny_model)
 
-    # The saved trace replays: same requests, same token counts.
+    # The saved trace replays: same requests, same token counts, also in the padded
+    # decode layout (compared with the paged one in the same run).
     again = tmp_path / "again"
-    result = run_bench(["--model", tiny_model, "--out", str(again), "--systems", "mlxd",
-                        "--trace", str(out / "trace-burst.jsonl")])
+    result = run_bench(["--model", tiny_model, "--out", str(again), "--systems",
+                        "mlxd,mlxd_padded", "--trace", str(out / "trace-burst.jsonl")])
     assert result.returncode == 0, result.stderr[-3000:]
-    replay = json.loads((again / "results.json").read_text())["traces"]["burst"]["systems"]["mlxd"]
+    burst = json.loads((again / "results.json").read_text())["traces"]["burst"]
     first = results["traces"]["burst"]["systems"]["mlxd"]["requests"]
-    assert [(r["id"], r["prompt_tokens"], r["output_tokens"]) for r in replay["requests"]] == [
-        (r["id"], r["prompt_tokens"], r["output_tokens"]) for r in first]
+    for system in ("mlxd", "mlxd_padded"):
+        replay = burst["systems"][system]
+        assert replay["metrics"]["errors"] == 0, replay["first_error"]
+        assert [(r["id"], r["prompt_tokens"], r["output_tokens"])
+                for r in replay["requests"]] == [
+            (r["id"], r["prompt_tokens"], r["output_tokens"]) for r in first]
+    assert burst["paged_over_padded"]["output_throughput"] > 0
+    assert "paged/padded" in result.stdout and "mlxd (padded)" in result.stdout
     assert wait_until(lambda: not processes_using(tiny_model), 10), processes_using(tiny_model)

@@ -54,14 +54,16 @@ def arena_with(rows_kv, heads, dim, rng):
     arena._free = order
     tables = []
     for k, v in rows_kv:
-        n = k.shape[1]
-        table = arena.allocate(-(-n // PAGE))
-        pad = len(table) * PAGE - n
-        blocks = [mx.pad(a, [(0, 0), (0, pad), (0, 0)]).reshape(heads, len(table), PAGE, dim)
-                  .transpose(1, 0, 2, 3).reshape(-1, dim) for a in (k, v)]
-        arena.write(0, mx.array(arena.rows_of(np.array(table)), mx.int32), *blocks)
+        table = arena.allocate(-(-k.shape[1] // PAGE))
+        for j, p in enumerate(table):
+            arena.write_run(0, p, k[:, j * PAGE:(j + 1) * PAGE], v[:, j * PAGE:(j + 1) * PAGE])
         tables.append(table)
     return arena, tables
+
+
+def page_of(arena, leaf, p):
+    """Page p of a leaf's keys: `[heads, page, dim]`."""
+    return np.asarray(arena.keys[leaf])[:, p * arena.page:(p + 1) * arena.page]
 
 
 @pytest.mark.parametrize("window", [0, 5, 13])
@@ -76,7 +78,7 @@ def test_paged_attention_matches_dense_attention(window, heads, sinks):
     arena, tables = arena_with(rows_kv, hkv, dim, rng)
     q = mx.random.normal((len(lengths), hq, 1, dim))
     sink = mx.random.normal((hq,)) if sinks else None
-    pairs = step_pairs(tables, lengths, hkv, PAGE, window)
+    pairs = step_pairs(tables, lengths, arena, window)
     got = paged_attention(q, arena.keys[0], arena.values[0], pairs, PAGE, 0.25, sink)
     want = dense_reference(q, [k for k, _ in rows_kv], [v for _, v in rows_kv], 0.25, window,
                            None if sink is None else np.asarray(sink))
@@ -86,10 +88,12 @@ def test_paged_attention_matches_dense_attention(window, heads, sinks):
 
 def test_a_window_reads_only_the_pages_it_overlaps():
     tables = [[4, 9, 2, 7], [5]]
-    pairs = step_pairs(tables, [30, 3], heads=1, page=PAGE, window=6)
+    arena = PageArena(1, 2, 4, 4, mx.float32, 10, PAGE)
+    pairs = step_pairs(tables, [30, 3], arena, window=6)
     # row 0 holds positions 0..29; its window 24..29 lies in its 4th page only
     assert pairs.rows.tolist() == [0, 1]
-    assert pairs.rhs.tolist() == [7, 5]
+    assert pairs.lhs.tolist() == [0, 1, 2, 3]          # row x heads + head
+    assert pairs.rhs.tolist() == [7, 11 + 7, 5, 11 + 5]   # head x (pages + 1) + page
     mask = np.asarray(pairs.mask)[:, 0, 0]
     assert mask[0].tolist() == [True] * 6 + [False] * 2
     assert mask[1].tolist() == [True] * 3 + [False] * 5
@@ -97,13 +101,12 @@ def test_a_window_reads_only_the_pages_it_overlaps():
 
 def test_the_cache_writes_the_new_position_where_the_batch_says():
     arena = PageArena(2, 2, 4, 4, mx.float32, 4, PAGE)
-    rows = mx.array([(3 * 2 + h) * PAGE + 5 for h in range(2)], mx.int32)   # page 3, position 5
-    pairs = step_pairs([[3]], [6], 2, PAGE)
-    cache = PagedLayerCache(arena, 1, mx.array([5]), rows, pairs)
+    at = (mx.array([0, 1], mx.int32), mx.array([3 * PAGE + 5] * 2, mx.int32))   # page 3, position 5
+    pairs = step_pairs([[3]], [6], arena)
+    cache = PagedLayerCache(arena, 1, mx.array([5]), at, pairs)
     k, v = mx.ones((1, 2, 1, 4)), 2 * mx.ones((1, 2, 1, 4))
     assert cache.update_and_fetch(k, v) == (k, v)
-    keys = np.asarray(arena.keys[1]).reshape(-1, 2, PAGE, 4)
-    assert (keys[3, :, 5] == 1).all() and keys.sum() == 2 * 4
+    assert (page_of(arena, 1, 3)[:, 5] == 1).all() and np.asarray(arena.keys[1]).sum() == 2 * 4
     assert np.asarray(arena.keys[0]).sum() == 0   # another layer untouched
     assert cache.make_mask(1, window_size=4) is None
 
@@ -111,13 +114,13 @@ def test_the_cache_writes_the_new_position_where_the_batch_says():
 def test_pages_go_back_and_the_arena_grows_when_asked_for_more():
     arena = PageArena(1, 1, 2, 2, mx.float32, 3, PAGE)
     a = arena.allocate(2)
-    arena.write(0, mx.array(arena.rows_of(np.array(a)), mx.int32),
-                mx.ones((2 * PAGE, 2)), mx.ones((2 * PAGE, 2)))
+    assert a == [1, 2]   # lowest first: a run
+    arena.write_run(0, a[0], mx.ones((1, 2 * PAGE, 2)), mx.ones((1, 2 * PAGE, 2)))
     b = arena.allocate(3)   # 1 free: grows, keeping what was written
     assert arena.pages >= 5 and len(set(a + b)) == 5
     arena.check_integrity([a, b])
-    keys = np.asarray(arena.keys[0]).reshape(-1, PAGE, 2)
-    assert (keys[a] == 1).all()
+    assert all((page_of(arena, 0, p) == 1).all() for p in a)
+    assert not any(page_of(arena, 0, p).any() for p in b)
     arena.free(a)
     arena.check_integrity([b])
 
@@ -188,8 +191,7 @@ def test_a_join_writes_each_row_into_its_own_pages_however_they_lie(llama_model)
     arena.check_integrity(batch.tables)
     assert any(b != a + 1 for t in batch.tables for a, b in zip(t, t[1:])), "no gap tested"
     for leaf in (0, g.num_layers - 1):
-        stored = np.asarray(arena.keys[leaf]).reshape(-1, g.n_kv_heads, PAGE, g.k_head_dim)
         want = np.asarray(caches[leaf].keys)
         for r, (table, n) in enumerate(zip(batch.tables, lengths)):
-            got = np.concatenate([stored[p] for p in table], axis=1)[:, :n]
+            got = np.concatenate([page_of(arena, leaf, p) for p in table], axis=1)[:, :n]
             assert np.array_equal(got, want[r, :, width - n:width])
