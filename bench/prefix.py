@@ -9,6 +9,7 @@ SDK. Reports time to first token (p50, p90) and output throughput per setting.
     python -m bench.prefix --hybrid qwen3_next   # a tiny recurrent-state test model:
                                                  # the cache is KV + state snapshots
     python -m bench.prefix --hybrid gemma3_text  # sliding windows: KV + window slots
+    python -m bench.prefix --server-args "--decode-layout padded"   # the padded decode
 """
 
 import argparse
@@ -45,6 +46,8 @@ async def _drive(address: str, prompts, gen_len: int) -> dict:
             "output_tok_s": produced / elapsed, "elapsed_s": elapsed,
             "free_slots": stats["free_slots"], "cached_slots": stats["cached_slots"],
             "snapshots": stats.get("snapshots", 0),
+            # the worker's peak MLX memory over the run (pool, decode caches, transients)
+            "peak_memory_gb": stats["worker"]["peak_memory"] / 1024**3,
             "cached_window_slots": stats.get("cached_window_slots", 0)}
 
 
@@ -103,7 +106,7 @@ def main() -> None:
                 if r["cached_window_slots"] else "")
         print(f"{name:10s} TTFT p50 {r['ttft_p50_s']:7.2f} s  p90 {r['ttft_p90_s']:7.2f} s  "
               f"output {r['output_tok_s']:7.1f} tok/s  cached slots {r['cached_slots']:.0f}"
-              f"{held}")
+              f"{held}  worker peak memory {r['peak_memory_gb']:.2f} GiB")
     print(f"cache on vs off: TTFT p50 {report['ttft_p50_speedup']:.1f}x lower, "
           f"throughput {report['throughput_ratio']:.1f}x higher")
     if args.json:

@@ -69,7 +69,9 @@ class PageArena:
         extra = (pages - self.pages + (0 if self.pages else 1)) * self.page
 
         def grown(a: mx.array, dim: int) -> mx.array:
-            return mx.concatenate([a, mx.zeros((self.heads, extra, dim), self.dtype)], axis=1)
+            zeros = mx.zeros((self.heads, extra, dim), self.dtype)
+            # the first size is allocated once: a concatenation would hold it twice
+            return mx.concatenate([a, zeros], axis=1) if a.shape[1] else zeros
 
         self.keys = [grown(k, self.k_dim) for k in self.keys]
         self.values = [grown(v, self.v_dim) for v in self.values]

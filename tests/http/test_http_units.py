@@ -162,3 +162,13 @@ def test_a_body_too_large_is_refused_while_it_is_read(http, monkeypatch):
     assert r.status_code == 413 and r.json()["error"]["message"]
     r = http.post("/v1/completions", content=iter([b"x" * 60, b"x" * 60]), headers=auth)
     assert r.status_code == 413   # no length declared: counted as it comes
+
+
+def test_uvicorn_serves_with_its_c_http_parser():
+    """httptools is a dependency so that uvicorn's "auto" picks its C parser, not the
+    pure-Python h11 fallback (CPU on every streamed chunk)."""
+    import uvicorn
+
+    config = uvicorn.Config(build_app(SimpleNamespace()), log_config=None)
+    config.load()
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"

@@ -195,3 +195,12 @@ def test_a_join_writes_each_row_into_its_own_pages_however_they_lie(llama_model)
         for r, (table, n) in enumerate(zip(batch.tables, lengths)):
             got = np.concatenate([page_of(arena, leaf, p) for p in table], axis=1)[:, :n]
             assert np.array_equal(got, want[r, :, width - n:width])
+
+
+def test_the_arena_is_allocated_once_at_its_first_size():
+    """No transient second copy at startup: the peak is the arena itself."""
+    mx.eval(mx.zeros((1,)))
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    arena = PageArena(2, 4, 16, 16, mx.float32, 256, PAGE)
+    assert mx.get_peak_memory() - before <= arena.nbytes * 1.1
