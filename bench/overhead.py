@@ -3,6 +3,7 @@ model in-process with mlx_lm's stream_generate, overlap on and off, in one run.
 
     python -m bench.overhead                  # ~40M random-weight model, G=256
     python -m bench.overhead --model PATH --gen-len 256
+    python -m bench.overhead --server-args "--decode-layout padded"
 
 Where /proc exists it also reports the CPU time per output token of each process
 (worker, scheduler, tokenizer, and this client), and runs stream_generate once more
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--load", default="", help=argparse.SUPPRESS)
     ap.add_argument("--load-period", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--server-args", default="", help="extra launch.py flags for both servers")
     args = ap.parse_args()
     args.model = bench_model(args.model)
     vocab = tokenizer_vocab(args.model)
@@ -114,8 +116,9 @@ def main() -> None:
         print(run_in_process(args.model, random_prompts(1, args.prompt_len, vocab, args.seed)[0],
                              args.gen_len, load_ms, args.load_period))
         return
-    servers = {"overlap_on": MlxdServer(args.model),
-               "overlap_off": MlxdServer(args.model, "--disable-overlap")}
+    extra = args.server_args.split()
+    servers = {"overlap_on": MlxdServer(args.model, *extra),
+               "overlap_off": MlxdServer(args.model, "--disable-overlap", *extra)}
     runs = {"in_process": [], "overlap_on": [], "overlap_off": []}
     step_timing = {"overlap_on": [], "overlap_off": []}
     cpu_runs = {"overlap_on": [], "overlap_off": []}

@@ -195,8 +195,12 @@ class PagedLayerCache:
     """One KV leaf's cache for one decode forward, as the model sees it."""
 
     def __init__(self, arena: PageArena, leaf: int, offset: mx.array,
-                 write_at: tuple[mx.array, mx.array], pairs: Pairs):
+                 write_at: tuple[mx.array, mx.array], pairs: Pairs,
+                 span: tuple[int, int] | None = None):
         self.arena, self.leaf, self.pairs = arena, leaf, pairs
+        # one row whose positions are one run of arena rows: (first row, positions),
+        # attended as a slice (no gather, no merge)
+        self.span = span
         self.offset = offset            # [B]: each row's position (RoPE)
         self.write_at = write_at        # ([B * heads] head, [B * heads] arena row): the new position
         self.newest: tuple[mx.array, mx.array] | None = None
@@ -215,6 +219,11 @@ class PagedLayerCache:
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.attended = True
+        if self.span is not None:
+            start, n = self.span
+            k = self.arena.keys[self.leaf][None, :, start:start + n]
+            v = self.arena.values[self.leaf][None, :, start:start + n]
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, sinks=sinks)
         return paged_attention(queries, self.arena.keys[self.leaf], self.arena.values[self.leaf],
                                self.pairs, self.arena.page, scale, sinks)
 

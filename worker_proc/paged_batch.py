@@ -131,7 +131,8 @@ class PagedDecodeBatch:
         after = [n + 1 for n in self.lengths]
         pairs = {w: step_pairs(self.tables, after, self.arena, w)
                  for w in set(self.layout.windows)}
-        self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w])
+        spans = {w: self._span(after, w) for w in pairs}
+        self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w], spans[w])
                         for i, w in enumerate(self.layout.windows)]
         caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states)
         logits = model(self.tokens[:, None], cache=caches)[:, -1, :]
@@ -139,6 +140,15 @@ class PagedDecodeBatch:
         self.states = [batch_cache.state_arrays(c) for c in state_caches]
         self.lengths = after
         return logits
+
+    def _span(self, lengths: list[int], window: int) -> tuple[int, int] | None:
+        """A lone row whose pages are one run: its positions (the window's, for a
+        windowed layer) as (first arena row, count), attended as one slice."""
+        if len(self.tables) != 1 or len(_runs(self.tables[0])) != 1:
+            return None
+        n = lengths[0]
+        low = max(0, n - window) if window else 0
+        return self.tables[0][0] * self.arena.page + low, n - low
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per KV leaf, keys/values `[rows, heads, dim]` the last forward wrote."""

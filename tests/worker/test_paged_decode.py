@@ -204,3 +204,26 @@ def test_the_arena_is_allocated_once_at_its_first_size():
     before = mx.get_active_memory()
     arena = PageArena(2, 4, 16, 16, mx.float32, 256, PAGE)
     assert mx.get_peak_memory() - before <= arena.nbytes * 1.1
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_lone_row_in_one_run_is_attended_as_a_slice(window, sinks):
+    """One row whose pages are consecutive: the slice path, against the pairs path
+    and the dense reference."""
+    hq, hkv, dim, n = 8, 2, 16, 3 * PAGE + 3
+    k, v = mx.random.normal((hkv, n, dim)), mx.random.normal((hkv, n, dim))
+    arena = PageArena(1, hkv, dim, dim, mx.float32, 8, PAGE)
+    table = arena.allocate(4)
+    assert table == [1, 2, 3, 4]
+    arena.write_run(0, table[0], k, v)
+    q = mx.random.normal((1, hq, 1, dim))
+    sink = mx.random.normal((hq,)) if sinks else None
+    pairs = step_pairs([table], [n], arena, window)
+    low = max(0, n - window) if window else 0
+    sliced = PagedLayerCache(arena, 0, mx.array([n - 1]), None, pairs,
+                             (table[0] * PAGE + low, n - low))
+    paired = PagedLayerCache(arena, 0, mx.array([n - 1]), None, pairs)
+    want = dense_reference(q, [k], [v], 0.25, window, None if sink is None else np.asarray(sink))
+    for cache in (sliced, paired):
+        assert np.allclose(np.asarray(cache.attend(q, 0.25, sink)), want, atol=1e-5)
