@@ -1,15 +1,16 @@
 """Decode without padding: the running rows' KV in pages, attended where it lies.
 
-Each KV leaf of the model has a page arena: keys and values `[(pages + 1) * heads
-* P, dim]`, page-major (page, head, position in the page; P = kv_layout's
-DECODE_PAGE), page 0 never handed out. A running row owns a list of pages (its
-page table) holding its positions in order; the page ids are the same in every
-leaf. A decode step writes each row's new position into its last page (a scatter
-of one position per row), then attends, per (row, page) pair, the row's queries
+Each KV leaf of the model has a page arena: keys and values `[heads, (pages + 1) *
+P, dim]`, head-major (a head's page is P consecutive rows; P = kv_layout's
+DECODE_PAGE), page 0 never handed out. A running row owns a list of pages (its page
+table) holding its positions in order; the page ids are the same in every leaf. A
+decode step writes each row's new position into its last page (a scatter of one
+position per row and head), then attends, per (row, page) pair, the row's queries
 to that page in place with `mx.gather_mm` (scores, then weights x values), and
-merges each row's pairs by their softmax's log-sum-exp. A step's cost follows the
-pages the rows hold, not the longest row; a row joins by writing its own pages and
-leaves by giving them back; nothing else moves.
+merges each row's pairs by their softmax's log-sum-exp; a lone row whose pages are
+one run is attended as one slice instead. A step's cost follows the pages the rows
+hold, not the longest row; a row joins by writing its own pages (one slice per run
+of consecutive pages) and leaves by giving them back; nothing else moves.
 
 The model stays mlx_lm's own module. Its attention layers call
 `scaled_dot_product_attention(queries, keys, values, cache=..., ...)` from the
@@ -19,7 +20,8 @@ mlx_lm's `base` function) with one that sends a `PagedLayerCache` to its own
 model sees: `offset` (each row's position, for RoPE), `update_and_fetch` (writes
 the new position, returns it), `make_mask` (None: the pages' masks are built here).
 A model whose attention does not go through that name (a layer calling mx.fast
-directly) is found by `hook_reaches`, and decodes in the padded layout instead.
+directly) is found by `paged_batch.paged_decode_reaches`, and decodes in the padded
+layout instead.
 
 Sliding-window layers attend only the pages that overlap their window, masked to
 the window's positions; attention sinks (gpt_oss) join the log-sum-exp merge.
@@ -30,12 +32,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models import base
 
 from mlxd.runtime.kv_layout import DECODE_PAGE
 
-
-class OutOfPages(RuntimeError):
-    pass
+# mlx_lm's attention, taken before `install_hook` replaces the name anywhere
+_MLX_LM_SDPA = base.scaled_dot_product_attention
 
 
 class PageArena:
@@ -230,25 +232,18 @@ class PagedLayerCache:
 
 # ---- the hook -------------------------------------------------------------
 
-def _original():
-    from mlx_lm.models import base
-    return getattr(base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention)
-
-
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, PagedLayerCache):
         return cache.attend(queries, scale, sinks)
-    return _original()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return _MLX_LM_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
 def install_hook(model) -> None:
     """Route the attention of the model's modules through `scaled_dot_product_attention`
     above (where they call mlx_lm's base function by that name)."""
-    original = _original()
-    scaled_dot_product_attention.__wrapped__ = original
     modules = model.modules() if hasattr(model, "modules") else [model]
     names = {type(m).__module__ for m in modules} | {"mlx_lm.models.base"}
     for name in names:
         module = sys.modules.get(name)
-        if module is not None and getattr(module, "scaled_dot_product_attention", None) is original:
+        if module is not None and getattr(module, "scaled_dot_product_attention", None) is _MLX_LM_SDPA:
             module.scaled_dot_product_attention = scaled_dot_product_attention

@@ -64,7 +64,7 @@ class PagedDecodeBatch:
         page = self.arena.page
         tables = [self.arena.allocate(-(-n // page)) for n in lengths]
         if end:
-            self._write_pages(kv, tables, lefts, lengths, end)
+            self._write_pages(kv, tables, lefts, end)
         self.tables += tables
         self.lengths += lengths
         for i, leaf in enumerate(states):
@@ -75,7 +75,7 @@ class PagedDecodeBatch:
                 self.states[i] = [mx.concatenate([a, b]) for a, b in zip(self.states[i], arrays)]
 
     def _write_pages(self, kv: list, tables: list[list[int]], lefts: list[int],
-                     lengths: list[int], end: int) -> None:
+                     end: int) -> None:
         """Every row's positions of every KV leaf into its pages: per run of
         consecutive page ids, one slice of the prefill cache into one slice of the
         arena (columns past the row's end are padding, masked out)."""
