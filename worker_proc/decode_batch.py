@@ -24,6 +24,9 @@ class JoinGroup:
     rows: list[RowState]
     caches: list[LayerCache]
     first_tokens: mx.array   # [B], lazy
+    # per row, the pool slots of the positions its cache holds (the prefix's, then the
+    # new tokens'): pages with the same slots are shared (paged_batch); None: not shared
+    slots: list[list[int]] | None = None
 
 
 class DecodeBatch:

@@ -10,7 +10,11 @@ to that page in place with `mx.gather_mm` (scores, then weights x values), and
 merges each row's pairs by their softmax's log-sum-exp; a lone row whose pages are
 one run is attended as one slice instead. A step's cost follows the pages the rows
 hold, not the longest row; a row joins by writing its own pages (one slice per run
-of consecutive pages) and leaves by giving them back; nothing else moves.
+of consecutive pages) and leaves by giving them back; nothing else moves. A full
+page another running row holds for the same pool slots (a cached prefix both start
+from) is held by both instead of written twice (shared_pages, paged_batch). The
+arena starts small and grows as rows need pages, up to the memory split's decode
+budget.
 
 The model stays mlx_lm's own module. Its attention layers call
 `scaled_dot_product_attention(queries, keys, values, cache=..., ...)` from the
@@ -44,18 +48,25 @@ class PageArena:
     """The decode pages of every KV leaf. `keys[i]`/`values[i]` are leaf i's arena,
     head-major `[heads, (pages + 1) * page, dim]`: a head's page is `page` consecutive
     rows, and a run of consecutive pages is one slice per head, written from a row
-    of a prefill cache (`[heads, positions, dim]`) without reordering. Grows (one
-    copy) when out of pages."""
+    of a prefill cache (`[heads, positions, dim]`) without reordering.
+
+    Starts at `pages` and, when out of pages, grows by a copy (doubling, at most to
+    `max_pages` unless more is asked for; one array at a time, so the copy holds one
+    old array beside the new arena): memory follows the pages rows hold. A
+    page is held by one row or, shared (`hold`), by several: it goes back when its
+    last holder frees it."""
 
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
-                 pages: int, page: int = DECODE_PAGE):
+                 pages: int, page: int = DECODE_PAGE, max_pages: int = 0):
         self.num_leaves, self.heads, self.page = num_leaves, heads, page
         self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
+        self.max_pages = max_pages   # 0: no limit
         self.pages = 0
         self.keys: list[mx.array] = [mx.zeros((heads, 0, k_dim), dtype) for _ in range(num_leaves)]
         self.values: list[mx.array] = [mx.zeros((heads, 0, v_dim), dtype)
                                        for _ in range(num_leaves)]
         self._free: list[int] = []
+        self._holders: dict[int, int] = {}   # page -> rows holding it
         self._grow(max(1, pages))
 
     @property
@@ -71,34 +82,63 @@ class PageArena:
         extra = (pages - self.pages + (0 if self.pages else 1)) * self.page
 
         def grown(a: mx.array, dim: int) -> mx.array:
-            zeros = mx.zeros((self.heads, extra, dim), self.dtype)
-            # the first size is allocated once: a concatenation would hold it twice
-            return mx.concatenate([a, zeros], axis=1) if a.shape[1] else zeros
+            new = mx.zeros((self.heads, a.shape[1] + extra, dim), self.dtype)
+            if a.shape[1]:
+                new[:, :a.shape[1]] = a   # in place: the zeros' buffer is the result's
+            mx.eval(new)
+            return new
 
-        self.keys = [grown(k, self.k_dim) for k in self.keys]
-        self.values = [grown(v, self.v_dim) for v in self.values]
-        mx.eval(self.keys, self.values)
-        self.free(range(self.pages + 1, pages + 1))
+        # one array at a time: the old arena is let go of as it is copied (at most
+        # one old array beside the new arena)
+        for arrays, dim in ((self.keys, self.k_dim), (self.values, self.v_dim)):
+            for i in range(self.num_leaves):
+                arrays[i] = grown(arrays[i], dim)
+        self._give_back(range(self.pages + 1, pages + 1))
         self.pages = pages
 
     def allocate(self, n: int) -> list[int]:
         """The `n` lowest free page ids, ascending: mostly a contiguous run, which a
         join writes with one slice per run."""
         if n > len(self._free):
-            self._grow(max(2 * self.pages, self.pages + n - len(self._free)))
+            need = self.pages + n - len(self._free)
+            doubled = 2 * self.pages if not self.max_pages else min(2 * self.pages, self.max_pages)
+            self._grow(max(doubled, need))
         pages = self._free[len(self._free) - n:][::-1]
         del self._free[len(self._free) - n:]
+        for p in pages:
+            self._holders[p] = 1
         return pages
 
-    def free(self, pages) -> None:
+    def hold(self, page: int) -> None:
+        """One more row holds `page` (a shared page)."""
+        self._holders[page] += 1
+
+    def free(self, pages) -> list[int]:
+        """A row lets go of `pages`; returns those no row holds any more (free now)."""
+        freed = []
+        for p in pages:
+            self._holders[p] -= 1
+            if not self._holders[p]:
+                del self._holders[p]
+                freed.append(p)
+        self._give_back(freed)
+        return freed
+
+    def _give_back(self, pages) -> None:
         # kept in descending order (a merge of two runs for timsort: linear)
         self._free.extend(pages)
         self._free.sort(reverse=True)
 
     def check_integrity(self, held: list[list[int]]) -> None:
-        """Every page is free or held by one row, never both or twice."""
-        every = self._free + [p for table in held for p in table]
-        assert sorted(every) == list(range(1, self.pages + 1)), "pages lost or shared"
+        """Every page is free or held, never both; a held page's count of holders is
+        the number of times the tables name it."""
+        named: dict[int, int] = {}
+        for table in held:
+            for p in table:
+                named[p] = named.get(p, 0) + 1
+        assert named == self._holders, "a page's holders miscounted"
+        every = self._free + list(named)
+        assert sorted(every) == list(range(1, self.pages + 1)), "pages lost or held twice"
 
     def write_run(self, leaf: int, first: int, keys: mx.array, values: mx.array) -> None:
         """Store positions `[heads, m, dim]` (m <= n x page) from the start of page

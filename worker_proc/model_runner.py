@@ -28,6 +28,7 @@ from .sampling import RowState, Sampled, sample, top_lists
 
 
 CLOSE_TIMEOUT = 60.0   # s; a chained decode is one step of the batch
+FIRST_PAGES = 64       # the page arena's first size; it doubles when rows need more
 
 
 class UnsupportedModel(ValueError):
@@ -122,14 +123,16 @@ class ModelRunner:
 
     def _decode_batch(self, layout: str, pages: int) -> DecodeBatch | PagedDecodeBatch:
         """The decode batch in pages (`decode_page_for`) or in mlx_lm's padded caches.
-        `pages`: the page arena's first size (0: as many as the pool's capacity)."""
+        `pages`: the most the page arena grows to (the memory split's decode budget;
+        0: the pool's capacity); it starts at FIRST_PAGES."""
         g = self.pool.geometry
         page = decode_page_for(self.model, g, layout)
         if not page:
             return DecodeBatch(g.layout)
+        most = pages or -(-self.pool.capacity // page) + 1
         arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
-                          pages or -(-self.pool.capacity // page) + 1, page)
-        return PagedDecodeBatch(g.cache_layout, arena)
+                          min(FIRST_PAGES, most), page, max_pages=most)
+        return PagedDecodeBatch(g.cache_layout, arena, share=not self.pool.uses_windows)
 
     @property
     def decode_page(self) -> int:
@@ -244,6 +247,8 @@ class ModelRunner:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
         releases) and store their new KV at the Step's slots (and window ids)."""
         running = self._check_decode(step)
+        if self.decode_page:
+            self.batch.slots_written(step.decode_slot_ids)
         slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
         window_of = dict(zip(step.decode_rids, step.decode_window_ids))   # empty: no window pool
         ids = write_ids([slot_of[rid] for rid in running],
@@ -286,6 +291,8 @@ class ModelRunner:
 
     def _prefill(self, prefills: list[PrefillInput]) -> list[_Output]:
         self._check_prefills(prefills)
+        if self.decode_page:
+            self.batch.slots_written(s for p in prefills for s in p.new_slot_ids)
         joins, outputs = [], []
         for group in plan_groups(prefills, self.prefill_step_size):
             joined = self._prefill_group(group)
@@ -356,7 +363,9 @@ class ModelRunner:
         rows = [self._row_state(group[i]) for i in keep]
         sampled = self._sample(logits, rows)
         rids = [group[i].rid for i in keep]
-        return JoinGroup(rids, rows, caches, sampled.tokens), _Output(rids, rows, sampled)
+        slots = [group[i].prefix_slot_ids + group[i].new_slot_ids for i in keep]
+        return (JoinGroup(rids, rows, caches, sampled.tokens, slots),
+                _Output(rids, rows, sampled))
 
     def _row_state(self, p: PrefillInput) -> RowState:
         return RowState(p.sampling, self._seed(p.sampling), p.num_generated,

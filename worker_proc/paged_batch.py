@@ -1,8 +1,9 @@
 """The running requests' decode state in pages (decode_pages): one page table per
 row, the KV in the page arena, recurrent states (hybrid models) one row each.
 
-A joining row writes its own KV into fresh pages; a leaving row gives its pages
-back; neither touches another row's KV. Each forward builds the caches the model
+A joining row writes its KV into fresh pages, except for the full pages another
+running row already holds with the same pool slots (shared_pages: a shared prefix is
+held once); a leaving row lets go of its pages; neither touches another row's KV. Each forward builds the caches the model
 sees (a `PagedLayerCache` per KV leaf, the persistent state caches) from the
 tables: the new position's arena rows and the (row, page) pairs each window size
 reads.
@@ -16,13 +17,18 @@ from .batch_cache import CacheLayout
 from .decode_batch import JoinGroup
 from .decode_pages import PageArena, PagedLayerCache, step_pairs
 from .sampling import RowState
+from .shared_pages import SharedPages
 
 
 class PagedDecodeBatch:
-    """Rows in order; `row_rids` never holds a released row (release is free)."""
+    """Rows in order; `row_rids` never holds a released row (release is free). With
+    `share`, joining rows' full pages are shared by their pool slots (not for a
+    window pool: a windowed layer's prefix positions beyond the window are not
+    loaded, so two rows' pages with the same slots may differ there)."""
 
-    def __init__(self, layout: CacheLayout, arena: PageArena):
+    def __init__(self, layout: CacheLayout, arena: PageArena, share: bool = True):
         self.layout, self.arena = layout, arena
+        self.shared = SharedPages(arena.page) if share else None
         self.row_rids: list[int] = []
         self.rows: list[RowState] = []
         self.tables: list[list[int]] = []   # per row: its pages, in position order
@@ -61,10 +67,14 @@ class PagedDecodeBatch:
         states = batch_cache.state_leaves(self.layout, group.caches)
         lefts, end = batch_cache.row_extents(kv[0])
         lengths = [end - left for left in lefts]
-        page = self.arena.page
-        tables = [self.arena.allocate(-(-n // page)) for n in lengths]
+        slots = group.slots or [None] * len(lengths)
+        tables, fresh = [], []
+        for n, row_slots in zip(lengths, slots):
+            table, todo = self._table(n, row_slots)
+            tables.append(table)
+            fresh.append(todo)
         if end:
-            self._write_pages(kv, tables, lefts, end)
+            self._write_pages(kv, tables, fresh, lefts, end)
         self.tables += tables
         self.lengths += lengths
         for i, leaf in enumerate(states):
@@ -74,19 +84,50 @@ class PagedDecodeBatch:
             else:
                 self.states[i] = [mx.concatenate([a, b]) for a, b in zip(self.states[i], arrays)]
 
-    def _write_pages(self, kv: list, tables: list[list[int]], lefts: list[int],
-                     end: int) -> None:
-        """Every row's positions of every KV leaf into its pages: per run of
+    def _table(self, n: int, slots: list[int] | None) -> tuple[list[int], list[int]]:
+        """The pages of a row joining with `n` positions held at pool `slots`: its
+        full pages shared where a running row holds them already, fresh ones for the
+        rest (listed for sharing when full). Returns (table, indices to write)."""
+        page = self.arena.page
+        table = [0] * -(-n // page)
+        assert slots is None or len(slots) == n, "a joining row's slots are its positions'"
+        full = n // page if slots is not None and self.shared is not None else 0
+        for j in range(full):
+            hit = self.shared.find(slots[j * page:(j + 1) * page])
+            if hit:
+                self.arena.hold(hit)
+                table[j] = hit
+        todo = [j for j, p in enumerate(table) if not p]
+        for j, p in zip(todo, self.arena.allocate(len(todo))):
+            table[j] = p
+            if j < full:
+                self.shared.add(p, slots[j * page:(j + 1) * page])
+        return table, todo
+
+    def _write_pages(self, kv: list, tables: list[list[int]], fresh: list[list[int]],
+                     lefts: list[int], end: int) -> None:
+        """Every row's positions of every KV leaf into its fresh pages: per run of
         consecutive page ids, one slice of the prefill cache into one slice of the
         arena (columns past the row's end are padding, masked out)."""
         page = self.arena.page
-        for r, (table, left) in enumerate(zip(tables, lefts)):
-            for j, first, n in _runs(table):
+        for r, (table, todo, left) in enumerate(zip(tables, fresh, lefts)):
+            for j, first, n in _runs(table, todo):
                 start = left + j * page
                 stop = min(start + n * page, end)
                 for leaf, cache in enumerate(kv):
                     k, v = batch_cache.row_columns(cache, r, start, stop)   # [heads, m, dim]
                     self.arena.write_run(leaf, first, k, v)
+
+    def slots_written(self, slots) -> None:
+        """The pool's `slots` are being written (a prefill's new tokens, a decode's
+        inputs): pages shared under them are no longer found by them."""
+        if self.shared is not None:
+            self.shared.written(slots)
+
+    def _let_go(self, table: list[int]) -> None:
+        freed = self.arena.free(table)
+        if self.shared is not None:
+            self.shared.forget(freed)
 
     def remove(self, rids: set[int]) -> None:
         """Drop released rows: their pages go back, the rest stay where they are."""
@@ -98,7 +139,7 @@ class PagedDecodeBatch:
             return
         for i, rid in enumerate(self.row_rids):
             if rid in rids:
-                self.arena.free(self.tables[i])
+                self._let_go(self.tables[i])
         self.row_rids = [self.row_rids[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.tables = [self.tables[i] for i in keep]
@@ -109,7 +150,7 @@ class PagedDecodeBatch:
 
     def clear(self) -> None:
         for table in self.tables:
-            self.arena.free(table)
+            self._let_go(table)
         self.row_rids, self.rows, self.tables, self.lengths = [], [], [], []
         self.tokens, self.states, self._leaves = None, [], []
 
@@ -163,15 +204,18 @@ class PagedDecodeBatch:
         return [self.arena.keys, self.arena.values, self.states]
 
 
-def _runs(table: list[int]) -> list[tuple[int, int, int]]:
-    """(index in the table, first page id, pages) of each run of consecutive ids."""
-    runs, j = [], 0
-    while j < len(table):
-        n = 1
-        while j + n < len(table) and table[j + n] == table[j] + n:
+def _runs(table: list[int], only: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """(index in the table, first page id, pages) of each run of consecutive ids at
+    consecutive indices, among the indices `only` (ascending; None: all)."""
+    index = range(len(table)) if only is None else only
+    runs, i = [], 0
+    while i < len(index):
+        j, n = index[i], 1
+        while (i + n < len(index) and index[i + n] == j + n
+               and table[j + n] == table[j] + n):
             n += 1
         runs.append((j, table[j], n))
-        j += n
+        i += n
     return runs
 
 

@@ -206,6 +206,18 @@ def test_the_arena_is_allocated_once_at_its_first_size():
     assert mx.get_peak_memory() - before <= arena.nbytes * 1.1
 
 
+def test_the_arena_grows_one_array_at_a_time():
+    """A growth copies the arena: the old arrays are let go of one by one, so the
+    peak is the new arena and at most one old array, not both arenas."""
+    arena = PageArena(4, 4, 16, 16, mx.float32, 64, PAGE)
+    one_old = arena.keys[0].nbytes
+    mx.reset_peak_memory()
+    before = mx.get_active_memory() - arena.nbytes
+    arena.allocate(arena.num_free + 1)   # doubles
+    assert arena.pages == 128
+    assert mx.get_peak_memory() - before <= (arena.nbytes + one_old) * 1.05
+
+
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_a_lone_row_in_one_run_is_attended_as_a_slice(window, sinks):
