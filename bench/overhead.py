@@ -11,6 +11,11 @@ while helper processes burn the CPU time per token the scheduler, tokenizer and
 client used (one burner each, once per in-process token period): on a machine whose
 cores the worker's BLAS threads already fill, that is the share of the decode rate
 the other processes' work costs by itself, whatever the server does.
+
+The reference runs in one child that loads the model once, as the server does, and
+its runs alternate with the servers' (reference, overlap on, overlap off, per
+repeat): each repeat's ratio compares runs seconds apart, and the spread of those
+ratios is printed beside the ratio of the medians.
 """
 
 import argparse
@@ -36,30 +41,57 @@ while os.getppid() == parent:   # ends with the process that started it, however
 """
 
 
-def run_in_process(model_path: str, prompt: list[int], gen_len: int,
-                   load_ms: list[float], period_ms: float) -> float:
-    """Decode tok/s of mlx_lm.stream_generate (called in a child with the worker's BLAS),
-    with one burner process per entry of `load_ms` (ms of CPU every `period_ms`)."""
+def serve_in_process(model_path: str, prompt_len: int, gen_len: int) -> None:
+    """The in-process reference (a child with the worker's BLAS, the model loaded once,
+    like the server's): for each line `seed load_ms,... period_ms` on stdin, one
+    generation of mlx_lm.stream_generate with one burner process per load entry (ms of
+    CPU every period_ms), its decode tok/s on stdout."""
     from mlx_lm import stream_generate
 
     from mlxd.worker_proc.loading import load_model, resolve_dequantize
 
     model, tokenizer = load_model(model_path, resolve_dequantize("auto"))
-    for _ in stream_generate(model, tokenizer, prompt[:8], max_tokens=4):
+    vocab = tokenizer_vocab(model_path)
+    for _ in stream_generate(model, tokenizer, [11, 12, 13, 14], max_tokens=4):
         pass
-    burners = []
-    try:
-        for ms in load_ms:
-            burners.append(subprocess.Popen(
-                [sys.executable, "-c", BURNER, str(ms), str(period_ms), str(os.getpid())]))
-        last = None
-        for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_len):
-            pass
-    finally:
-        for b in burners:
-            b.kill()
-            b.wait()
-    return last.generation_tps
+    print("ready", flush=True)
+    for line in sys.stdin:
+        seed, load, period = line.split()
+        prompt = random_prompts(1, prompt_len, vocab, seed=int(seed))[0]
+        burners = [subprocess.Popen([sys.executable, "-c", BURNER, ms, period, str(os.getpid())])
+                   for ms in load.split(",") if ms != "-"]
+        try:
+            last = None
+            for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_len):
+                pass
+        finally:
+            for b in burners:
+                b.kill()
+                b.wait()
+        print(last.generation_tps, flush=True)
+
+
+class InProcess:
+    """The reference child, asked for one generation at a time (between server runs)."""
+
+    def __init__(self, args):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __spec__.name, "--model", args.model, "--prompt-len",
+             str(args.prompt_len), "--gen-len", str(args.gen_len), "--in-process-only"],
+            env=blas_env(), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        while self.proc.stdout.readline().strip() != "ready":
+            if self.proc.poll() is not None:
+                raise RuntimeError("the in-process reference did not start")
+
+    def run(self, seed: int, load_ms: list[float] = (), period_ms: float = 0.0) -> float:
+        load = ",".join(f"{ms:.3f}" for ms in load_ms) or "-"
+        self.proc.stdin.write(f"{seed} {load} {period_ms:.3f}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[float, dict, dict]:
@@ -88,71 +120,69 @@ async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[f
     return (tokens - 1) / (end - first), p50, cpu   # decode rate, after the first token
 
 
-def in_child(args, prompt_seed: int, load_ms: list[float] = (), period_ms: float = 0.0) -> float:
-    cmd = [sys.executable, "-m", __spec__.name, "--model", args.model, "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--seed", str(prompt_seed), "--in-process-only",
-           "--load", ",".join(f"{ms:.3f}" for ms in load_ms), "--load-period", str(period_ms)]
-    out = subprocess.run(cmd, env=blas_env(), cwd=ROOT, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--in-process-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--load", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--load-period", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     ap.add_argument("--server-args", default="", help="extra launch.py flags for both servers")
     args = ap.parse_args()
     args.model = bench_model(args.model)
-    vocab = tokenizer_vocab(args.model)
     if args.in_process_only:
-        load_ms = [float(ms) for ms in args.load.split(",") if ms]
-        print(run_in_process(args.model, random_prompts(1, args.prompt_len, vocab, args.seed)[0],
-                             args.gen_len, load_ms, args.load_period))
+        serve_in_process(args.model, args.prompt_len, args.gen_len)
         return
+    vocab = tokenizer_vocab(args.model)
     extra = args.server_args.split()
+    reference = InProcess(args)
     servers = {"overlap_on": MlxdServer(args.model, *extra),
                "overlap_off": MlxdServer(args.model, "--disable-overlap", *extra)}
     runs = {"in_process": [], "overlap_on": [], "overlap_off": []}
     step_timing = {"overlap_on": [], "overlap_off": []}
     cpu_runs = {"overlap_on": [], "overlap_off": []}
     try:
-        for seed in range(args.repeats):   # fresh prompts: no prefix-cache hits
+        # each repeat: the reference, then each server, on the same fresh prompt (no
+        # prefix-cache hits); a repeat's ratio compares runs minutes apart at most
+        for seed in range(args.repeats):
             prompt = random_prompts(1, args.prompt_len, vocab, seed=100 + seed)[0]
-            runs["in_process"].append(in_child(args, 100 + seed))
+            runs["in_process"].append(reference.run(100 + seed))
             for name, server in servers.items():
                 rate, timing, cpu = asyncio.run(_drive(server, prompt, args.gen_len))
                 runs[name].append(rate)
                 step_timing[name].append(timing)
                 cpu_runs[name].append(cpu)
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        cpu_ms = {name: {p: statistics.median(c[p] for c in cpus) for p in cpus[0]}
+                  for name, cpus in cpu_runs.items() if cpus[0]}
+        others = [ms for p, ms in cpu_ms.get("overlap_on", {}).items() if p != "worker"]
+        if others:   # the same prompts again, in-process, with the other processes' CPU work
+            period_ms = 1e3 / med["in_process"]
+            runs["in_process_loaded"] = [reference.run(100 + seed, others, period_ms)
+                                         for seed in range(args.repeats)]
+            med["in_process_loaded"] = statistics.median(runs["in_process_loaded"])
     finally:
+        reference.stop()
         for server in servers.values():
             server.stop()
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    cpu_ms = {name: {p: statistics.median(c[p] for c in cpus) for p in cpus[0]}
-              for name, cpus in cpu_runs.items() if cpus[0]}
-    others = [ms for p, ms in cpu_ms.get("overlap_on", {}).items() if p != "worker"]
-    if others:   # the same prompts again, in-process, with the other processes' CPU work
-        period_ms = 1e3 / med["in_process"]
-        runs["in_process_loaded"] = [in_child(args, 100 + seed, others, period_ms)
-                                     for seed in range(args.repeats)]
-        med["in_process_loaded"] = statistics.median(runs["in_process_loaded"])
+    paired = {name: sorted(a / b for a, b in zip(runs[name], runs["in_process"]))
+              for name in servers}
     report = {"machine": machine_summary(), "model": args.model, "gen_len": args.gen_len,
               "decode_tok_s": med, "runs": runs, "step_timing_p50_ms": step_timing,
               "cpu_ms_per_token": cpu_ms,
               "ratio_overlap_on": med["overlap_on"] / med["in_process"],
-              "ratio_overlap_off": med["overlap_off"] / med["in_process"]}
+              "ratio_overlap_off": med["overlap_off"] / med["in_process"],
+              # per repeat: the server's run over the reference's run just before it
+              "paired_ratios": paired}
     print(f"one stream, {args.gen_len} output tokens; {report['machine']}")
     for name, value in med.items():
         print(f"{name:17s} {value:8.1f} decode tok/s")
     print(f"ratio to in-process: overlap on {report['ratio_overlap_on']:.3f}, "
           f"off {report['ratio_overlap_off']:.3f}")
+    for name, ratios in paired.items():
+        print(f"{name} / in-process, per repeat: median {statistics.median(ratios):.3f}, "
+              f"range {ratios[0]:.3f}-{ratios[-1]:.3f}")
     print("server step timing, p50 ms over the last run's steps (client.stats()):")
     for name, timings in step_timing.items():
         print(f"  {name:12s} " + "  ".join(f"{k} {v:.2f}" for k, v in timings[-1].items()))

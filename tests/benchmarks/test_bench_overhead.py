@@ -63,6 +63,9 @@ def test_overhead_bench_runs_and_reports_every_figure(tiny_model, tmp_path):
     expected = {"in_process", "overlap_on", "overlap_off"} | ({"in_process_loaded"} if HAS_PROC else set())
     assert set(rates) == expected and all(r > 0 for r in rates.values())
     assert report["ratio_overlap_on"] == pytest.approx(rates["overlap_on"] / rates["in_process"])
+    for name in ("overlap_on", "overlap_off"):   # one repeat: its ratio is the medians'
+        assert report["paired_ratios"][name] == pytest.approx([rates[name] / rates["in_process"]])
+    assert "per repeat" in stdout
     for name in ("overlap_on", "overlap_off"):
         timing = report["step_timing_p50_ms"][name][0]
         assert timing["compute_ms"] > 0
