@@ -104,6 +104,11 @@ class ServerFlags:
         "request's own pages, attended in place), `padded` (mlx_lm's batch caches, every "
         "row as wide as the longest), or `auto` (paged where the model's attention "
         "allows)", (WORKER,))
+    preallocate_decode_pages: bool = flag(
+        False, "in the paged decode layout, allocate the page arena at its whole budget "
+        "at startup: memory held from the start, and no growth while serving (by default "
+        "it starts at an eighth of it and doubles as running requests need pages; a "
+        "growth copies it within a step, ~1.5 s per GiB on a 2-core CPU)", (WORKER,))
     disable_overlap: bool = flag(
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "

@@ -101,7 +101,8 @@ def build_runner(cfg: WorkerConfig):
     runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap,
                          grammars=Grammars.for_model(tokenizer, probe_vocab_size(model)),
                          decode_layout="paged" if page else "padded",
-                         decode_pages=-(-budget.decode_cache_tokens // page) if page else 0)
+                         decode_pages=-(-budget.decode_cache_tokens // page) if page else 0,
+                         preallocate_pages=flags.preallocate_decode_pages)
     limits = WorkerLimits(
         kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
         max_context=max_context, vocab_size=runner.vocab_size,

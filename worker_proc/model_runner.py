@@ -28,7 +28,10 @@ from .sampling import RowState, Sampled, sample, top_lists
 
 
 CLOSE_TIMEOUT = 60.0   # s; a chained decode is one step of the batch
-FIRST_PAGES = 64       # the page arena's first size; it doubles when rows need more
+# The page arena's first size: an eighth of its most, at least FIRST_PAGES; it doubles
+# when rows need more (a growth faults in and copies the arena within a step: ~1.5 s
+# per GiB on a 2-core CPU, so a few large growths rather than many small ones).
+FIRST_PAGES, FIRST_SHARE = 64, 8
 
 
 class UnsupportedModel(ValueError):
@@ -83,6 +86,11 @@ def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
     return 0
 
 
+def first_pages(most: int) -> int:
+    """The page arena's first size for a budget of `most` pages."""
+    return min(most, max(FIRST_PAGES, most // FIRST_SHARE))
+
+
 @dataclass
 class _Output:
     rids: list[int | None]   # per row; None: a dead decode row
@@ -105,13 +113,13 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool, prefill_step_size: int = 2048,
                  rng: random.Random | None = None, overlap: bool = False,
                  grammars: Grammars | None = None, decode_layout: str = "auto",
-                 decode_pages: int = 0):
+                 decode_pages: int = 0, preallocate_pages: bool = False):
         self.model = model
         self.grammars = grammars   # None: constrained requests are refused
         self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
-        self.batch = self._decode_batch(decode_layout, decode_pages)
+        self.batch = self._decode_batch(decode_layout, decode_pages, preallocate_pages)
         self.ahead: _Output | None = None   # a computed, uncommitted decode of the batch
         self.vocab_size = probe_vocab_size(model)
         self._rng = rng or random.Random()
@@ -121,17 +129,20 @@ class ModelRunner:
         self._returned_at: float | None = None   # when the last result was handed back
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
 
-    def _decode_batch(self, layout: str, pages: int) -> DecodeBatch | PagedDecodeBatch:
+    def _decode_batch(self, layout: str, pages: int,
+                      preallocate: bool) -> DecodeBatch | PagedDecodeBatch:
         """The decode batch in pages (`decode_page_for`) or in mlx_lm's padded caches.
         `pages`: the most the page arena grows to (the memory split's decode budget;
-        0: the pool's capacity); it starts at FIRST_PAGES."""
+        0: the pool's capacity); it starts at `first_pages(most)`, or at the most if
+        `preallocate`."""
         g = self.pool.geometry
         page = decode_page_for(self.model, g, layout)
         if not page:
             return DecodeBatch(g.layout)
         most = pages or -(-self.pool.capacity // page) + 1
         arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
-                          min(FIRST_PAGES, most), page, max_pages=most)
+                          most if preallocate else first_pages(most), page,
+                          max_pages=most)
         return PagedDecodeBatch(g.cache_layout, arena, share=not self.pool.uses_windows)
 
     @property

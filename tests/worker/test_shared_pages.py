@@ -142,3 +142,17 @@ def test_a_window_pool_shares_nothing(hybrid_model):
     path = hybrid_model("gemma3_text")
     assert test_window_pool.Driver(path).runner.batch.shared is None
     assert test_hybrid_runner.Driver(path).runner.batch.shared is not None
+
+
+@pytest.mark.parametrize("preallocate", [False, True])
+def test_the_arena_starts_small_unless_preallocated(llama_model, preallocate):
+    from mlxd.worker_proc.kv_pool import KVPool
+    from mlxd.worker_proc.model_runner import ModelRunner, first_pages, probe_geometry
+    from support import load_reference
+
+    model, _ = load_reference(llama_model)
+    runner = ModelRunner(model, KVPool(probe_geometry(model), 8192), decode_pages=3000,
+                         preallocate_pages=preallocate)
+    arena = runner.batch.arena
+    assert arena.pages == (3000 if preallocate else 375) and arena.max_pages == 3000
+    assert first_pages(100) == 64 and first_pages(30) == 30   # at least 64, at most all
