@@ -52,7 +52,8 @@ class PageArena:
 
     Starts at `pages` and, when out of pages, grows by a copy (doubling, at most to
     `max_pages` unless more is asked for; one array at a time, so the copy holds one
-    old array beside the new arena): memory follows the pages rows hold. A
+    old array beside the new arena): memory follows the most pages rows have held (it
+    never shrinks). A
     page is held by one row or, shared (`hold`), by several: it goes back when its
     last holder frees it."""
 
@@ -79,10 +80,13 @@ class PageArena:
 
     def _grow(self, pages: int) -> None:
         """Room for `pages` pages (page 0 included beyond them)."""
-        extra = (pages - self.pages + (0 if self.pages else 1)) * self.page
+
+        width = (pages + 1) * self.page
 
         def grown(a: mx.array, dim: int) -> mx.array:
-            new = mx.zeros((self.heads, a.shape[1] + extra, dim), self.dtype)
+            if a.shape[1] == width:   # grown already by a growth that failed midway
+                return a
+            new = mx.zeros((self.heads, width, dim), self.dtype)
             if a.shape[1]:
                 new[:, :a.shape[1]] = a   # in place: the zeros' buffer is the result's
             mx.eval(new)
@@ -128,6 +132,20 @@ class PageArena:
         # kept in descending order (a merge of two runs for timsort: linear)
         self._free.extend(pages)
         self._free.sort(reverse=True)
+
+    def reset(self) -> None:
+        """Every page free (no row holds any), whatever state a failed step left: a
+        growth that failed midway leaves some arrays wider than the rest; they are
+        made the arena's width again (their contents no longer matter)."""
+        width = (self.pages + 1) * self.page
+
+        def sized(a: mx.array, dim: int) -> mx.array:
+            return a if a.shape[1] == width else mx.zeros((self.heads, width, dim), self.dtype)
+
+        self.keys = [sized(k, self.k_dim) for k in self.keys]
+        self.values = [sized(v, self.v_dim) for v in self.values]
+        self._holders = {}
+        self._free = list(range(self.pages, 0, -1))
 
     def check_integrity(self, held: list[list[int]]) -> None:
         """Every page is free or held, never both; a held page's count of holders is

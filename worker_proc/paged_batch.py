@@ -149,8 +149,11 @@ class PagedDecodeBatch:
         self.states = [[a[index] for a in leaf] for leaf in self.states]
 
     def clear(self) -> None:
-        for table in self.tables:
-            self._let_go(table)
+        """No rows: every page free and nothing listed for sharing (also after a step
+        that failed midway through a join or a growth, whose pages no table names)."""
+        self.arena.reset()
+        if self.shared is not None:
+            self.shared = SharedPages(self.arena.page)
         self.row_rids, self.rows, self.tables, self.lengths = [], [], [], []
         self.tokens, self.states, self._leaves = None, [], []
 

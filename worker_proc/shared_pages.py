@@ -39,7 +39,9 @@ class SharedPages:
     def add(self, page: int, slots: Sequence[int]) -> None:
         """List `page`, which holds the KV of `slots` (one per position)."""
         ids = np.asarray(slots, np.int64)
-        self.written(ids.tolist())   # a page listed under any of them is stale
+        # a slot names one listed page: one listed under any of these is unlisted (a
+        # prompt that parts from another's within a page; only sharing is lost)
+        self.written(ids.tolist())
         self._by_slots[ids.tobytes()] = page
         self._slots_of[page] = ids
         self._page_of_slot.update(dict.fromkeys(ids.tolist(), page))

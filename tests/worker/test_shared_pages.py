@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlxd.protocol import PrefillInput, SamplingParams
+from mlxd.protocol import PrefillInput, SamplingParams, Step
 from mlxd.runtime.kv_layout import DECODE_PAGE
 from mlxd.worker_proc.decode_pages import PageArena
 from mlxd.worker_proc.shared_pages import SharedPages
@@ -156,3 +156,66 @@ def test_the_arena_starts_small_unless_preallocated(llama_model, preallocate):
     arena = runner.batch.arena
     assert arena.pages == (3000 if preallocate else 375) and arena.max_pages == 3000
     assert first_pages(100) == 64 and first_pages(30) == 30   # at least 64, at most all
+
+
+def test_a_decode_writing_a_listed_slot_unlists_its_page(llama_model):
+    """A slot handed out again as a decode step's slot (where the input token's KV
+    goes) unlists the page listed under it, like a prefill's new slot does."""
+
+    d = Driver(llama_model)
+    d.step([d.prefill(0, prompt(1, DECODE_PAGE + 30)), d.prefill(1, prompt(2, 5))])
+    batch = d.runner.batch
+    listed = d.slot_ids[0][:DECODE_PAGE]
+    assert batch.shared.find(listed) == dict(zip(batch.rids, batch.tables))[0][0]
+    d.runner.run(Step(99, [0, 1], [next(d.slots), listed[7]], [], []))
+    assert batch.shared.find(listed) == 0
+
+
+def test_a_join_that_fails_midway_leaves_nothing_held_after_the_reset(llama_model,
+                                                                      monkeypatch):
+    d = Driver(llama_model)
+    d.step([d.prefill(0, prompt(1, 2 * DECODE_PAGE + 3))])
+    arena = d.runner.batch.arena
+    calls = []
+
+    def failing(n, real=arena.allocate):
+        calls.append(n)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(n)
+
+    monkeypatch.setattr(arena, "allocate", failing)
+    shared = d.slot_ids[0][:2 * DECODE_PAGE]
+    with pytest.raises(RuntimeError):
+        d.runner.run(Step(50, [0], [next(d.slots)], [
+            PrefillInput(1, prompt(2, 10), shared, [next(d.slots) for _ in range(10)],
+                         SamplingParams()),
+            PrefillInput(2, prompt(3, 10), shared, [next(d.slots) for _ in range(10)],
+                         SamplingParams())], []))
+    d.runner.reset()   # as the worker does after a failed step
+    arena.check_integrity([])
+    assert arena.num_free == arena.pages and len(d.runner.batch.shared) == 0
+
+
+def test_a_growth_that_fails_midway_is_mended_by_the_reset(monkeypatch):
+    arena = PageArena(3, 2, 4, 4, mx.float32, 4, 8)
+    evals = []
+    real_eval = mx.eval
+
+    def failing(*arrays):
+        evals.append(1)
+        if len(evals) == 3:
+            raise RuntimeError("out of memory")
+        return real_eval(*arrays)
+
+    monkeypatch.setattr(mx, "eval", failing)
+    with pytest.raises(RuntimeError):
+        arena.allocate(arena.num_free + 1)
+    monkeypatch.setattr(mx, "eval", real_eval)
+    assert len({a.shape[1] for a in arena.keys + arena.values}) > 1   # half grown
+    arena.reset()
+    assert {a.shape[1] for a in arena.keys + arena.values} == {(arena.pages + 1) * 8}
+    arena.check_integrity([])
+    table = arena.allocate(arena.num_free + 3)   # grows again, every array alike
+    assert {a.shape[1] for a in arena.keys + arena.values} == {(arena.pages + 1) * 8}
+    arena.check_integrity([table])
