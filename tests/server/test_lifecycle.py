@@ -93,8 +93,9 @@ def test_sigterm_right_after_a_request_is_clean(server):
     server.proc.send_signal(signal.SIGTERM)
     server.proc.wait(6)
     assert server.proc.returncode == 0
-    assert not any("terminate called" in line or "did not stop in time" in line
-                   for line in server.stderr_lines)
+    bad = [line for line in server.stderr_lines
+           if "terminate called" in line or "did not stop in time" in line]
+    assert not bad, "\n".join(server.stderr_lines[-40:])
 
 
 def test_a_second_signal_does_not_cut_the_worker_s_clean_up_short(server):
