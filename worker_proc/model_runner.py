@@ -8,7 +8,6 @@ and `decode_window_ids`). The runner never derives a slot id on its own.
 
 import random
 import time
-import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -76,29 +75,15 @@ def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
         raise ValueError(f"unknown decode layout {layout!r} (auto, paged or padded)")
     if layout == "padded" or not geometry.num_layers:
         return 0
-    if _pages_reach(model, geometry):
+    install_hook(model)
+    g = geometry
+    probe = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 2)
+    if paged_decode_reaches(model, g.cache_layout, probe):
         return DECODE_PAGE
     if layout == "paged":
         raise UnsupportedModel("mlxd cannot decode this model in pages: its attention does "
                                "not call mlx_lm's scaled_dot_product_attention")
     return 0
-
-
-# The probe's answer per model object, while it lives: the worker asks twice at
-# startup (for its memory split, then for the ModelRunner), and the probe is a decode.
-_REACHES: dict[int, tuple[weakref.ref, bool]] = {}
-
-
-def _pages_reach(model, g: KVGeometry) -> bool:
-    install_hook(model)   # cheap, and a model's modules may have been handed back
-    known = _REACHES.get(id(model))
-    if known is not None and known[0]() is model:
-        return known[1]
-    probe = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 2)
-    reached = paged_decode_reaches(model, g.cache_layout, probe)
-    key = id(model)
-    _REACHES[key] = (weakref.ref(model, lambda _: _REACHES.pop(key, None)), reached)
-    return reached
 
 
 def first_pages(most: int) -> int:

@@ -168,24 +168,6 @@ def test_a_model_the_hook_cannot_reach_decodes_padded(llama_model):
     assert runner.decode_page == 0
 
 
-def test_the_probe_runs_once_per_model(llama_model, monkeypatch):
-    """The worker asks for the layout twice at startup; the probe decode runs once."""
-    from mlxd.worker_proc import model_runner
-
-    calls = []
-    real = model_runner.paged_decode_reaches
-    monkeypatch.setattr(model_runner, "paged_decode_reaches",
-                        lambda *a: calls.append(1) or real(*a))
-    model, _ = load_reference.__wrapped__(llama_model)   # not probed by another test
-    geometry = probe_geometry(model)
-    assert decode_page_for(model, geometry) == decode_page_for(model, geometry, "paged") > 0
-    ModelRunner(model, KVPool(geometry, 256), decode_layout="paged")
-    assert len(calls) == 1
-    other, _ = load_reference.__wrapped__(llama_model)   # another model object: probed anew
-    decode_page_for(other, geometry)
-    assert len(calls) == 2
-
-
 def test_a_join_writes_each_row_into_its_own_pages_however_they_lie(llama_model):
     """Rows of a left-padded prefill group join into pages handed out in runs and
     alone (a fragmented arena): every page holds its row's positions, in order."""
