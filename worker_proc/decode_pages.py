@@ -53,9 +53,8 @@ class PageArena:
     Starts at `pages` and, when out of pages, grows by a copy (doubling, at most to
     `max_pages` unless more is asked for; one array at a time, so the copy holds one
     old array beside the new arena): memory follows the most pages rows have held (it
-    never shrinks). A
-    page is held by one row or, shared (`hold`), by several: it goes back when its
-    last holder frees it."""
+    never shrinks). A page is held by one row or, shared (`hold`), by several: it goes
+    back when its last holder frees it."""
 
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  pages: int, page: int = DECODE_PAGE, max_pages: int = 0):
@@ -80,7 +79,6 @@ class PageArena:
 
     def _grow(self, pages: int) -> None:
         """Room for `pages` pages (page 0 included beyond them)."""
-
         width = (pages + 1) * self.page
 
         def grown(a: mx.array, dim: int) -> mx.array:

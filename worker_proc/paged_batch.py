@@ -3,10 +3,10 @@ row, the KV in the page arena, recurrent states (hybrid models) one row each.
 
 A joining row writes its KV into fresh pages, except for the full pages another
 running row already holds with the same pool slots (shared_pages: a shared prefix is
-held once); a leaving row lets go of its pages; neither touches another row's KV. Each forward builds the caches the model
-sees (a `PagedLayerCache` per KV leaf, the persistent state caches) from the
-tables: the new position's arena rows and the (row, page) pairs each window size
-reads.
+held once); a leaving row lets go of its pages; neither touches another row's KV.
+Each forward builds the caches the model sees (a `PagedLayerCache` per KV leaf, the
+persistent state caches) from the tables: the new position's arena rows and the
+(row, page) pairs each window size reads.
 """
 
 import mlx.core as mx
