@@ -13,7 +13,8 @@
 # docs/PERFORMANCE.md, "GPU check", gives the whole sequence.
 #
 # Settings (environment): MLXD_WHEELS_DIR (default .whl), MLXD_WHEELS_CALL_MIB (56),
-# MLXD_CUDA (13: the machine's driver is CUDA 13), PYTHON (python3).
+# MLXD_CUDA (13: the machine's driver is CUDA 13), PYTHON (python3), MLXD_WHEELS_TREE
+# (the checkout whose files travel with each call; default this repository).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,6 +23,7 @@ CALL_MIB=${MLXD_WHEELS_CALL_MIB:-56}
 CUDA=${MLXD_CUDA:-13}
 PY=${PYTHON:-python3}
 LIMIT=$((CALL_MIB * 1024 * 1024))
+TREE=${MLXD_WHEELS_TREE:-$ROOT}
 TREE_LIMIT=$((64 * 1024 * 1024))   # the device tool's limit on what one call sends
 
 # What the machine's image lacks (docs/PERFORMANCE.md lists what it has), with the
@@ -112,7 +114,7 @@ pack() {
 # Bytes the device tool sends besides the carried folder: tracked files and
 # untracked ones that git does not ignore.
 tree_bytes() {
-    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard |
+    (cd "$TREE" && git ls-files -z --cached --others --exclude-standard |
         du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 }
 

@@ -36,8 +36,21 @@ def wheels(tmp_path):
     for name, size in sizes.items():
         (all_ / name).write_bytes(os.urandom(size))
     env = {"MLXD_WHEELS_DIR": str(tmp_path / "whl"), "MLXD_WHEELS_CALL_MIB": "1",
-           "MLXD_WHEELS_STAGE": str(tmp_path / "stage")}
+           "MLXD_WHEELS_STAGE": str(tmp_path / "stage"),
+           "MLXD_WHEELS_TREE": str(small_checkout(tmp_path / "tree"))}
     return all_, env
+
+
+def small_checkout(path: Path, untracked_bytes: int = 0) -> Path:
+    """A git checkout of one small tracked file (and an untracked one of
+    `untracked_bytes`): what a call sends besides its wheels, whatever lies in ours."""
+    path.mkdir()
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    (path / "README.md").write_text("tree\n")
+    subprocess.run(["git", "-C", str(path), "add", "README.md"], check=True)
+    if untracked_bytes:
+        (path / "data.bin").write_bytes(b"\0" * untracked_bytes)
+    return path
 
 
 def test_wheels_are_packed_into_calls_that_fit(wheels):
@@ -53,6 +66,22 @@ def test_wheels_are_packed_into_calls_that_fit(wheels):
     commands = [line for line in done.stdout.splitlines() if "command:" in line]
     assert len(commands) == len(calls)
     assert commands[-1].endswith(f"stage {len(calls)} && bash bench/device_check.sh check")
+
+
+def test_a_call_that_would_not_fit_beside_the_checkout_is_refused(wheels, tmp_path):
+    """The checkout's untracked, unignored files travel with every call, so they count."""
+    _, env = wheels
+    env["MLXD_WHEELS_TREE"] = str(small_checkout(tmp_path / "big", 63 * MiB + MiB // 2))
+    done = bash("device_wheels.sh", "--split", env=env)
+    assert done.returncode != 0 and "would send 64 MiB" in done.stderr
+
+
+@pytest.mark.parametrize("folder", [".venv", "venv", "env"])
+def test_a_virtual_environment_in_the_checkout_is_ignored(folder):
+    """`python3 -m venv .venv` inside the checkout: git, and so the device calls'
+    size, never count it."""
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{folder}/lib/site.py"], cwd=ROOT)
+    assert ignored.returncode == 0
 
 
 def test_staged_calls_join_into_the_wheels_and_a_missing_call_is_named(wheels):
