@@ -81,13 +81,62 @@ def _schema(spec) -> dict:
     return schema
 
 
+# Where a JSON schema holds schemas: one, a map of them by name, or a list of them.
+ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "additionalProperties", "unevaluatedItems",
+              "unevaluatedProperties")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+               "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+
+
+def closed_objects(schema):
+    """A copy of `schema` where an object schema that lists properties and does not
+    say whether others may follow allows none, as vLLM's guidance backend does in its
+    strict mode: tool schemas as LangChain and instructor send them say nothing, and a
+    small model then invents keys until max_tokens. `additionalProperties` set either
+    way is kept; an object listing no properties stays free-form; `allOf` members are
+    left open (closing one part of an intersection would refuse the other parts' keys)."""
+    if isinstance(schema, list):   # `items` as a list (older drafts)
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema   # true, false
+    out = dict(schema)
+    for key in ONE_SCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_open_members(s) for s in out["allOf"]]
+    listed = "properties" in out or "patternProperties" in out
+    if listed and not {"additionalProperties", "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+def _open_members(schema):
+    """An `allOf` member: its own properties stay open, what it nests is closed."""
+    if not isinstance(schema, dict):
+        return schema
+    inner = closed_objects(schema)
+    if "additionalProperties" not in schema and "additionalProperties" in inner:
+        del inner["additionalProperties"]
+    return inner
+
+
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar for `constraint` (not yet checked)."""
     from llguidance import LLMatcher
 
     if constraint.kind in ("json_object", "json_schema"):
         try:
-            return LLMatcher.grammar_from_json_schema(constraint.source, defaults=JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(closed_objects(constraint.source),
+                                                      defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise _fail(f"the JSON schema is not valid: {_short(exc)}") from None
     if constraint.kind == "regex":

@@ -2,12 +2,14 @@
 its text is random, so only shapes and agreement between the paths are checked), and
 calls forced valid by the grammar once constrained decoding exists."""
 
+import itertools
 import json
 
 import openai
 import pytest
 
 from mlxd import Client
+from mlxd.tokenizer_proc.text import TextCodec
 from support import Server
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -83,3 +85,33 @@ def test_required_and_named_calls_are_valid_on_a_random_model(oai, tool_model):
     assert calls and all(c.function.name == "get_time" and
                          valid_call("get_time", json.loads(c.function.arguments))
                          for c in calls)
+
+
+
+
+def test_a_named_choice_makes_exactly_one_call(server, oai, tool_model):
+    """A named function is one call, parallel_tool_calls or not (issue 23, item 2),
+    over OpenAI (parallel on and off) and the SDK at temperature 1 over several seeds,
+    EOS biased down as well as not: this tiny model ends after a call of its own
+    accord, a model that would rather go on must still be stopped by the grammar.
+    Covered elsewhere: `required` with parallel_tool_calls false (the test above),
+    `required` with it on (may repeat: test_forced_calls.py checks the grammar),
+    Anthropic's {"type": "tool"} (test_plain_vocab_tools.py, on a model that does not
+    think: that API cannot turn thinking off). `auto` is not held to
+    parallel_tool_calls: only a forced call's grammar enforces it."""
+    name = tool_model.rsplit("/", 1)[-1]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    ask = dict(messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=200,
+               temperature=1.0)
+    eos = TextCodec(tool_model).tokenizer.eos_token_id
+    with Client(server.address, timeout=60) as client:
+        for seed, bias in itertools.product(range(4), ({}, {eos: -100})):
+            for parallel in (True, False):
+                reply = oai.chat.completions.create(
+                    model=name, **ask, seed=seed, parallel_tool_calls=parallel,
+                    logit_bias={str(k): v for k, v in bias.items()}, extra_body=NO_THINKING)
+                [call] = reply.choices[0].message.tool_calls
+                assert call.function.name == "get_time"
+                assert reply.choices[0].finish_reason == "tool_calls"
+            result = client.chat(**ask, seed=seed, logit_bias=bias, enable_thinking=False)
+            assert [c.name for c in result.tool_calls] == ["get_time"], result

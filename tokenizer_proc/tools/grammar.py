@@ -6,7 +6,7 @@ parameters' schema for the arguments). Sent as the request's
 import json
 from typing import Callable
 
-from ..constraints import JSON_OPTIONS
+from ..constraints import JSON_OPTIONS, closed_objects
 from .request import ChatOptions
 
 
@@ -41,8 +41,10 @@ def _call_schema(tools: list[dict], arguments_key: str) -> dict:
 
 def _json(schema: dict) -> str:
     """The schema embedded, with response_format's fixed JSON whitespace (a sampled
-    model would otherwise spend its tokens on free whitespace)."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+    model would otherwise spend its tokens on free whitespace) and its objects closed
+    where it leaves them open (`closed_objects`)."""
+    embedded = {**closed_objects(schema), "x-guidance": JSON_OPTIONS}
+    return "%json " + json.dumps(embedded, ensure_ascii=False)
 
 
 def _repeated(parallel: bool, separator: str) -> str:
@@ -98,6 +100,9 @@ BUILDERS = {"hermes": hermes, "qwen3_coder": qwen3_coder, "mistral": mistral,
 
 
 def tool_call_grammar(tool_parser: str, options: ChatOptions, ref: TokenRef = quoted) -> str:
-    """The grammar of a reply that calls the tools `options` allow (the named one, or
-    any; several when parallel calls are allowed), in `tool_parser`'s format."""
-    return BUILDERS[tool_parser](options.callable_tools(), options.parallel_tool_calls, ref)
+    """The grammar of a reply that calls the tools `options` allow, in `tool_parser`'s
+    format: the named one exactly once (as vLLM forces it: parallel_tool_calls does not
+    make a named choice repeat), or any of them, several when parallel calls are
+    allowed. The reply ends where the grammar does."""
+    several = options.parallel_tool_calls and options.function is None
+    return BUILDERS[tool_parser](options.callable_tools(), several, ref)
