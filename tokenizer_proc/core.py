@@ -33,6 +33,7 @@ from .params import InvalidRequest, RequestParams, choice_seed, parse_params
 from .request_stream import RequestStream
 from .text import TextCodec
 from .tools.grammar import tool_call_grammar
+from .tools.prompt import ChatRenderer
 from .tools.syntax import OutputSyntax
 from .validation import (
     ModelLimits, check_length, check_prompt_chars, max_prompt_chars, model_vocab_size,
@@ -115,6 +116,7 @@ class TokenizerCore:
         self.codec = codec
         self.syntax = syntax
         self._marked_decode = None   # decoding that keeps the syntax's markers
+        self.render_chat = ChatRenderer(codec.render_chat, syntax.tool_parser)
         self.constraints = ConstraintCompiler(codec)
         self.default_max_tokens = default_max_tokens
         self.limits = limits
@@ -325,15 +327,15 @@ class TokenizerCore:
                             vocab_size, self.default_max_tokens)
 
     def _token_ref(self, marker: str) -> str:
-        """A marker as the grammar writes it: a special token by id."""
-        token = self.codec.tokenizer.convert_tokens_to_ids(marker)
-        special = isinstance(token, int) and token in self.codec.tokenizer.all_special_ids
-        return f"<[{token}]>" if special else json.dumps(marker, ensure_ascii=False)
+        """A marker as the grammar writes it: a special token by id, else its text."""
+        token = self.codec.special_id(marker)
+        return json.dumps(marker, ensure_ascii=False) if token is None else f"<[{token}]>"
 
     def _tokenized(self, pending: "Pending") -> TokenizedRequest:
         params = pending.params
+        args = params.chat.template_args()
         input_ids = prompt_ids(pending.req, self.codec, pending.vocab_size, pending.max_chars,
-                               params.chat.template_args())
+                               lambda messages: self.render_chat(messages, args))
         pending.thinking = (self.syntax.reasoning and pending.req.messages is not None
                             and self._ends_thinking(input_ids))
         check_length(len(input_ids), pending.limits, params.max_tokens)

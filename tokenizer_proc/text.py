@@ -152,7 +152,7 @@ class TextCodec:
     def decoder_keeping(self, markers: tuple[str, ...]) -> Callable[[list[int]], str]:
         """`decode`, except that the special tokens spelling one of `markers` (tool-call
         and thinking markup, which some tokenizers make special) stay in the text."""
-        keep = {i: t for t in markers if (i := self._special_id(t)) is not None}
+        keep = {i: t for t in markers if (i := self.special_id(t)) is not None}
         if not keep:
             return self.decode
 
@@ -167,10 +167,12 @@ class TextCodec:
             return "".join(parts) + self.decode(run)
         return decode
 
-    def _special_id(self, text: str) -> int | None:
-        """The id of the special token spelled `text`, if it is one."""
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text`, if it is one. A text the
+        vocabulary lacks looks up as the unknown token, which may be special
+        (SmolLM2's `<|endoftext|>`): only an id that spells `text` back is its token."""
         token = self.tokenizer.convert_tokens_to_ids(text)
-        if not isinstance(token, int) or token == self.tokenizer.unk_token_id:
+        if not isinstance(token, int) or self.tokenizer.convert_ids_to_tokens(token) != text:
             return None
         return token if token in self.tokenizer.all_special_ids or \
             self.decode([token]) != text else None

@@ -2,7 +2,7 @@
 prompt / messages / input_ids, every id in the model's vocabulary, and a length that
 leaves room in the model's context and the KV pool."""
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from mlxd.protocol import GenerateRequest
 from mlxd.runtime.request_limits import length_error
@@ -50,9 +50,11 @@ def _check_chars(n: int, max_chars: int, what: str) -> None:
 
 
 def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
-               max_chars: int | None = None, template_args: dict | None = None) -> list[int]:
-    """The request's input ids, encoded from its prompt or messages (rendered with
-    `template_args`) if not given; raises InvalidRequest unless exactly one is set,
+               max_chars: int | None = None,
+               render: Callable[[list[dict]], str] | None = None) -> list[int]:
+    """The request's input ids, encoded from its prompt or messages (made text by
+    `render`, by default the bare chat template) if not given; raises InvalidRequest
+    unless exactly one is set,
     non-empty, in the vocabulary and, as text, no longer than `max_chars` (checked
     before encoding)."""
     given = [x for x in (req.prompt, req.messages, req.input_ids) if x is not None]
@@ -64,7 +66,7 @@ def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
         ids = req.input_ids
     else:
         if req.messages is not None:
-            text = codec.render_chat(checked_messages(req.messages), **(template_args or {}))
+            text = (render or codec.render_chat)(checked_messages(req.messages))
             if max_chars is not None:
                 _check_chars(len(text), max_chars, "chat template's text")
             ids = codec.encode_rendered(text)

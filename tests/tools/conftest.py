@@ -32,3 +32,17 @@ def tool_model(llama_model, tmp_path_factory) -> str:
     config["chat_template"] = TOOL_TEMPLATE
     config_path.write_text(json.dumps(config))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def plain_model(llama_model, tmp_path_factory) -> str:
+    """A model of the default model's (SmolLM2's) kind: its chat template has no tools
+    branch, its vocabulary no `<tool_call>` token, and its unknown token is a special
+    one (SmolLM2's is `<|endoftext|>`), which is what a lookup of a marker it lacks
+    returns."""
+    path = tmp_path_factory.mktemp("models") / "llama-plain"
+    shutil.copytree(llama_model, path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "unk_token": "<pad>"}))
+    return str(path)
