@@ -143,7 +143,8 @@ class AsyncClient:
         skip_special_tokens (default true: special tokens' text is left out), logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias ({token id: bias}), min_tokens, n,
         response_format (OpenAI's `{"type": "json_object"}` or `{"type": "json_schema",
-        "json_schema": {"name", "schema", "strict"}}`, or `{"type": "regex", "regex"}`,
+        "json_schema": {"name", "schema", "strict"}}`, `{"type": "json_object", "schema"}`,
+        or `{"type": "regex", "regex"}`,
         `{"type": "grammar", "grammar": <Lark>}`); with `messages`, also tools,
         tool_choice, parallel_tool_calls, chat_template_kwargs and enable_thinking
         (OpenAI's shapes; tool calls come parsed in the Result's `tool_calls`, thinking

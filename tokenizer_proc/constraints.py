@@ -1,15 +1,17 @@
 """`response_format`: a request's output constraint, checked and compiled into an
 llguidance grammar before any compute.
 
-Accepted (OpenAI's shape plus two extensions):
+Accepted (OpenAI's shape plus three extensions); any other key is refused:
   {"type": "text"}                     no constraint
   {"type": "json_object"}              any JSON object
-  {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+  {"type": "json_object", "schema": {...}}   as json_schema (llama.cpp's, Together's shape)
+  {"type": "json_schema", "json_schema": {"name", "description", "schema", "strict"}}
   {"type": "regex", "regex": "..."}
   {"type": "grammar", "grammar": "<Lark, llguidance's flavour; %json {...} embeds a schema>"}
 
 `parse_response_format` checks the shape (cheap, no tokenizer); `ConstraintCompiler`
-compiles the grammar against the model's vocabulary and refuses one that does not
+compiles the grammar against the model's vocabulary (JSON schemas with their objects
+closed where they leave them open: `closed_objects`) and refuses one that does not
 compile or that no token can start. The worker compiles the same grammar text again
 into its own matcher (worker_proc/grammar.py). llguidance is imported here only, never
 MLX (the tokenizer process must not import it).
@@ -25,6 +27,10 @@ from dataclasses import dataclass
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_ERROR_CHARS = 400   # llguidance's messages can quote a whole grammar
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
+# The keys each type takes besides `type`, and those of `json_schema` (OpenAI's).
+FIELDS = {"text": (), "json_object": ("schema",), "json_schema": ("json_schema",),
+          "regex": ("regex",), "grammar": ("grammar",)}
+JSON_SCHEMA_FIELDS = ("name", "description", "schema", "strict")
 
 
 class InvalidConstraint(ValueError):
@@ -52,16 +58,20 @@ def _fail(message: str) -> InvalidConstraint:
 
 def parse_response_format(value) -> Constraint | None:
     """The constraint `value` asks for; None for none (absent or `text`). Raises
-    InvalidConstraint naming response_format for anything malformed."""
+    InvalidConstraint naming response_format for anything malformed, and for any key
+    it does not use (a constraint silently dropped would pass any output)."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in KINDS:
         raise _fail(f"must be an object whose type is one of {list(KINDS)}, got {value!r:.200}")
     kind = value["type"]
+    _known_keys(value, ("type", *FIELDS[kind]), f"type {kind}")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return Constraint(kind, {"type": "object"})
+    if kind == "json_object":   # llama.cpp's, Together's and Fireworks' schema here
+        if "schema" not in value:
+            return Constraint(kind, {"type": "object"})
+        return Constraint("json_schema", _schema({"schema": value["schema"]}, "schema"))
     if kind == "json_schema":
         return Constraint(kind, _schema(value.get("json_schema")))
     source = value.get(kind)
@@ -70,14 +80,24 @@ def parse_response_format(value) -> Constraint | None:
     return Constraint(kind, source)
 
 
-def _schema(spec) -> dict:
+def _known_keys(given: dict, known: tuple, where: str) -> None:
+    unknown = sorted(set(given) - set(known), key=str)
+    if unknown:
+        raise _fail(f"{where} does not take {', '.join(map(repr, unknown))} (it takes "
+                    f"{', '.join(map(repr, known))})")
+
+
+def _schema(spec, where: str = "json_schema.schema") -> dict:
     if not isinstance(spec, dict):
-        raise _fail("json_schema must be an object: {name, schema, strict}")
-    if not isinstance(spec.get("name", ""), str) or type(spec.get("strict", False)) is not bool:
-        raise _fail("json_schema.name must be a string and json_schema.strict a boolean")
+        raise _fail("json_schema must be an object: {name, description, schema, strict}")
+    _known_keys(spec, JSON_SCHEMA_FIELDS, "json_schema")
+    if not all(isinstance(spec.get(k, ""), str) for k in ("name", "description")) or \
+            type(spec.get("strict", False)) is not bool:
+        raise _fail("json_schema.name and .description must be strings and "
+                    "json_schema.strict a boolean")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        raise _fail("json_schema.schema must be a JSON schema object")
+        raise _fail(f"{where} must be a JSON schema object")
     return schema
 
 

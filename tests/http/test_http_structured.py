@@ -3,7 +3,7 @@
 import openai
 import pytest
 
-from structured_support import response_formats, satisfies
+from structured_support import SCHEMA, response_formats, satisfies
 from test_http_server import CHAT, model_name
 
 
@@ -48,3 +48,21 @@ def test_mid_structure_max_tokens_is_length_and_a_bad_schema_a_400(oai, llama_mo
                                                                 "minimum": "ten"}}})
     assert exc.value.body["param"] == "response_format"
     assert "response_format" in exc.value.body["message"]
+
+
+def test_a_schema_under_json_object_holds_and_unknown_keys_are_a_400(oai, llama_model):
+    """llama.cpp's, Together's and Fireworks' json_object with a schema (issue 23,
+    item 5): the schema holds; a key the server does not use is refused by name."""
+    ask = dict(model=model_name(llama_model), messages=CHAT, temperature=1.0, max_tokens=200)
+    for seed in range(3):
+        r = oai.chat.completions.create(**ask, seed=seed, response_format={
+            "type": "json_object", "schema": SCHEMA})
+        assert satisfies("json_schema", r.choices[0].message.content), r.choices[0]
+    for rf in ({"type": "json_object", "json_schema": {"schema": SCHEMA}},
+               {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                       "strictly": True}}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            oai.chat.completions.create(**ask, response_format=rf)
+        assert exc.value.body["param"] == "response_format"
+        unknown = "json_schema" if rf["type"] == "json_object" else "strictly"
+        assert repr(unknown) in exc.value.body["message"]

@@ -48,6 +48,34 @@ def test_malformed_response_formats_are_refused_by_name(value, problem):
     assert problem in str(exc.value)
 
 
+def test_a_schema_under_json_object_is_honoured():
+    """The shape llama.cpp, Together and Fireworks accept (issue 23, item 5)."""
+    assert parse_response_format({"type": "json_object", "schema": SCHEMA}) == \
+        parse_response_format({"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+    with pytest.raises(InvalidRequest, match="response_format.*schema must be"):
+        parse_params({"response_format": {"type": "json_object", "schema": "x"}}, 512, 16)
+
+
+@pytest.mark.parametrize("value, key", [
+    ({"type": "json_object", "shema": {}}, "shema"),
+    ({"type": "text", "json_schema": {}}, "json_schema"),
+    ({"type": "regex", "regex": "a", "grammar": "b"}, "grammar"),
+    ({"type": "grammar", "grammar": "start: \"a\"", "strict": True}, "strict"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}, "schema": {}}, "schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": True,
+                                             "format": "y"}}, "format"),
+])
+def test_keys_the_server_does_not_use_are_refused_by_name(value, key):
+    with pytest.raises(InvalidRequest, match="response_format") as exc:
+        parse_params({"response_format": value}, 512, 16)
+    assert f"{key!r}" in str(exc.value)
+
+
+def test_openais_json_schema_description_is_accepted():
+    spec = {"name": "x", "description": "a person", "schema": SCHEMA, "strict": False}
+    assert parse_response_format({"type": "json_schema", "json_schema": spec}).source == SCHEMA
+
+
 @pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}])
 def test_a_constraint_keeps_eos_free(extra):
     with pytest.raises(InvalidRequest, match="response_format cannot be combined"):
