@@ -54,9 +54,8 @@ def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
                render: Callable[[list[dict]], str] | None = None) -> list[int]:
     """The request's input ids, encoded from its prompt or messages (made text by
     `render`, by default the bare chat template) if not given; raises InvalidRequest
-    unless exactly one is set,
-    non-empty, in the vocabulary and, as text, no longer than `max_chars` (checked
-    before encoding)."""
+    unless exactly one is set, non-empty, in the vocabulary and, as text, no longer
+    than `max_chars` (checked before encoding)."""
     given = [x for x in (req.prompt, req.messages, req.input_ids) if x is not None]
     if len(given) != 1:
         raise InvalidRequest("send exactly one of prompt, messages or input_ids")
