@@ -58,6 +58,20 @@ def encode(model_path: str, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+PRESSURE_LENGTHS = (50, 64, 160, 210, 260, 300)   # 210 = 5 x 40 + 10: a short last chunk
+
+
+def pressure_prompts(model_path: str) -> list[list[int]]:
+    """12 short prompts and 6 long ones of random ids (PRESSURE_LENGTHS), each twice
+    in a row: 36 requests that overflow a 480-slot pool in chunks of 40."""
+    import random
+
+    rng = random.Random(0)
+    short = [encode(model_path, p) for p in (PROMPTS * 2)[:12]]
+    longs = [[rng.randrange(3, 500) for _ in range(n)] for n in PRESSURE_LENGTHS]
+    return [ids for ids in short + longs for _ in range(2)]
+
+
 def children_of(pid: int) -> list[int]:
     """Live child pids of `pid` (Linux /proc; empty elsewhere)."""
     kids = []

@@ -218,19 +218,23 @@ def _flat(layers):
             yield kind
 
 
-def model_caches(layout: CacheLayout, left_pads: list[int]) -> list:
-    """Empty prefill caches shaped as the model's own, for rows after `left_pads`."""
+def model_caches(layout: CacheLayout, left_pads: list[int], token_pads: list[int]) -> list:
+    """Empty prefill caches shaped as the model's own: KV caches for rows after
+    `left_pads` columns (a shorter cached prefix is padded too), state caches for
+    rows whose input starts after `token_pads` tokens. A recurrent layer masks
+    its input by its padding, so it must count the padding tokens of this input
+    only, never a prefix's: that state was stored, not recomputed."""
     if all(kind == KV for kind in layout.layers):
         return prefill_caches(len(layout.layers), left_pads)
-    return [_empty(kind, left_pads) for kind in layout.layers]
+    return [_empty(kind, left_pads, token_pads) for kind in layout.layers]
 
 
-def _empty(kind, left_pads: list[int]):
+def _empty(kind, left_pads: list[int], token_pads: list[int]):
     if kind == KV:
         return BatchKVCache(left_pads)
     if kind[0] == STATE:
-        return ArraysCache(kind[1], left_padding=left_pads)
-    return CacheList(*(_empty(k, left_pads) for k in kind))
+        return ArraysCache(kind[1], left_padding=token_pads)
+    return CacheList(*(_empty(k, left_pads, token_pads) for k in kind))
 
 
 def kv_leaves(layout: CacheLayout, caches: list) -> list[LayerCache]:

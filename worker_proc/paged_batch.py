@@ -226,7 +226,7 @@ def paged_decode_reaches(model, layout: CacheLayout, arena: PageArena) -> bool:
     """Whether a decode in pages reaches every attention layer of the model through
     the hook (a layer calling mx.fast's attention directly would see only the new
     position): one token of two rows prefilled, joined and decoded once."""
-    caches = batch_cache.model_caches(layout, [0, 0])
+    caches = batch_cache.model_caches(layout, [0, 0], [0, 0])
     logits = model(mx.array([[1], [2]]), cache=caches)[:, -1, :]
     batch = PagedDecodeBatch(layout, arena)
     batch.add([JoinGroup([0, 1], [None, None], caches, mx.argmax(logits, axis=-1))])

@@ -55,16 +55,17 @@ class GroupPrefill:
         self.model = model
         self.group = group
         width = max(len(p.prefix_slot_ids) + len(p.input_ids) for p in group)
+        new = max(len(p.input_ids) for p in group)
         pads = [width - len(p.prefix_slot_ids) - len(p.input_ids) for p in group]
         layout = pool.geometry.cache_layout
-        self.caches = batch_cache.model_caches(layout, pads)
+        self.caches = batch_cache.model_caches(layout, pads,
+                                               [new - len(p.input_ids) for p in group])
         self.kv = batch_cache.kv_leaves(layout, self.caches)
         self.states = batch_cache.state_leaves(layout, self.caches)
         if group[0].prefix_slot_ids:   # all rows have one, and equally many new tokens
             self._load_prefixes(pool)
         if any(p.state_from for p in group):
             self._load_states(pool)
-        new = max(len(p.input_ids) for p in group)
         tokens = mx.array([[PAD_TOKEN] * (new - len(p.input_ids)) + p.input_ids
                            for p in group])
         self.logits = self._forward(tokens, chunk)

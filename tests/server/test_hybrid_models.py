@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from mlxd.client import AsyncClient
-from support import PROMPTS, Server, encode, reference_tokens
+from support import PROMPTS, Server, encode, pressure_prompts, reference_tokens
 
 MAX_TOKENS = 40
 LONG = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(2)]   # longer than the window
@@ -95,3 +95,50 @@ def test_window_layers_keep_only_what_the_windows_need(arch, hybrid_model):
     assert 0 < stats["cached_window_slots"] <= points * (window + 2)
     assert stats["cached_slots"] > 3 * stats["cached_window_slots"]
     assert stats["free_window_slots"] + stats["cached_window_slots"] == stats["window_slots"]
+
+
+PRESSURE = ("--kv-capacity", "480", "--chunked-prefill-size", "40")
+
+
+async def copies_after_firsts(address, prompts: list[list[int]], max_tokens: int):
+    """Each prompt's second copy is sent when its first copy's first token arrives
+    (so it may resume from a snapshot the first left), all concurrently."""
+    async with AsyncClient(address, timeout=300) as c:
+        async def one(ids):
+            return await c.generate(input_ids=ids, max_tokens=max_tokens, logprobs=True,
+                                    ignore_eos=True)
+
+        async def pair(ids):
+            first, copy = [], None
+            async for chunk in c.stream(input_ids=ids, max_tokens=max_tokens, logprobs=True,
+                                        ignore_eos=True):
+                if copy is None:
+                    copy = asyncio.ensure_future(one(ids))
+                first += list(zip(chunk.token_ids, chunk.logprobs))
+            return first, [(t, lp) for t, lp in zip((await copy).token_ids,
+                                                    (await copy).logprobs)]
+
+        pairs = await asyncio.gather(*(pair(ids) for ids in prompts[::2]))
+        return [got for both in pairs for got in both], await c.stats()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2", "falcon_h1", "gemma3_text"])
+def test_duplicated_prompts_under_pressure_match_mlx_lm(arch, hybrid_model):
+    """A 480-slot pool, chunks of 40, 36 greedy requests (12 short prompts and 6 long
+    ones, each twice): retractions happen, second copies resume from first copies'
+    snapshots, and every reply equals mlx_lm's."""
+    path = hybrid_model(arch)
+    prompts = pressure_prompts(path)
+    server = Server(path, *PRESSURE, "--log-level", "warning")
+    try:
+        results, stats = asyncio.run(copies_after_firsts(server.address, prompts, 24))
+    finally:
+        server.stop()
+    wrong = []
+    for ids, got in zip(prompts, results):
+        ref = reference_tokens(path, ids, 24, ignore_eos=True)
+        if [t for t, _ in got] != [t for t, _ in ref] or \
+                max(abs(a[1] - b[1]) for a, b in zip(got, ref)) >= 1e-3:
+            wrong.append(len(ids))
+    assert not wrong, f"prompt lengths whose replies differ from mlx_lm: {wrong}"
+    assert stats["retractions"] > 0

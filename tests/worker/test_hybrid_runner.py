@@ -135,3 +135,25 @@ def test_forward_pieces_within_one_prefill_match_mlx_lm(arch, hybrid_model):
     d.step([d.prefill(0, ids)])
     d.finish()
     assert_matches(path, ids, d.out[0])
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_rows_from_states_after_prefixes_of_different_lengths_match_mlx_lm(arch, hybrid_model):
+    """Rows resuming from stored states with equally many new tokens share a forward,
+    their prefixes left-padded to the longest: that padding is the KV's only; the
+    recurrent layers must still read every new token of the shorter-prefix rows
+    (a retracted request resuming beside a prompt's short last chunk)."""
+    path = hybrid_model(arch)
+    d = Driver(path)
+    base = encode(path, LONG)
+    d.step([PrefillInput(0, base[:6], [], d.new_slots(0, 6), SamplingParams(),
+                         needs_logits=False, state_slot=1, snapshot_slot=8)])
+    d.step([PrefillInput(0, base[6:30], d.slot_ids[0][:6], d.new_slots(0, 24),
+                         SamplingParams(), needs_logits=False, state_from=1,
+                         snapshot_slot=9)])
+    tails = {1: (6, 8, base[30:35]), 2: (30, 9, base[40:45]), 3: (6, 8, base[50:55])}
+    d.step([d.prefill(rid, tail, d.slot_ids[0][:n], state_from=snap)
+            for rid, (n, snap, tail) in tails.items()])
+    d.finish()
+    for rid, (n, _, tail) in tails.items():
+        assert_matches(path, base[:n] + tail, d.out[rid])

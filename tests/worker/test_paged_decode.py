@@ -179,7 +179,8 @@ def test_a_join_writes_each_row_into_its_own_pages_however_they_lie(llama_model)
     g = probe_geometry(model)
     lengths = [3, 2 * PAGE + 5, PAGE]
     width = max(lengths)
-    caches = batch_cache.model_caches(g.cache_layout, [width - n for n in lengths])
+    pads = [width - n for n in lengths]
+    caches = batch_cache.model_caches(g.cache_layout, pads, pads)
     tokens = mx.array([[1] * (width - n) + [(7 * i + r) % 50 + 3 for i in range(n)]
                        for r, n in enumerate(lengths)])
     model(tokens, cache=caches)
