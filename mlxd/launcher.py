@@ -257,9 +257,9 @@ class Launcher:
         return Child(WORKER, "mlxd.worker_proc", config, env)
 
     def _env(self) -> dict:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        return env
+        # no PYTHONPATH: a child runs `python -m mlxd.<part>` from ROOT, where `mlxd`
+        # is the installed package or, in a checkout, the folder beside launch.py
+        return dict(os.environ)
 
     def _worker_env(self) -> dict:
         env = self._env()

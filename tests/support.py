@@ -124,13 +124,15 @@ class Server:
     """`python launch.py ...` as a real subprocess. Always call stop()."""
 
     def __init__(self, model_path: str, *args: str, ready_timeout: float = 120.0,
-                 env: dict | None = None):
+                 env: dict | None = None, command: list[str] | None = None,
+                 cwd: Path = ROOT):
         self.stderr_lines: list[str] = []
         self.child_pids: list[int] = []
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "launch.py"), "--model", str(model_path),
-             "--port", "0", "--http-port", "0", "--host", "127.0.0.1", *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [*(command or [sys.executable, str(ROOT / "launch.py")]), "--model",
+             str(model_path), "--port", "0", "--http-port", "0", "--host", "127.0.0.1",
+             *args],
+            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True, env=env)
         threading.Thread(target=self._pump_stderr, daemon=True).start()
         self.address, self.http_url = self._wait_ready(ready_timeout)

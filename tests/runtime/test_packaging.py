@@ -2,6 +2,7 @@
 `from mlxd import Client, AsyncClient`, and an `mlxd` command with the launcher's flags."""
 
 import importlib.metadata
+import os
 import re
 import shutil
 import subprocess
@@ -23,23 +24,27 @@ def test_the_sdk_is_imported_as_mlxd():
     assert (Client, AsyncClient) == (C, A) and issubclass(MlxdError, Exception)
 
 
-def test_every_installed_package_is_inside_mlxd():
-    """pyproject's packages are `mlxd` and its subpackages only, each mapped to a source
-    folder, and every package folder of the source tree is one of them."""
+def test_every_part_is_a_link_inside_mlxd():
+    """Each source folder with an `__init__.py` (but tests and bench) is reached as
+    `mlxd.<folder>` through a symbolic link `mlxd/<folder> -> ../<folder>`, and
+    setuptools finds exactly `mlxd` and what lies under it."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    packages, dirs = config["packages"], config["package-dir"]
-    assert all(p == "mlxd" or p.startswith("mlxd.") for p in packages)
-    assert set(packages) == set(dirs)
-    for package, folder in dirs.items():
-        assert (ROOT / folder / "__init__.py").is_file(), (package, folder)
-    source = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
-    assert source == {folder for folder in dirs.values() if "/" not in folder}
-    nested = {str(p.parent.relative_to(ROOT)) for folder in source
-              for p in (ROOT / folder).glob("*/__init__.py")}
-    assert nested == {folder for folder in dirs.values() if "/" in folder}
+    assert config == {"packages": {"find": {"include": ["mlxd", "mlxd.*"]}}}
+    source = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench", "mlxd"}
+    links = {p.name: p for p in (ROOT / "mlxd").iterdir() if p.is_symlink()}
+    assert set(links) == source
+    for name, link in links.items():
+        assert os.readlink(link) == f"../{name}"
     assert "py-modules" not in config   # no top-level module either
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"mlxd": "mlxd.launcher:main"}
+
+
+@pytest.mark.parametrize("name", ["mlxd.tests", "mlxd.docs", "mlxd.bench"])
+def test_nothing_but_the_parts_is_importable_under_mlxd(name, tmp_path):
+    done = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "No module named" in done.stderr
 
 
 def test_the_installed_distribution_has_one_top_level_name():
