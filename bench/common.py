@@ -43,7 +43,7 @@ def tokenizer_vocab(model_path: str) -> int:
 
 def blas_env() -> dict:
     """The environment the launcher gives its worker: the same BLAS for every system."""
-    from mlxd.launcher import find_blas
+    from mlxd.runtime.blas import find_blas
 
     env = dict(os.environ)
     blas = find_blas("auto")

@@ -210,7 +210,7 @@ def device_info() -> dict[str, str]:
 
     import mlx.core as mx
 
-    from mlxd.launcher import find_blas
+    from mlxd.runtime.blas import find_blas
 
     info = {"python": platform.python_version(), "mlx": mx.__version__,
             "mlx device": str(mx.default_device())}

@@ -18,11 +18,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
 
 import zmq
@@ -31,6 +29,8 @@ from mlxd.protocol import Decoder, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime import keys
 from mlxd.runtime.flags import WORKER, WORKER_RESTART_WINDOW_SECONDS, ServerFlags
+from mlxd.model_store.resolve import ModelError, resolve_model, served_name
+from mlxd.runtime.blas import find_blas, mlx_gpu_backend
 from mlxd.runtime.lifecycle import die_with_parent, pid_alive
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
@@ -44,79 +44,6 @@ IPC_PREFIX = "mlxd-"
 PID_FILE = "launcher.pid"   # in the ipc folder: which launcher owns it
 READY_PREFIX = "mlxd ready: "
 HTTP_PREFIX = "mlxd http: "
-
-
-def resolve_model(model: str) -> str:
-    """The model folder to serve; GGUF files and the default model are converted
-    (once, into the cache) first."""
-    from mlxd.model_store.tiny import default_cache_dir
-
-    cache = default_cache_dir()
-    if not model:
-        from mlxd.model_store.default_model import DefaultModelError, ensure_default_model
-
-        try:
-            return str(ensure_default_model(cache, log=log.info))
-        except DefaultModelError as exc:
-            sys.exit(f"mlxd: {exc}")
-    if model == "demo":
-        from mlxd.model_store.tiny import DEMO_SPEC, build_tiny_model, demo_model_path
-
-        return str(build_tiny_model(demo_model_path(cache), DEMO_SPEC))
-    if model.endswith(".gguf") and Path(model).is_file():
-        from mlxd.model_store.gguf import GGUFError, cached_conversion
-
-        try:
-            return str(cached_conversion(model, cache))
-        except GGUFError as exc:
-            sys.exit(f"mlxd: {exc}")
-    if not (Path(model) / "config.json").exists():
-        sys.exit(f"mlxd: --model {model!r} is not a model folder (no config.json) "
-                 "nor a .gguf file")
-    return model
-
-
-def served_name(asked: str, folder: str) -> str:
-    """The model name the HTTP API reports by default: the name of the folder or file
-    asked for (`demo` and the default model: the folder they resolved to)."""
-    return Path(asked if asked and asked != "demo" else folder).name.removesuffix(".gguf")
-
-
-# MLX's GPU backends on Linux, as distributions (`pip install mlx[cuda13]`).
-GPU_BACKENDS = ("mlx-cuda-13", "mlx-cuda-12")
-
-
-def mlx_gpu_backend() -> str | None:
-    """The installed MLX GPU backend distribution, if any (found without importing MLX)."""
-    for name in GPU_BACKENDS:
-        try:
-            metadata.version(name)
-            return name
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def find_blas(choice: str, system_lib: str = "/usr/lib") -> str | None:
-    """An optimized BLAS to preload into the worker (Linux CPU backend only): a system
-    OpenBLAS (Debian's `libopenblas0-pthread`) first, else MKL from the `mkl` wheel,
-    which `pip install` brings on Linux x86_64. mlx calls only `cblas_sgemm`. With a
-    GPU backend `auto` preloads nothing: the matmuls run on the GPU."""
-    if not sys.platform.startswith("linux") or choice == "off":
-        return None
-    if choice != "auto":
-        return choice
-    if mlx_gpu_backend():
-        return None
-    prefixes = dict.fromkeys([sysconfig.get_config_var("LIBDIR") or "",
-                              os.path.join(sys.prefix, "lib")])
-    candidates = [
-        *sorted(glob.glob(os.path.join(system_lib, "*-linux-gnu/openblas-pthread/libblas.so.3"))),
-        *sorted(glob.glob(os.path.join(system_lib, "*-linux-gnu/libopenblas.so.0"))),
-        *(m for prefix in prefixes if prefix
-          for m in sorted(glob.glob(os.path.join(prefix, "libmkl_rt.so*")))),
-    ]
-    return next((c for c in candidates if os.path.exists(c)), None)
 
 
 class Child:
@@ -377,12 +304,6 @@ def warn_if_exposed(cfg: ServerFlags) -> None:
                 "!" * 78, " and ".join(exposed), "!" * 78)
 
 
-def read_ready_address(stdout, timeout: float) -> str | None:
-    """For programs that start the launcher: the address from its ready line on
-    `stdout` (a text stream), or None if it did not come within `timeout` seconds."""
-    return read_ready_addresses(stdout, timeout).get(READY_PREFIX)
-
-
 def read_ready_addresses(stdout, timeout: float) -> dict[str, str]:
     """The launcher's address lines up to its ready line, by prefix (READY_PREFIX,
     HTTP_PREFIX); without READY_PREFIX if it did not come within `timeout` seconds."""
@@ -400,6 +321,14 @@ def read_ready_addresses(stdout, timeout: float) -> dict[str, str]:
     reader.start()
     reader.join(timeout)
     return dict(found)
+
+
+def model_folder(model: str) -> str:
+    """`--model` as a folder to serve, or the launcher exits saying why not."""
+    try:
+        return resolve_model(model, log=log.info)
+    except ModelError as exc:
+        sys.exit(f"mlxd: {exc}")
 
 
 class ChildFailure(RuntimeError):
@@ -427,7 +356,7 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
-        launcher.start(resolve_model(cfg.model))
+        launcher.start(model_folder(cfg.model))
         address, http_address = launcher.wait_ready()
         launcher.publish_key(address)
         print(f"{HTTP_PREFIX}{http_address}", flush=True)

@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from mlxd.launcher import HTTP_PREFIX, READY_PREFIX, served_name
+from mlxd.launcher import HTTP_PREFIX, READY_PREFIX
+from mlxd.model_store.resolve import served_name
 from support import ROOT
 
 KEY = "sekret"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mlxd.launcher import find_blas
+from mlxd.runtime.blas import find_blas
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mlxd.launcher import find_blas, mlx_gpu_backend
+from mlxd.runtime.blas import find_blas, mlx_gpu_backend
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
