@@ -268,7 +268,7 @@ class AsyncClient:
                 if msg.rid is None:
                     log.error("server rejected a frame: %s: %s", msg.code, msg.message)
                     continue
-                rid, msg = msg.rid, MlxdError(msg.code, msg.message)
+                rid, msg = msg.rid, MlxdError(msg.code, msg.message, msg.param)
             else:
                 rid = msg.rid
             queue = self._queues.get(rid)

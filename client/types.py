@@ -5,12 +5,14 @@ from dataclasses import dataclass, field
 
 
 class MlxdError(Exception):
-    """The server rejected a request (bad input) or could not be reached."""
+    """The server rejected a request (bad input) or could not be reached. `param`
+    names the request parameter at fault, where one is."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.param = param
 
 
 def _top_dicts(tops: list | None) -> list | None:

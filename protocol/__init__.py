@@ -2,6 +2,7 @@
 
 from .codec import Decoder, ProtocolError, encode
 from .control import Ready
+from .sampling import PARAMS, REPETITION_CONTEXT, Param, SamplingParams
 from .to_client import ErrorReply, StatsReply, StreamChunk
 from .to_scheduler import (
     Abort, GetStats, StepResult, StepTiming, TokenizedRequest, WorkerError, WorkerLimits,
@@ -11,11 +12,12 @@ from .to_tokenizer import (
     AbortRequest, GenerateRequest, SchedulerReady, Stats, StatsRequest, TokenBatch,
     TokenEntry, Usage,
 )
-from .to_worker import REPETITION_CONTEXT, PrefillInput, SamplingParams, Step
+from .to_worker import PrefillInput, Step
 
 __all__ = [
     "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready", "SamplingParams", "SchedulerReady", "Stats",
+    "PARAMS", "Param", "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready",
+    "SamplingParams", "SchedulerReady", "Stats",
     "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
     "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",
     "WorkerReady", "encode",

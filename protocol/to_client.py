@@ -28,12 +28,14 @@ class StreamChunk:
 
 @message
 class ErrorReply:
-    """The request was rejected before it ran. `code` is machine-readable."""
+    """The request was rejected before it ran. `code` is machine-readable; `param`
+    names the client parameter at fault (protocol/sampling.py's name), if one is."""
 
     TAG = 21
     rid: str | None = wire(Opt(Str()))
     code: str = wire(Str())
     message: str = wire(Str())
+    param: str | None = wire(Opt(Str()), default=None)
 
 
 @message

@@ -3,7 +3,7 @@
 from .codec import ProtocolError
 from .fields import Bool, Float, Int, List, Opt, Str, Struct, wire
 from .message import message
-from .to_worker import SamplingParams
+from .sampling import SamplingParams
 
 
 @message

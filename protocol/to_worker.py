@@ -1,68 +1,9 @@
 """Messages the MLX worker receives (from the scheduler)."""
 
-import math
-
 from .codec import ProtocolError
-from .fields import Bool, Float, Int, List, Opt, Str, Struct, wire
+from .fields import Bool, Int, List, Struct, wire
 from .message import message
-
-
-# The repetition penalty counts this many of the latest context tokens (prompt and
-# output), as mlx_lm's default does; the scheduler sends the prompt's tail that long.
-REPETITION_CONTEXT = 20
-
-
-@message
-class SamplingParams:
-    """How the worker picks a token. temperature 0 means greedy. The penalties,
-    `logit_bias` (`bias_ids[i]` gets `bias_values[i]` added) and `min_tokens` change
-    the logits a row samples from (worker_proc/penalties.py); each off by default.
-    `grammar` (an llguidance grammar, compiled and checked by the tokenizer process)
-    constrains the tokens a row may pick (worker_proc/grammar.py)."""
-
-    temperature: float = wire(Float(), default=0.0)
-    top_p: float = wire(Float(), default=1.0)
-    top_k: int = wire(Int(minimum=0), default=0)
-    min_p: float = wire(Float(), default=0.0)
-    seed: int | None = wire(Opt(Int()), default=None)
-    top_logprobs: int = wire(Int(minimum=0), default=0)
-    presence_penalty: float = wire(Float(), default=0.0)
-    frequency_penalty: float = wire(Float(), default=0.0)
-    repetition_penalty: float = wire(Float(), default=1.0)
-    bias_ids: list[int] = wire(List(Int()), default_factory=list)
-    bias_values: list[float] = wire(List(Float()), default_factory=list)
-    min_tokens: int = wire(Int(minimum=0), default=0)
-    grammar: str | None = wire(Opt(Str()), default=None)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def counts_tokens(self) -> bool:
-        """A penalty needs the tokens of the request's context."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-    @property
-    def processes_logits(self) -> bool:
-        """Anything changes the logits before the token is picked."""
-        return self.counts_tokens or bool(self.bias_ids) or self.min_tokens > 0
-
-    @property
-    def needs_output_ids(self) -> bool:
-        """The worker rebuilds the row's state from its output so far when it resumes
-        (penalty counts, the grammar's position)."""
-        return self.counts_tokens or self.grammar is not None
-
-    def check(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0
-                and 0 < self.top_p <= 1 and 0 <= self.min_p <= 1
-                and all(map(math.isfinite, (self.presence_penalty, self.frequency_penalty,
-                                            self.repetition_penalty, *self.bias_values)))
-                and self.repetition_penalty > 0
-                and len(self.bias_ids) == len(self.bias_values)):
-            raise ProtocolError(f"sampling parameters out of range: {self}")
+from .sampling import SamplingParams
 
 
 @message

@@ -351,9 +351,9 @@ def _add_sampling_context(p: PrefillInput, req: Request) -> None:
     with its last chunk (again when it resumes after a retraction): the worker keeps
     no state of a request it released."""
     sampling = req.sampling
-    if sampling.repetition_penalty != 1.0:
+    if sampling.penalises_repeats:
         p.prompt_tail = req.prompt_ids[-REPETITION_CONTEXT:]
     if sampling.needs_output_ids:
         p.output_ids = list(req.output_ids)
-    if sampling.min_tokens > len(req.output_ids):
+    if sampling.holds_stops(len(req.output_ids)):
         p.stop_token_ids = sorted(req.stop_token_ids)

@@ -167,7 +167,7 @@ class TokenizerCore:
             max_chars = max_prompt_chars(self.limits, self.codec.max_chars_per_token)
             check_prompt_chars(req, max_chars)
         except InvalidRequest as exc:
-            sink(ErrorReply(req.rid, "invalid_request", str(exc)))
+            sink(ErrorReply(req.rid, "invalid_request", str(exc), exc.param))
             return None
         rids = [next(self._next_id) for _ in range(params.n)]
         pending = Pending(client, req, sink, rids, params, vocab_size, max_chars, self.limits)
@@ -181,7 +181,7 @@ class TokenizerCore:
         try:
             pending.tokenized = self._tokenized(pending)
         except InvalidRequest as exc:
-            pending.error = ErrorReply(pending.req.rid, "invalid_request", str(exc))
+            pending.error = ErrorReply(pending.req.rid, "invalid_request", str(exc), exc.param)
         except Exception as exc:  # one bad request must not stop the server
             log.exception("request %r failed", pending.req.rid)
             pending.error = ErrorReply(pending.req.rid, "internal_error",
@@ -320,7 +320,7 @@ class TokenizerCore:
         the grammar of a call in the model's format."""
         if given.get("response_format") is not None:
             raise InvalidRequest("response_format cannot be combined with tool_choice "
-                                 "'required' or a named function")
+                                 "'required' or a named function", "response_format")
         grammar = tool_call_grammar(self.syntax.tool_parser, params.chat, self._token_ref)
         return parse_params({**given, "response_format": {"type": "grammar",
                                                           "grammar": grammar}},
@@ -357,7 +357,7 @@ class TokenizerCore:
         try:
             grammar = self.constraints.compile(params.constraint)
         except InvalidConstraint as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise InvalidRequest(str(exc), "response_format") from None
         if thinks:
             grammar = after_thinking(grammar, opened)
         return dataclasses.replace(params.sampling, grammar=grammar)

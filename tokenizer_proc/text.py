@@ -131,12 +131,14 @@ class TextCodec:
         """The chat template's text for `messages`, with the generation prompt;
         `template_args` (tools, enable_thinking, ...) go to the template."""
         if not self.has_chat_template:
-            raise InvalidRequest("this model has no chat template; send a prompt instead")
+            raise InvalidRequest("this model has no chat template; send a prompt instead",
+                                 "messages")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False, **template_args)
         except Exception as exc:  # jinja raises its own exception types
-            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from None
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}",
+                                 "messages") from None
 
     def encode_rendered(self, text: str) -> list[int]:
         """A rendered chat: its special tokens are in the text already."""

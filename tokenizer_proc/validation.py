@@ -40,13 +40,13 @@ def check_prompt_chars(req: GenerateRequest, max_chars: int | None) -> None:
     """Reject, before encoding it, a prompt too long to fit. Messages are checked once
     rendered (`prompt_ids`): a chat template may strip or drop some of their text."""
     if max_chars is not None and isinstance(req.prompt, str):
-        _check_chars(len(req.prompt), max_chars, "prompt")
+        _check_chars(len(req.prompt), max_chars, "prompt", "prompt")
 
 
-def _check_chars(n: int, max_chars: int, what: str) -> None:
+def _check_chars(n: int, max_chars: int, what: str, param: str) -> None:
     if n > max_chars:
         raise InvalidRequest(f"the {what} has {n} characters; at most {max_chars} can fit "
-                             f"the model's context")
+                             f"the model's context", param)
 
 
 def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
@@ -58,24 +58,25 @@ def prompt_ids(req: GenerateRequest, codec: TextCodec, vocab_size: int,
     than `max_chars` (checked before encoding)."""
     given = [x for x in (req.prompt, req.messages, req.input_ids) if x is not None]
     if len(given) != 1:
-        raise InvalidRequest("send exactly one of prompt, messages or input_ids")
+        raise InvalidRequest("send exactly one of prompt, messages or input_ids", "prompt")
     if req.input_ids is not None:
         if any(not 0 <= t < vocab_size for t in req.input_ids):
-            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab_size})")
+            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab_size})",
+                                 "input_ids")
         ids = req.input_ids
     else:
         if req.messages is not None:
             text = (render or codec.render_chat)(checked_messages(req.messages))
             if max_chars is not None:
-                _check_chars(len(text), max_chars, "chat template's text")
+                _check_chars(len(text), max_chars, "chat template's text", "messages")
             ids = codec.encode_rendered(text)
         else:
             ids = codec.encode_prompt(req.prompt) if req.prompt else []
         if ids and max(ids) >= vocab_size:   # a token the model has no embedding for
             raise InvalidRequest(f"the prompt encodes to token id {max(ids)}; the "
-                                 f"model's vocabulary is [0, {vocab_size})")
+                                 f"model's vocabulary is [0, {vocab_size})", "prompt")
     if not ids:
-        raise InvalidRequest("the prompt is empty")
+        raise InvalidRequest("the prompt is empty", "prompt")
     return ids
 
 
@@ -89,7 +90,7 @@ def check_length(n: int, limits: ModelLimits | None, max_tokens: int = 1) -> Non
     error = length_error(n, max_tokens, limits.max_context or n + max_tokens + 1,
                          limits.kv_capacity or n + max_tokens + 1)
     if error:
-        raise InvalidRequest(error)
+        raise InvalidRequest(error, "prompt")
 
 
 def checked_messages(messages: list) -> list[dict]:
@@ -97,7 +98,7 @@ def checked_messages(messages: list) -> list[dict]:
     try:
         checked = [template_message(m) for m in messages]
     except InvalidOptions as exc:
-        raise InvalidRequest(str(exc)) from None
+        raise InvalidRequest(str(exc), "messages") from None
     if not messages:
-        raise InvalidRequest("messages is empty")
+        raise InvalidRequest("messages is empty", "messages")
     return checked

@@ -32,18 +32,18 @@ class RowPenalties:
         self.window = None      # [W] int32; short contexts repeat their oldest token
         self.counts = None      # [V] float32, times each token was generated
         self.stop_mask = None   # [V] bool
-        if params.bias_ids:
+        if params.biases_logits:
             self.bias = mx.zeros((vocab,)).at[mx.array(params.bias_ids)].add(
                 mx.array(params.bias_values, dtype=mx.float32))
-        if params.repetition_penalty != 1.0:
+        if params.penalises_repeats:
             context = (list(prompt_tail) + list(output_ids))[-REPETITION_CONTEXT:] or [0]
             pad = [context[0]] * (REPETITION_CONTEXT - len(context))
             self.window = mx.array(pad + context, dtype=mx.int32)
-        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        if params.penalises_counts:
             self.counts = mx.zeros((vocab,))
             if output_ids:
                 self.counts = self.counts.at[mx.array(list(output_ids))].add(1.0)
-        if params.min_tokens > 0 and stop_ids:
+        if params.holds_stops() and stop_ids:
             self.stop_mask = mx.zeros((vocab,)).at[mx.array(list(stop_ids))].add(1.0) > 0
 
     @classmethod
@@ -92,7 +92,7 @@ def apply(logits: mx.array, states: list[RowPenalties], generated: list[int]) ->
         presence = _column([s.params.presence_penalty for s in states])
         frequency = _column([s.params.frequency_penalty for s in states])
         x = x - presence * (counts > 0) - frequency * counts
-    held = [s.stop_mask if s.stop_mask is not None and n < s.params.min_tokens else None
+    held = [s.stop_mask if s.stop_mask is not None and s.params.holds_stops(n) else None
             for s, n in zip(states, generated)]
     if any(m is not None for m in held):
         no_mask = mx.zeros((vocab,), dtype=mx.bool_)

@@ -36,18 +36,18 @@ def test_an_unsupported_parameter_is_named():
     assert err.param == "functions" and "does not support" in err.message
 
 
-def test_core_errors_name_the_parameter_they_mention_first():
-    params = {"top_logprobs": 30, "logprobs": True, "max_tokens": 5}
-    err = core_error(ErrorReply("0", "invalid_request", "top_logprobs must be in [0, 20]"),
-                     params, {"top_logprobs": "logprobs"})
+def test_core_errors_name_their_parameter_under_the_bodys_name():
+    err = core_error(ErrorReply("0", "invalid_request", "top_logprobs must be in [0, 20]",
+                                "top_logprobs"), {"top_logprobs": "logprobs"})
     assert (err.status, err.param) == (400, "logprobs")
     err = core_error(ErrorReply("0", "invalid_request", "unknown parameter(s) ['n']; known: "
-                                "['max_tokens']"), {"n": 2, "max_tokens": 3}, {})
+                                "['max_tokens']", "n"), {})
     assert err.param == "n"
     err = core_error(ErrorReply("0", "invalid_request", "the prompt has 9 tokens; the "
-                                "model's context is 8 tokens"), {}, {"prompt": "messages"})
+                                "model's context is 8 tokens", "prompt"), {"prompt": "messages"})
     assert err.param == "messages" and "context is 8" in err.message
-    assert core_error(ErrorReply("0", "internal_error", "boom"), {}, {}).status == 500
+    assert core_error(ErrorReply("0", "invalid_request", "the prompt is empty"), {}).param is None
+    assert core_error(ErrorReply("0", "internal_error", "boom"), {}).status == 500
 
 
 def test_params_pass_through_under_openai_names():

@@ -8,7 +8,9 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from .anthropic_schema import Message, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from .anthropic_schema import (
+    PASSED, Message, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock,
+)
 from .choices import Choice, Outputs
 from .context import Api, read_body
 from .errors import ApiError, anthropic_body
@@ -18,7 +20,9 @@ from .requests import core_error, generate_requests
 from .sse import event
 from .tool_calls import anthropic_tool_params, anthropic_tool_use
 
-RENAMED = {"stop": "stop_sequences", "prompt": "messages", "input_ids": "messages"}
+# The core's names the errors name -> this API's
+RENAMED = {**{name: field for field, name in PASSED.items() if field != name},
+           "prompt": "messages", "input_ids": "messages"}
 
 
 def _text(content) -> str:
@@ -48,10 +52,9 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
 
 
 def core_params(body: MessagesRequest) -> dict:
-    params = {"max_tokens": body.max_tokens, "temperature": body.temperature,
-              "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
-    return {**{k: v for k, v in params.items() if v is not None},
-            **anthropic_tool_params(body.tools, body.tool_choice)}
+    params = {name: getattr(body, field) for field, name in PASSED.items()
+              if getattr(body, field) is not None}
+    return {**params, **anthropic_tool_params(body.tools, body.tool_choice)}
 
 
 async def messages(api: Api, request: Request):
@@ -59,7 +62,7 @@ async def messages(api: Api, request: Request):
     api.check_model(body.model)
     api.check_ready()
     params = core_params(body)
-    gen = Generation(api.front, api.metrics, lambda e: core_error(e, params, RENAMED))
+    gen = Generation(api.front, api.metrics, lambda e: core_error(e, RENAMED))
     requests = generate_requests([{"messages": chat_messages(body)}], params, body.stream)
     await gen.begin(requests, request.receive)
     render = MessageRender(api, body.stop_sequences or [])

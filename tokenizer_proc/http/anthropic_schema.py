@@ -1,10 +1,19 @@
 """The request body of Anthropic's Messages API (`POST /v1/messages`): text, tools,
 tool_use and tool_result blocks. Strict like openai_schema.py: an unknown field is a
-400 naming it."""
+400 naming it. The parameters it sends on as they are have their fields made from
+their declarations (protocol/sampling.py), unless typed here (max_tokens, required;
+stop_sequences, a list; temperature, which this API bounds to [0, 1])."""
 
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from mlxd.protocol import PARAMS
+
+from .openai_schema import passed_fields
+
+# The fields sent to the core as they are: body field -> the core's parameter.
+PASSED = {p.anthropic: name for name, p in PARAMS.items() if p.anthropic}
 
 
 class Strict(BaseModel):
@@ -59,15 +68,16 @@ class Metadata(Strict):
     user_id: str | None = None
 
 
-class MessagesRequest(Strict):
+class Model(Strict):
     model: str
+
+
+class MessagesRequest(passed_fields(PASSED, Model)):
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = None
-    top_k: int | None = None
     stream: bool = False
     metadata: Metadata | None = None   # accepted, not used
     tools: list[Tool] | None = None

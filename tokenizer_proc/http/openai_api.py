@@ -65,7 +65,7 @@ async def chat_completions(api: Api, request: Request):
     renamed = {"prompt": "messages", "input_ids": "messages"}
     if body.max_completion_tokens is not None:
         renamed["max_tokens"] = "max_completion_tokens"
-    gen = Generation(api.front, api.metrics, lambda e: core_error(e, params, renamed))
+    gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed))
     inputs = [{"messages": chat_messages(body.messages)}]
     await gen.begin(generate_requests(inputs, params, body.stream), request.receive, n)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
@@ -88,7 +88,7 @@ async def completions(api: Api, request: Request):
     params = core_params(body, body.max_tokens, logprobs=body.logprobs is not None or None,
                          top_logprobs=body.logprobs or None)
     renamed = {"top_logprobs": "logprobs", "input_ids": "prompt", "prompt": "prompt"}
-    gen = Generation(api.front, api.metrics, lambda e: core_error(e, params, renamed))
+    gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed))
     await gen.begin(generate_requests(inputs, params, body.stream), request.receive, n)
     echo = [echoed_prompt(api, given) for given in inputs] if body.echo else None   # valid ids
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),

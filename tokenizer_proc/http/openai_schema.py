@@ -3,15 +3,33 @@
 Types are strict (a string is not a number) and unknown fields are refused, so a
 parameter this server does not implement is a 400 naming it, never silently ignored.
 A field sent as null counts as not sent (`drop_nulls`), as OpenAI treats it. Values
-are range-checked by the core (params.py), which knows what it can honour."""
+are range-checked by the core (params.py), which knows what it can honour. The
+parameters sent on as they are have their fields made from their declarations
+(protocol/sampling.py); the others are declared here and mapped by the routes."""
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from mlxd.protocol import PARAMS
+
+# A body field's type for each kind of parameter sent on as it is.
+KIND_TYPES = {"number": float, "integer": int, "flag": bool, "stop": str | list[str],
+              "token_ids": list[int]}
+# Sent to the core under the same name whenever a body has them; the core validates them.
+PASSED = tuple(name for name, p in PARAMS.items() if p.openai)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def passed_fields(names: dict[str, str], base: type[BaseModel]) -> type[BaseModel]:
+    """`base` with an optional field per parameter in `names` (field name -> the
+    parameter's), typed by its kind."""
+    fields = {field: (KIND_TYPES[PARAMS[name].kind] | None, None)
+              for field, name in names.items()}
+    return create_model(f"{base.__name__}Passed", __base__=base, **fields)
 
 
 def drop_nulls(body):
@@ -25,29 +43,19 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class Sampling(Strict):
-    """Parameters both OpenAI endpoints take."""
-
+class Model(Strict):
     model: str
+
+
+class Sampling(passed_fields({name: name for name in PASSED}, Model)):
+    """Parameters both OpenAI endpoints take: those sent on as they are (a field of
+    its name per declared parameter), and these."""
+
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    min_tokens: int | None = None
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    timeout: float | None = None
     user: str | None = None                  # accepted, not used
     metadata: dict[str, str] | None = None   # accepted, not used
 

@@ -1,16 +1,10 @@
 """From an HTTP body to the core's GenerateRequests: the parameters the core takes
-(OpenAI names, params.py), and back from the core's errors to the parameter they name."""
-
-import re
+(protocol/sampling.py's names), and back from the core's errors to the body's names."""
 
 from mlxd.protocol import ErrorReply, GenerateRequest
 
 from .errors import ApiError, bad_request
-
-# Passed to the core under the same name whenever sent; the core validates them.
-PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-          "ignore_eos", "skip_special_tokens", "min_tokens", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "timeout")
+from .openai_schema import PASSED
 
 
 def core_params(body, max_tokens: int | None, **extra) -> dict:
@@ -47,13 +41,9 @@ def generate_requests(inputs: list[dict], params: dict, stream: bool) -> list[Ge
             for i, given in enumerate(inputs)]
 
 
-def core_error(reply: ErrorReply, params: dict, renamed: dict[str, str]) -> ApiError:
-    """The core refused a request: 400 naming the parameter its message names first
-    (`renamed` maps core names, and `prompt`, to the body's), 500 if it failed."""
+def core_error(reply: ErrorReply, renamed: dict[str, str]) -> ApiError:
+    """The core refused a request: 400 naming the parameter it names (`renamed` maps
+    core names, and `prompt`, to the body's), 500 if it failed."""
     if reply.code != "invalid_request":
         return ApiError(500, f"{reply.code}: {reply.message}")
-    names = set(params) | set(renamed)
-    found = [(m.start(), name) for name in names
-             if (m := re.search(rf"\b{re.escape(name)}\b", reply.message))]
-    param = min(found)[1] if found else None
-    return bad_request(reply.message, renamed.get(param, param))
+    return bad_request(reply.message, renamed.get(reply.param, reply.param))

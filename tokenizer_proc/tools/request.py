@@ -12,7 +12,11 @@ CHOICES = ("auto", "none", "required")
 
 
 class InvalidOptions(ValueError):
-    pass
+    """`param` names the option at fault (None: a message's shape, tools/messages.py)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -49,14 +53,14 @@ def _tool(tool) -> dict:
     if not (isinstance(tool, dict) and tool.get("type", "function") == "function"
             and isinstance(tool.get("function"), dict)):
         raise InvalidOptions('tools must be a list of {"type": "function", "function": '
-                             '{"name", "description", "parameters"}}')
+                             '{"name", "description", "parameters"}}', "tools")
     function = dict(tool["function"])
     if not isinstance(function.get("name"), str) or not function["name"]:
-        raise InvalidOptions("tools: every function needs a name")
+        raise InvalidOptions("tools: every function needs a name", "tools")
     parameters = function.setdefault("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
         raise InvalidOptions(f"tools: the parameters of {function['name']!r} must be a "
-                             "JSON schema object")
+                             "JSON schema object", "tools")
     return {"type": "function", "function": function}
 
 
@@ -65,11 +69,11 @@ def _tools(params: dict) -> list[dict]:
     if tools is None:
         return []
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise InvalidOptions(f"tools must be a list of at most {MAX_TOOLS} tools")
+        raise InvalidOptions(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     tools = [_tool(t) for t in tools]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
-        raise InvalidOptions("tools: function names must be unique")
+        raise InvalidOptions("tools: function names must be unique", "tools")
     return tools
 
 
@@ -79,27 +83,31 @@ def _choice(params: dict, tools: list[dict]) -> tuple[str, str | None]:
         name = (choice.get("function") or {}).get("name") if choice.get(
             "type") == "function" else None
         if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-            raise InvalidOptions("tool_choice names a function that is not in tools")
+            raise InvalidOptions("tool_choice names a function that is not in tools",
+                                 "tool_choice")
         return "function", name
     if choice not in CHOICES:
         raise InvalidOptions(f"tool_choice must be one of {list(CHOICES)} or "
-                             '{"type": "function", "function": {"name": ...}}')
+                             '{"type": "function", "function": {"name": ...}}', "tool_choice")
     if choice == "required" and not tools:
-        raise InvalidOptions("tool_choice 'required' needs tools")
+        raise InvalidOptions("tool_choice 'required' needs tools", "tool_choice")
     return choice, None
 
 
 def _template_kwargs(params: dict) -> dict:
     kwargs = params.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise InvalidOptions("chat_template_kwargs must be an object")
+        raise InvalidOptions("chat_template_kwargs must be an object",
+                             "chat_template_kwargs")
     reserved = sorted(RESERVED_KWARGS & set(kwargs))
     if reserved:
-        raise InvalidOptions(f"chat_template_kwargs may not set {reserved}")
+        raise InvalidOptions(f"chat_template_kwargs may not set {reserved}",
+                             "chat_template_kwargs")
     thinking = params.get("enable_thinking")
     if thinking is not None:
         if type(thinking) is not bool:
-            raise InvalidOptions(f"enable_thinking must be true or false, got {thinking!r}")
+            raise InvalidOptions(f"enable_thinking must be true or false, got {thinking!r}",
+                                 "enable_thinking")
         kwargs = {**kwargs, "enable_thinking": thinking}
     return kwargs
 
@@ -110,5 +118,6 @@ def chat_options(params: dict) -> ChatOptions:
     choice, function = _choice(params, tools)
     parallel = params.get("parallel_tool_calls", True)
     if type(parallel) is not bool:
-        raise InvalidOptions(f"parallel_tool_calls must be true or false, got {parallel!r}")
+        raise InvalidOptions(f"parallel_tool_calls must be true or false, got {parallel!r}",
+                             "parallel_tool_calls")
     return ChatOptions(tools, choice, function, parallel, _template_kwargs(params))
