@@ -1,9 +1,11 @@
 """ZeroMQ socket helpers. Rule: a process binds the sockets it receives on."""
 
+import logging
 from typing import Callable
 
 import zmq
 
+from mlxd.protocol import Decoder, ProtocolError
 from mlxd.runtime.lifecycle import drain
 
 
@@ -44,3 +46,13 @@ def waking_receiver(sock: zmq.Socket, wakeup) -> Callable[[], bytes]:
             drain(wakeup)
 
     return recv
+
+
+def decode_from(decoder: Decoder, frame: bytes, sender: str, log: logging.Logger):
+    """An internal peer's frame as a message, or None (logged) when it is malformed:
+    a bad frame is dropped, never fatal."""
+    try:
+        return decoder.decode(frame)
+    except ProtocolError as exc:
+        log.error("dropped a malformed frame from the %s: %s", sender, exc)
+        return None

@@ -19,7 +19,7 @@ from typing import ClassVar
 import zmq
 
 from mlxd.protocol import (
-    Abort, Decoder, GetStats, ProtocolError, Ready, SchedulerReady, Stats, StepResult,
+    Abort, Decoder, GetStats, Ready, SchedulerReady, Stats, StepResult,
     StepTiming, TokenBatch, TokenizedRequest, WorkerError, WorkerLimits, WorkerReady, encode,
 )
 from mlxd.runtime.config import parse_config
@@ -27,7 +27,9 @@ from mlxd.runtime.flags import SCHEDULER, ServerFlags
 from mlxd.runtime.lifecycle import (
     Shutdown, die_with_parent, drain, install_signal_handlers, setup_logging,
 )
-from mlxd.runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
+from mlxd.runtime.sockets import (
+    bind_pull, close_all, connect_push, decode_from, waking_receiver,
+)
 
 from .scheduler import Scheduler, SchedulerLimits
 from .step_timing import StepTimings
@@ -82,7 +84,7 @@ class SchedulerLoop:
         recv = (waking_receiver(self.from_worker, self.wakeup) if self.wakeup
                 else self.from_worker.recv)
         while True:
-            msg = self._decode(self.worker_decoder, recv(), "worker")
+            msg = decode_from(self.worker_decoder, recv(), "worker", log)
             if isinstance(msg, WorkerReady):
                 break
             log.error("waiting for the worker's Ready; ignored %r", msg)
@@ -133,7 +135,7 @@ class SchedulerLoop:
                 frame = self.from_tokenizer.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = self._decode(self.request_decoder, frame, "tokenizer")
+            msg = decode_from(self.request_decoder, frame, "tokenizer", log)
             if isinstance(msg, TokenizedRequest):
                 self.scheduler.add_request(msg)
             elif isinstance(msg, Abort):
@@ -150,7 +152,7 @@ class SchedulerLoop:
                 frame = self.from_worker.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = self._decode(self.worker_decoder, frame, "worker")
+            msg = decode_from(self.worker_decoder, frame, "worker", log)
             if isinstance(msg, WorkerReady):
                 self._on_worker_ready(msg)
             elif isinstance(msg, (StepResult, WorkerError)) and self._answers_in_flight(msg):
@@ -243,13 +245,6 @@ class SchedulerLoop:
                   msg.step_id, self.in_flight)
         return False
 
-    @staticmethod
-    def _decode(decoder: Decoder, frame: bytes, sender: str):
-        try:
-            return decoder.decode(frame)
-        except ProtocolError as exc:
-            log.error("dropped a malformed frame from the %s: %s", sender, exc)
-            return None
 
 
 class WorkerMismatch(RuntimeError):

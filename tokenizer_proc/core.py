@@ -41,6 +41,7 @@ from .validation import (
 )
 
 log = logging.getLogger("mlxd.tokenizer")
+INLINE_CHARS = 16_384   # prompts shorter than this are encoded on the event loop
 
 Reply = StreamChunk | ErrorReply | StatsReply
 Sink = Callable[[Reply], None]
@@ -111,9 +112,14 @@ class TokenizerCore:
     def __init__(self, codec: TextCodec, default_max_tokens: int,
                  limits: ModelLimits | None = None, request_timeout: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
-                 syntax: OutputSyntax = OutputSyntax()):
-        """`syntax`: the tool-call format and reasoning markup the model writes."""
+                 syntax: OutputSyntax = OutputSyntax(),
+                 offload: Callable[["Pending"], None] | None = None):
+        """`syntax`: the tool-call format and reasoning markup the model writes.
+        `offload`: takes a validated request with a long prompt (INLINE_CHARS or
+        more) to `encode` it off the event loop and `admit` it; without it every
+        prompt is encoded at once."""
         self.codec = codec
+        self._offload = offload
         self.syntax = syntax
         self._marked_decode = None   # decoding that keeps the syntax's markers
         self.render_chat = ChatRenderer(codec.render_chat, syntax.tool_parser)
@@ -143,9 +149,14 @@ class TokenizerCore:
         raise TypeError(f"not a client message: {type(msg).__name__}")
 
     def submit(self, client: Hashable, req: GenerateRequest, sink: Sink) -> list[ToScheduler]:
-        """Validate, encode and admit a request in one go: `validate`, `encode`, `admit`."""
+        """A request of any front end: `validate`, then `encode` and `admit` at once,
+        or, for a long prompt, through `offload` (so that it holds up no one else;
+        the rid, and an abort meanwhile, are kept)."""
         pending = self.validate(client, req, sink)
         if pending is None:
+            return []
+        if self._offload is not None and pending.text_chars >= INLINE_CHARS:
+            self._offload(pending)
             return []
         self.encode(pending)
         return self.admit(pending)

@@ -33,6 +33,7 @@ from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import TOKENIZER, ServerFlags
 from mlxd.runtime.keys import BadKey, randomize_routing_ids, read_secret_key, serve_with_curve
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
+from mlxd.runtime.sockets import decode_from
 
 from .auth import key_matches
 from .connections import Connections
@@ -48,7 +49,6 @@ log = logging.getLogger("mlxd.tokenizer")
 MIN_FRAME_BYTES = 4 << 20      # a client frame may always be this big
 PARAMS_BYTES = 1 << 20         # room for parameters and message structure
 UNBOUNDED_CHARS_PER_TOKEN = 64  # where the vocabulary gives no bound (text.py)
-INLINE_CHARS = 16_384          # prompts shorter than this are encoded on the loop
 CLIENT_FRAMES_QUEUED = 64      # frames taken off the client socket ahead (fairness)
 FRAMES_PER_TURN = 64           # client frames handled before the other loop gets a turn
 ENCODE_THREADS = 2
@@ -122,7 +122,8 @@ class TokenizerServer:
         syntax = resolve(codec.chat_template_text, cfg.flags.tool_call_parser,
                          cfg.flags.reasoning_parser)
         self.core = TokenizerCore(codec, cfg.flags.default_max_tokens,
-                                  request_timeout=cfg.flags.request_timeout, syntax=syntax)
+                                  request_timeout=cfg.flags.request_timeout, syntax=syntax,
+                                  offload=self._offload)
         self._replies: deque[tuple[bytes, Reply]] = deque()   # (client identity, reply)
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
         self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
@@ -154,8 +155,8 @@ class TokenizerServer:
 
     async def _wait_for_scheduler(self) -> None:
         while True:
-            msg = self._decode(self.scheduler_decoder, await self.from_scheduler.recv(),
-                               "scheduler")
+            msg = decode_from(self.scheduler_decoder, await self.from_scheduler.recv(),
+                              "scheduler", log)
             if isinstance(msg, SchedulerReady):
                 break
         self.core.limits = msg.limits
@@ -203,24 +204,13 @@ class TokenizerServer:
             self._replies.append((client, ErrorReply(
                 msg.rid, "unauthorized", "missing or wrong API key (the server has --api-key)")))
             return []
-        if isinstance(msg, GenerateRequest):
-            return self.submit(client, msg, self._sink(client))
         return self.core.handle(client, msg, self._sink(client))
 
-    def submit(self, client, req: GenerateRequest, sink: Sink) -> list[ToScheduler]:
-        """A request of any front end. Short prompts are encoded at once; long ones in a
-        thread, so that they hold up no one else (the core keeps their rid, and an
-        abort, meanwhile)."""
-        pending = self.core.validate(client, req, sink)
-        if pending is None:
-            return []
-        if pending.text_chars < INLINE_CHARS:
-            self.core.encode(pending)
-            return self.core.admit(pending)
+    def _offload(self, pending: Pending) -> None:
+        """The core's long prompts: encoded in a thread, then admitted."""
         task = asyncio.create_task(self._encode_and_admit(pending))
         self._encoding.add(task)
         task.add_done_callback(self._encoding.discard)
-        return []
 
     async def _encode_and_admit(self, pending: Pending) -> None:
         await asyncio.get_running_loop().run_in_executor(
@@ -259,8 +249,8 @@ class TokenizerServer:
 
     async def _scheduler_loop(self) -> None:
         while True:
-            msg = self._decode(self.scheduler_decoder, await self.from_scheduler.recv(),
-                               "scheduler")
+            msg = decode_from(self.scheduler_decoder, await self.from_scheduler.recv(),
+                              "scheduler", log)
             if isinstance(msg, TokenBatch):
                 await self.send(self.core.on_batch(msg))
             elif isinstance(msg, Stats):
@@ -320,13 +310,6 @@ class TokenizerServer:
     def close_encoder(self) -> None:
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
-    @staticmethod
-    def _decode(decoder: Decoder, frame: bytes, sender: str):
-        try:
-            return decoder.decode(frame)
-        except ProtocolError as exc:
-            log.error("dropped a malformed frame from the %s: %s", sender, exc)
-            return None
 
 
 async def serve(cfg: TokenizerConfig) -> None:

@@ -144,6 +144,14 @@ class TextCodec:
         """A rendered chat: its special tokens are in the text already."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text`'s tokens alone: no special tokens added (no BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token: int) -> str:
+        """One token as text, special tokens spelled out (for logprobs)."""
+        return self.tokenizer.decode([token])
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 

@@ -108,10 +108,11 @@ def test_error_shapes():
 class _NotReadyFront:
     """A tokenizer whose scheduler has not reported its limits yet."""
 
-    core = SimpleNamespace(limits=None, codec=None)
-
-    def submit(self, client, req, sink):
+    @staticmethod
+    def _submit(client, req, sink):
         raise AssertionError("nothing may be submitted before the server is ready")
+
+    core = SimpleNamespace(limits=None, codec=None, submit=_submit)
 
     async def send(self, to_scheduler=()):
         pass

@@ -39,9 +39,6 @@ class ScriptedFront:
         self.reply = REPLY
         self.prompts: list[str] = []
 
-    def submit(self, client, req, sink) -> list:
-        return self.core.submit(client, req, sink)
-
     async def send(self, to_scheduler=()) -> None:
         for msg in to_scheduler:
             if isinstance(msg, TokenizedRequest):

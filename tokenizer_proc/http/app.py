@@ -97,7 +97,7 @@ class CountRequests:
 
 
 def _model_card(api: Api) -> dict:
-    limits = api.front.core.limits
+    limits = api.limits
     card = {"id": api.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "mlxd"}
     if limits is not None and limits.max_context:
@@ -115,14 +115,14 @@ async def model(api: Api, request: Request):
 
 
 async def health(api: Api, request: Request):
-    if api.front.core.limits is None:
+    if api.limits is None:
         return JSONResponse({"status": "starting"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 async def metrics(api: Api, request: Request):
     stats = None
-    if api.front.core.limits is not None:
+    if api.limits is not None:
         call = Call(api.front)
         try:
             stats = await call.stats()
@@ -141,7 +141,7 @@ async def tokenize(api: Api, request: Request):
     api.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of prompt or messages")
-    limits = api.front.core.limits
+    limits = api.limits
     max_chars = max_prompt_chars(limits, api.codec.max_chars_per_token)
     if body.prompt is not None and max_chars is not None and len(body.prompt) > max_chars:
         raise bad_request(f"the prompt has {len(body.prompt)} characters; at most "
@@ -152,7 +152,7 @@ async def tokenize(api: Api, request: Request):
         elif body.add_special_tokens:
             tokens = api.codec.encode_prompt(body.prompt)
         else:
-            tokens = api.codec.tokenizer.encode(body.prompt, add_special_tokens=False)
+            tokens = api.codec.encode_text(body.prompt)
     except InvalidRequest as exc:
         raise bad_request(str(exc), "messages") from None
     return JSONResponse({"tokens": tokens, "count": len(tokens),
@@ -162,7 +162,7 @@ async def tokenize(api: Api, request: Request):
 async def detokenize(api: Api, request: Request):
     body = await read_body(request, DetokenizeRequest)
     api.check_model(body.model)
-    vocab = model_vocab_size(api.front.core.limits, api.codec)
+    vocab = model_vocab_size(api.limits, api.codec)
     if any(not 0 <= t < vocab for t in body.tokens):
         raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
     return JSONResponse({"prompt": api.codec.decode(body.tokens)})

@@ -9,23 +9,28 @@ or not."""
 import asyncio
 import itertools
 from collections import deque
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mlxd.protocol import ErrorReply, GenerateRequest, StatsReply, StreamChunk
 
 from .errors import ApiError
 
+if TYPE_CHECKING:
+    from ..core import ToScheduler, TokenizerCore
+
 STATS_TIMEOUT = 5.0   # seconds to wait for the scheduler's counters
 
 
 class Front(Protocol):
-    """What a call needs of the tokenizer process (TokenizerServer)."""
+    """The seam between a front end and the tokenizer process (TokenizerServer): the
+    core, whose entry points (`submit`, `abort`, `query_stats`, `forget`; `limits`,
+    `codec`) every front end calls, the ZeroMQ socket through `core.handle`, and
+    `send`, which passes what they return on to the scheduler and delivers the
+    replies their sinks queued."""
 
-    core: object
+    core: "TokenizerCore"
 
-    def submit(self, client, req: GenerateRequest, sink) -> list: ...
-
-    async def send(self, to_scheduler: list = ()) -> None: ...
+    async def send(self, to_scheduler: "list[ToScheduler]" = ()) -> None: ...
 
 
 class Disconnected(Exception):
@@ -53,7 +58,7 @@ class Call:
         self.choices = choices
         self.running += len(requests) * choices
         for req in requests:
-            await self.front.send(self.front.submit(self.key, req, self._put))
+            await self.front.send(self.front.core.submit(self.key, req, self._put))
 
     def _put(self, reply) -> None:
         self._replies.append(reply)
@@ -76,10 +81,6 @@ class Call:
         elif isinstance(reply, StreamChunk) and reply.finish_reason:
             self.running -= 1
         return reply
-
-    async def replies_until_done(self) -> AsyncIterator[StreamChunk | ErrorReply]:
-        while self.running > 0:
-            yield await self.next_reply()
 
     async def stats(self) -> dict:
         """The scheduler's counters (StatsReply.stats)."""

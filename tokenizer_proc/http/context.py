@@ -8,6 +8,8 @@ from functools import lru_cache
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from ..text import TextCodec
+from ..validation import ModelLimits
 from .calls import Front
 from .errors import ApiError, bad_request, validation_error
 from .metrics import Metrics
@@ -27,12 +29,17 @@ class Api:
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
 
     @property
-    def codec(self):
+    def codec(self) -> TextCodec:
         return self.front.core.codec
+
+    @property
+    def limits(self) -> ModelLimits | None:
+        """The model's limits; None until the scheduler's READY."""
+        return self.front.core.limits
 
     def _token_text(self, token: int) -> str:
         """One token as text (special tokens spelled out), for logprobs."""
-        return self.codec.tokenizer.decode([token])
+        return self.codec.token_text(token)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -40,7 +47,7 @@ class Api:
                                 f"{self.model_name!r}", "model", "model_not_found")
 
     def check_ready(self) -> None:
-        if self.front.core.limits is None:
+        if self.limits is None:
             raise ApiError(503, "the server is starting: the model is not ready yet")
 
 
