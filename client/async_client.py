@@ -138,7 +138,8 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                        messages: list[dict] | None = None, rid: str | None = None,
                        **params) -> Result | list[Result]:
-        """Run one request to its end. `params` use OpenAI's names: max_tokens,
+        """Run one request to its end. `params` use OpenAI's names (each declared in
+        protocol/sampling.py): max_tokens,
         temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
         skip_special_tokens (default true: special tokens' text is left out), logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias ({token id: bias}), min_tokens, n,
@@ -149,7 +150,8 @@ class AsyncClient:
         tool_choice, parallel_tool_calls, chat_template_kwargs and enable_thinking
         (OpenAI's shapes; tool calls come parsed in the Result's `tool_calls`, thinking
         in its `reasoning`); the server rejects any other name and any value out of
-        range or constraint that does not compile (`invalid_request`).
+        range or constraint that does not compile (`invalid_request`, the MlxdError's
+        `param` naming it).
         With n > 1, the n choices' Results, in `index` order."""
         request = self._request(prompt, input_ids, messages, rid, params, False)
         stream = AsyncStream(self, request)

@@ -55,8 +55,9 @@ class Param:
     anthropic: str | None = None
 
     @property
-    def bounded(self) -> bool:
-        return self.kind in ("number", "integer")
+    def scalar(self) -> bool:
+        """A number, integer or flag: checked by its declaration alone."""
+        return self.kind in ("number", "integer", "flag")
 
     def outside(self, value) -> bool:
         """A value of the right kind that the bounds refuse."""

@@ -1,5 +1,9 @@
 """Validation of client parameters (OpenAI names) into what the scheduler needs.
 
+Each parameter is declared in protocol/sampling.py: numbers, integers and flags are
+checked by their declaration alone; the other kinds, special values and the rules
+across parameters are written here.
+
 Every accepted value samples sanely: a temperature below MIN_TEMPERATURE is greedy,
 and however small top_p is, its nucleus keeps the most likely token (the worker's
 sampling guarantees that where float32 rounds top_p to 0)."""
@@ -8,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from mlxd.protocol import PARAMS, Param, SamplingParams
-from mlxd.protocol.sampling import MAX_SEED, MAX_TOP_LOGPROBS, SAMPLING_PARAMS  # noqa: F401
+from mlxd.protocol.sampling import MAX_SEED, SAMPLING_PARAMS
+from mlxd.protocol.sampling import MAX_TOP_LOGPROBS  # noqa: F401 (imported from here too)
 
 from .tools.request import ChatOptions, InvalidOptions, chat_options
 from .constraints import Constraint, InvalidConstraint, parse_response_format
@@ -186,7 +191,7 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
     _names(params)
     defaults = {"max_tokens": default_max_tokens}
     values = {p.name: _scalar(p, params, defaults.get(p.name))
-              for p in PARAMS.values() if p.kind in ("number", "integer", "flag")}
+              for p in PARAMS.values() if p.scalar}
     sampling = _sampling(values, _logit_bias(params, vocab_size))
     return RequestParams(
         sampling=sampling,
