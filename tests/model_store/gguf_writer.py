@@ -1,108 +1,205 @@
-"""A minimal GGUF (v3) writer for tests: F32, F16, Q4_0, Q4_1 and Q8_0 tensors.
+"""Test GGUF files written with the `gguf` package, llama.cpp's own writer.
 
-Quantization follows the GGML reference block formats (32 values per block,
-fp16 scales); `quantize` also returns the values a reader must decode to.
+`encode` gives a tensor's GGML blocks and the values `gguf.quants.dequantize`
+(the reference dequantizer) decodes them to: what a correct reader must serve.
+Types `gguf.quants` can quantize are quantized by it; the others (the K-quants,
+IQ4_NL, IQ4_XS) are packed here per ggml's block layout.
 """
 
-import struct
-
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf.constants import GGML_QUANT_SIZES
 
-BLOCK = 32
-GGML_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-ALIGNMENT = 32
-
-# metadata value types
-UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
-
-
-def _f16(x):
-    return np.asarray(x, dtype=np.float16)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.float32)
+PLAIN = {"F32": np.float32, "F16": np.float16}
 
 
-def _q4_0(block: np.ndarray):
-    peak = block[np.argmax(np.abs(block))]
-    d = _f16(peak / -8)
-    inv = 1.0 / np.float32(peak / -8) if peak != 0 else 0.0
-    q = np.minimum(15, np.trunc(block * inv + 8.5)).astype(np.uint8)
-    packed = q[:16] | (q[16:] << 4)
-    return d.tobytes() + packed.tobytes(), (q.astype(np.float32) - 8) * np.float32(d)
+def _f16(x) -> np.ndarray:
+    """fp16 as stored, and its float32 value."""
+    h = np.asarray(x, np.float32).astype(np.float16)
+    return h.view(np.uint8).reshape(len(h), -1), h.astype(np.float32)
 
 
-def _q4_1(block: np.ndarray):
-    lo, hi = block.min(), block.max()
-    d, m = _f16((hi - lo) / 15), _f16(lo)
-    inv = 1.0 / np.float32((hi - lo) / 15) if hi != lo else 0.0
-    q = np.minimum(15, np.trunc((block - lo) * inv + 0.5)).astype(np.uint8)
-    packed = q[:16] | (q[16:] << 4)
-    return (d.tobytes() + m.tobytes() + packed.tobytes(),
-            q.astype(np.float32) * np.float32(d) + np.float32(m))
+def _div(a, b):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b == 0, 0, a / np.where(b == 0, 1, b))
 
 
-def _q8_0(block: np.ndarray):
-    amax = np.abs(block).max()
-    d = _f16(amax / 127)
-    inv = 127.0 / amax if amax != 0 else 0.0
-    q = np.round(block * inv).astype(np.int8)
-    return d.tobytes() + q.tobytes(), q.astype(np.float32) * np.float32(d)
+def _scales(sub: np.ndarray, levels: int, with_min: bool, scale_levels: int):
+    """Super-block scales (d, dmin) and per-sub-block integer (sc, m), then the codes:
+    x ~ d*sc*q - dmin*m (with_min) or d*sc*q, q in [0, levels] / centred."""
+    if with_min:
+        lo, hi = np.minimum(sub.min(-1), 0), sub.max(-1)
+        scale, mn = (hi - lo) / levels, -lo
+    else:
+        scale, mn = np.abs(sub).max(-1) / levels, np.zeros(sub.shape[:2], np.float32)
+    d_raw, d = _f16(scale.max(-1) / scale_levels)
+    m_raw, dmin = _f16(mn.max(-1) / scale_levels)
+    sc = np.clip(np.round(_div(scale, d[:, None])), 0, scale_levels)
+    m = np.clip(np.round(_div(mn, dmin[:, None])), 0, scale_levels)
+    step = (d[:, None] * sc)[..., None]
+    offset = (dmin[:, None] * m)[..., None]
+    return d_raw, m_raw, sc.astype(np.uint8), m.astype(np.uint8), step, offset
 
 
-BLOCK_QUANTIZERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}
+def _codes(sub, step, offset, lo, hi):
+    return np.clip(np.round(_div(sub + offset, step)), lo, hi).astype(np.uint8)
 
 
-def quantize(x: np.ndarray, kind: str) -> tuple[bytes, np.ndarray]:
-    """Raw tensor bytes in `kind`, and the float32 values they decode to."""
+def _nibbles(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return lo | (hi << 4)
+
+
+def _k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins (inverse of get_scale_min)."""
+    return np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                           (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)], axis=-1)
+
+
+def _q4_k(x):
+    sub = x.reshape(-1, 8, 32)
+    d, dmin, sc, m, step, offset = _scales(sub, 15, True, 63)
+    q = _codes(sub, step, offset, 0, 15).reshape(-1, 4, 2, 32)
+    qs = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(-1, 128)
+    return np.concatenate([d, dmin, _k_scales(sc, m), qs], axis=-1)
+
+
+def _q5_k(x):
+    sub = x.reshape(-1, 8, 32)
+    d, dmin, sc, m, step, offset = _scales(sub, 31, True, 63)
+    q = _codes(sub, step, offset, 0, 31)
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)
+    low = (q & 0xF).reshape(-1, 4, 2, 32)
+    qs = _nibbles(low[:, :, 0], low[:, :, 1]).reshape(-1, 128)
+    return np.concatenate([d, dmin, _k_scales(sc, m), qh, qs], axis=-1)
+
+
+def _crumbs(q: np.ndarray) -> np.ndarray:
+    """2-bit codes of 256 elements in Q2_K/Q3_K's order: (half, shift, 32) -> bytes."""
+    q = q.reshape(-1, 2, 4, 32)
+    return (q << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(2) \
+        .astype(np.uint8).reshape(-1, 64)
+
+
+def _q2_k(x):
+    sub = x.reshape(-1, 16, 16)
+    d, dmin, sc, m, step, offset = _scales(sub, 3, True, 15)
+    q = _codes(sub, step, offset, 0, 3)
+    return np.concatenate([sc | (m << 4), _crumbs(q), d, dmin], axis=-1)
+
+
+def _signed_scales(sub, levels, scale_bits):
+    """d (fp16) and signed per-sub-block sc with x ~ d*sc*q, |q| <= levels."""
+    scale = np.abs(sub).max(-1) / levels
+    top = 2 ** (scale_bits - 1) - 1
+    d_raw, d = _f16(scale.max(-1) / top)
+    sc = np.clip(np.round(_div(scale, d[:, None])), -top - 1, top)
+    return d_raw, sc.astype(np.int32), (d[:, None] * sc)[..., None]
+
+
+def _q3_k(x):
+    sub = x.reshape(-1, 16, 16)
+    d, sc, step = _signed_scales(sub, 4, 6)
+    q = np.clip(np.round(_div(sub, step)), -4, 3).astype(np.int32).reshape(-1, 256)
+    hmask = ((q >= 0).astype(np.uint8).reshape(-1, 8, 32)
+             << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)
+    s = (sc + 32).astype(np.uint8)
+    scales = np.concatenate([(s[:, :8] & 0xF) | ((s[:, 8:] & 0xF) << 4),
+                             ((s >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))
+                              [None, :, None]).sum(1).astype(np.uint8)], axis=-1)
+    return np.concatenate([hmask, _crumbs(((q + 4) & 3).astype(np.uint8)), scales, d], axis=-1)
+
+
+def _q6_k(x):
+    sub = x.reshape(-1, 16, 16)
+    d, sc, step = _signed_scales(sub, 32, 8)
+    q = (np.clip(np.round(_div(sub, step)), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+    low, high = q & 0xF, q >> 4
+    ql = _nibbles(low[:, :, :2], low[:, :, 2:]).reshape(-1, 128)
+    qh = (high << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(2) \
+        .astype(np.uint8).reshape(-1, 64)
+    return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), d], axis=-1)
+
+
+def _iq4_codes(sub, step):
+    return np.abs(_div(sub, step)[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+
+
+def _iq4_nl(x):
+    sub = x.reshape(-1, 1, 32)
+    d, d32 = _f16(np.abs(sub).max(-1).ravel() / 127)
+    q = _iq4_codes(sub, d32[:, None, None]).reshape(-1, 32)
+    return np.concatenate([d, _nibbles(q[:, :16], q[:, 16:])], axis=-1)
+
+
+def _iq4_xs(x):
+    sub = x.reshape(-1, 8, 32)
+    d, sc, step = _signed_scales(sub, 127, 6)
+    q = _iq4_codes(sub, step)
+    ls = (sc + 32).astype(np.uint8)
+    high = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1)
+    low = _nibbles(ls[:, 0::2] & 0xF, ls[:, 1::2] & 0xF)
+    qs = _nibbles(q[..., :16], q[..., 16:]).reshape(-1, 128)
+    return np.concatenate([d, high.astype(np.uint16).view(np.uint8).reshape(-1, 2), low, qs],
+                          axis=-1)
+
+
+# ggml's block layouts for the types gguf.quants cannot quantize (simple rounding,
+# not llama.cpp's search: any valid blocks do, the reference decodes them)
+PACKERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+           "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+
+
+def random_blocks(shape, kind: str, rng) -> np.ndarray:
+    """Random bytes as blocks of `kind` (for a type nothing here can decode)."""
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    return rng.integers(0, 256, (*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+
+
+def encode(x: np.ndarray, kind: str, rng) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the tensor as written: a float array or GGML blocks as uint8 rows,
+    the float32 values gguf's reference dequantizer reads from it)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if kind == "F32":
-        return x.tobytes(), x
-    if kind == "F16":
-        h = x.astype(np.float16)
-        return h.tobytes(), h.astype(np.float32)
-    blocks = x.reshape(-1, BLOCK)
-    raw, values = zip(*(BLOCK_QUANTIZERS[kind](b) for b in blocks))
-    return b"".join(raw), np.concatenate(values).reshape(x.shape)
+    if kind in PLAIN:
+        raw = x.astype(PLAIN[kind])
+        return raw, raw.astype(np.float32)
+    qtype = GGMLQuantizationType[kind]
+    if kind in PACKERS:
+        raw = PACKERS[kind](x.reshape(-1, 256 if kind != "IQ4_NL" else 32))
+        raw = raw.reshape(*x.shape[:-1], -1)
+    elif kind == "Q8_1":
+        return random_blocks(x.shape, kind, rng), None
+    else:
+        raw = quants.quantize(x, qtype)
+    return raw, quants.dequantize(raw, qtype)
 
 
-def _string(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def _value(v) -> tuple[int, bytes]:
-    if isinstance(v, bool):
-        return BOOL, struct.pack("<?", v)
-    if isinstance(v, int):
-        return (UINT32, struct.pack("<I", v)) if v >= 0 else (INT32, struct.pack("<i", v))
-    if isinstance(v, float):
-        return FLOAT32, struct.pack("<f", v)
-    if isinstance(v, str):
-        return STRING, _string(v)
-    if isinstance(v, list):
-        if all(isinstance(e, str) for e in v):
-            return ARRAY, struct.pack("<IQ", STRING, len(v)) + b"".join(map(_string, v))
-        return ARRAY, struct.pack("<IQ", INT32, len(v)) + b"".join(
-            struct.pack("<i", e) for e in v)
-    raise TypeError(f"no GGUF type for {v!r}")
-
-
-def write_gguf(path, tensors: dict, metadata: dict) -> dict[str, np.ndarray]:
-    """`tensors`: name -> (array, kind). Returns name -> the decoded float32 values."""
-    header = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), len(metadata))]
-    for key, value in metadata.items():
-        vtype, payload = _value(value)
-        header += [_string(key), struct.pack("<I", vtype), payload]
-    data, decoded, offset = [], {}, 0
+def write_gguf(path, tensors: dict, metadata: dict, seed: int = 0) -> dict:
+    """`tensors`: name -> (array, kind); `metadata` holds general.architecture.
+    Returns name -> the values gguf's reference dequantizer decodes."""
+    rng = np.random.default_rng(seed)
+    meta = dict(metadata)
+    writer = GGUFWriter(str(path), meta.pop("general.architecture"))
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value) if value >= 0 else writer.add_int32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, list(value))
+    decoded = {}
     for name, (array, kind) in tensors.items():
-        raw, decoded[name] = quantize(array, kind)
-        dims = array.shape[::-1]   # GGUF lists the innermost dimension first
-        header += [_string(name), struct.pack("<I", len(dims)),
-                   struct.pack(f"<{len(dims)}Q", *dims), struct.pack("<IQ", GGML_TYPE[kind], offset)]
-        pad = (-len(raw)) % ALIGNMENT
-        data.append(raw + b"\0" * pad)
-        offset += len(raw) + pad
-    head = b"".join(header)
-    head += b"\0" * ((-len(head)) % ALIGNMENT)
-    with open(path, "wb") as f:
-        f.write(head)
-        f.write(b"".join(data))
+        raw, decoded[name] = encode(array, kind, rng)
+        qtype = None if kind in PLAIN else GGMLQuantizationType[kind]
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return decoded

@@ -26,8 +26,9 @@ HF_TO_GGUF = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
-SPEC = TinySpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                intermediate_size=128, vocab_size=384, seed=3)
+# rows of 256: the K-quants' and IQ4_XS's super-blocks
+SPEC = TinySpec(arch="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=512, vocab_size=384, seed=3)
 TEXTS = ["Hello model server", "What is the capital of France? 12345 + 678",
          "Ünïcödé ½ € 日本語 😀 naïve café", "  leading and   inner  spaces\n\nnew lines\t",
          "<s> special </s> tokens <|user|> inside text", ""]
@@ -111,6 +112,61 @@ def load_dequantized(folder):
 
 def logits(model, ids):
     return np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
+
+
+def folder_weights(folder: Path) -> dict[str, np.ndarray]:
+    """The converted folder's tensors as float32 values, quantized ones through
+    mx.dequantize with the folder's own quantization config."""
+    config = json.loads((folder / "config.json").read_text())
+    quantization = config.get("quantization", {})
+    tensors = mx.load(str(folder / "model.safetensors"))
+    out = {}
+    for name, value in tensors.items():
+        stem, kind = name.rsplit(".", 1)
+        if kind in ("scales", "biases"):
+            continue
+        if f"{stem}.scales" in tensors:
+            params = quantization.get(stem, quantization)
+            value = mx.dequantize(value, tensors[f"{stem}.scales"], tensors.get(f"{stem}.biases"),
+                                  params["group_size"], params["bits"],
+                                  params.get("mode", "affine"))
+        out[name] = np.array(value.astype(mx.float32))
+    return out
+
+
+def greedy(model, tokenizer, prompts, max_tokens=12):
+    return [reference_tokens_for(model, tokenizer, tokenizer.encode(p), max_tokens)
+            for p in prompts]
+
+
+def assert_same_generations(got, want, bound=1e-3):
+    for g, w in zip(got, want):
+        assert [t for t, _ in g] == [t for t, _ in w]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < bound
+
+
+EXACT_KINDS = ["Q4_K"]
+
+
+@pytest.mark.parametrize("kind", EXACT_KINDS)
+def test_a_quantized_file_serves_the_reference_dequantizers_weights(kind, tiny_folders,
+                                                                    tmp_path):
+    """Every 2-D weight in `kind`: the worker's loading path, quantized and
+    dequantized, generates what mlx_lm generates on gguf.quants.dequantize's
+    values, and the folder's weights dequantize to exactly those values."""
+    src = tiny_folders[False]
+    expected = write_model_gguf(src, tmp_path / "m.gguf", kind)
+    out = convert(tmp_path / "m.gguf", tmp_path / "out")
+    reference, tokenizer = load(str(src))
+    reference.load_weights([(k, mx.array(v)) for k, v in expected.items()])
+    want = greedy(reference, tokenizer, PROMPTS[:4])
+    for dequantize in (True, False):
+        model, _ = load_model(str(out), dequantize=dequantize)
+        assert_same_generations(greedy(model, tokenizer, PROMPTS[:4]), want)
+    got = folder_weights(out)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert np.array_equal(got[name], value), name
 
 
 @pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
