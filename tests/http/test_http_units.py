@@ -74,9 +74,10 @@ def test_prompt_forms(prompt, inputs):
 
 
 def test_choices_are_grouped_by_request_and_index():
-    out = Outputs(n=2, echo=["P0", "P1"])
+    """A call's requests in their order, whatever their rids (no number parsed)."""
+    out = Outputs(["r-first", "r-second"], n=2, echo=["P0", "P1"])
     usage = {"prompt_tokens": 4, "completion_tokens": 1, "cached_tokens": 2}
-    for rid, index, text in [("1", 1, "b"), ("0", 0, "a"), ("1", 0, "c")]:
+    for rid, index, text in [("r-second", 1, "b"), ("r-first", 0, "a"), ("r-second", 0, "c")]:
         out.add(StreamChunk(rid, text, [5], finish_reason="stop", usage=usage, index=index))
     assert [(c.index, c.text) for c in out.in_order()] == [(0, "P0a"), (2, "P1c"), (3, "P1b")]
     assert out.usage() == {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11,

@@ -65,15 +65,15 @@ async def messages(api: Api, request: Request):
     gen = Generation(api.front, api.metrics, lambda e: core_error(e, RENAMED))
     requests = generate_requests([{"messages": chat_messages(body)}], params, body.stream)
     await gen.begin(requests, request.receive)
-    render = MessageRender(api, body.stop_sequences or [])
+    render = MessageRender(api, [r.rid for r in requests], body.stop_sequences or [])
     return await respond(gen, body.stream, render.response, render.events)
 
 
 class MessageRender:
-    def __init__(self, api: Api, stop_sequences: list[str]):
+    def __init__(self, api: Api, rids: list[str], stop_sequences: list[str]):
         self.api = api
         self.stop_sequences = stop_sequences
-        self.outputs = Outputs()
+        self.outputs = Outputs(rids)
         self.id = f"msg_{uuid.uuid4().hex}"
         self._blocks = 0          # content blocks started while streaming
         self._open: str | None = None   # the kind of the block being streamed

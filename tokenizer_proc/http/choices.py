@@ -1,7 +1,8 @@
 """A call's chunks grouped into choices, its usage, and logprobs in OpenAI's forms.
 
-Request i of a call (rid "i") with n choices makes choices i*n .. i*n+n-1; a chunk
-says which of its request's choices it belongs to by its `index` (0 without one)."""
+Request i of a call (the i-th of `rids`) with n choices makes choices i*n .. i*n+n-1;
+a chunk says which of its request's choices it belongs to by its `index` (0 without
+one)."""
 
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,7 +27,8 @@ class Choice:
 
 
 class Outputs:
-    def __init__(self, n: int = 1, echo: list[str] | None = None):
+    def __init__(self, rids: list[str], n: int = 1, echo: list[str] | None = None):
+        self.order = {rid: i for i, rid in enumerate(rids)}   # a request's place in the call
         self.n = n
         self.echo = echo            # per request: text put before its choices' output
         self.choices: dict[int, Choice] = {}
@@ -35,14 +37,14 @@ class Outputs:
     def add(self, chunk: StreamChunk) -> tuple[Choice, str]:
         """Record a chunk; returns its choice and the text it adds (the echoed prompt
         comes before a choice's first text)."""
-        which = chunk.index
-        index = int(chunk.rid) * self.n + which
+        which, request = chunk.index, self.order[chunk.rid]
+        index = request * self.n + which
         choice = self.choices.get(index)
         text = chunk.text
         if choice is None:
             choice = self.choices[index] = Choice(index)
             if self.echo is not None:
-                text = self.echo[int(chunk.rid)] + text
+                text = self.echo[request] + text
         choice.text += text
         choice.reasoning += chunk.reasoning or ""
         choice.tool_calls += chunk.tool_calls or []

@@ -66,11 +66,12 @@ async def chat_completions(api: Api, request: Request):
     if body.max_completion_tokens is not None:
         renamed["max_tokens"] = "max_completion_tokens"
     gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed))
-    inputs = [{"messages": chat_messages(body.messages)}]
-    await gen.begin(generate_requests(inputs, params, body.stream), request.receive, n)
+    requests = generate_requests([{"messages": chat_messages(body.messages)}], params,
+                                 body.stream)
+    await gen.begin(requests, request.receive, n)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": api.model_name}
-    render = ChatRender(api, head, Outputs(n), body.logprobs)
+    render = ChatRender(api, head, Outputs([r.rid for r in requests], n), body.logprobs)
     return await respond(gen, body.stream, render.response,
                          lambda chunks: render.events(chunks, include_usage))
 
@@ -89,11 +90,13 @@ async def completions(api: Api, request: Request):
                          top_logprobs=body.logprobs or None)
     renamed = {"top_logprobs": "logprobs", "input_ids": "prompt", "prompt": "prompt"}
     gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed))
-    await gen.begin(generate_requests(inputs, params, body.stream), request.receive, n)
+    requests = generate_requests(inputs, params, body.stream)
+    await gen.begin(requests, request.receive, n)
     echo = [echoed_prompt(api, given) for given in inputs] if body.echo else None   # valid ids
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": api.model_name}
-    render = CompletionRender(api, head, Outputs(n, echo), body.logprobs is not None)
+    render = CompletionRender(api, head, Outputs([r.rid for r in requests], n, echo),
+                              body.logprobs is not None)
     return await respond(gen, body.stream, render.response,
                          lambda chunks: render.events(chunks, include_usage))
 
