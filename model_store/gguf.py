@@ -2,11 +2,15 @@
 
     python -m model_store.gguf FILE.gguf OUT_DIR
 
-`mx.load` reads the file: F32/F16 tensors as arrays, Q4_0/Q4_1/Q8_0 as MLX
-affine-quantized triples (weight, scales, biases; group size 32). The folder
-keeps that quantization (config "quantization"), so it is as small as the GGUF;
-the worker may dequantize at load time. Q and K projections are permuted back
-from GGUF's rotary row order to the Hugging Face layout mlx_lm expects.
+    python -m model_store.gguf --inexact q8 FILE.gguf OUT_DIR
+
+The `gguf` package (llama.cpp's own reader) reads the file; `mx.load` is not used:
+it mis-decodes Q4_K and silently drops tensors of types it does not know. Each
+tensor is kept in its exact MLX form where there is one (gguf_quants.py), so the
+folder is about as small as the GGUF; the worker may dequantize at load time. The
+form chosen per GGML type is recorded in config.json ("gguf"). Q and K projections
+are permuted back from GGUF's rotary row order to the Hugging Face layout mlx_lm
+expects.
 """
 
 import argparse
@@ -18,10 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .gguf_quants import INEXACT_FORMS, QuantError, to_mlx
 from .gguf_tokenizer import build_tokenizer, scalar, special_token, tokenizer_config
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-GROUP_SIZE = 32   # every GGUF block type mx.load supports uses 32-element blocks
+# Bumped whenever a conversion's output changes, so an older cached folder is not used.
+CONVERSION_VERSION = 2
 
 TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
@@ -38,16 +44,38 @@ class GGUFError(ValueError):
 
 
 def read_gguf(path: str | os.PathLike):
-    import mlx.core as mx
+    """(the tensors, by name: (data, GGML type, numpy shape), the metadata dict)."""
+    from gguf import GGUFReader
 
     try:
-        return mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as exc:
-        raise GGUFError(f"cannot read {path}: {exc} (supported tensor types: F32, F16, "
-                        "Q4_0, Q4_1, Q8_0)") from None
+        reader = GGUFReader(path)
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise GGUFError(f"cannot read {path}: {exc}") from None
+    meta = {f.name: f.contents() for f in reader.fields.values()
+            if not f.name.startswith("GGUF.")}
+    tensors = {t.name: (t.data, t.tensor_type, tuple(int(n) for n in reversed(t.shape)))
+               for t in reader.tensors}
+    return tensors, meta
 
 
-def hf_config(meta: dict, weights: dict) -> dict:
+def mlx_tensors(tensors: dict, inexact: str) -> tuple[dict, dict, dict]:
+    """GGUF name -> MLX array (quantized ones as name.weight/.scales/.biases), the
+    form per quantized module (by GGUF stem), and the record of forms per GGML type."""
+    arrays, modules, forms = {}, {}, {}
+    for name, (data, qtype, shape) in tensors.items():
+        try:
+            parts, form = to_mlx(name, data, qtype, shape, inexact)
+        except QuantError as exc:
+            raise GGUFError(str(exc)) from None
+        stem = name.removesuffix(".weight")
+        arrays.update({f"{stem}.{kind}": value for kind, value in parts.items()})
+        if form.quantization():
+            modules[stem] = form.quantization()
+        forms[qtype.name] = form.record()
+    return arrays, modules, forms
+
+
+def hf_config(meta: dict, weights: dict, modules: dict | None = None) -> dict:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"GGUF architecture {arch!r} is not supported; "
@@ -81,7 +109,7 @@ def hf_config(meta: dict, weights: dict) -> dict:
         token_id = scalar(meta.get(f"tokenizer.ggml.{name}_token_id"))
         if token_id is not None:
             config[f"{name}_token_id"] = token_id
-    quantization = quantization_config(weights)
+    quantization = quantization_config(modules or {})
     if quantization:
         config["quantization"] = quantization
     return config
@@ -124,30 +152,32 @@ def hf_weights(weights: dict, config: dict) -> dict:
     return out
 
 
-def quantization_config(weights: dict) -> dict | None:
-    """mlx_lm's "quantization" entry, with a per-module entry where bits differ."""
-    bits = {}
-    for name, scales in weights.items():
-        if name.endswith(".scales"):
-            stem = name[:-len(".scales")]
-            packed = weights[f"{stem}.weight"].shape[-1] * 32
-            bits[_hf_name(f"{stem}.weight")[:-len(".weight")]] = \
-                packed // (scales.shape[-1] * GROUP_SIZE)
-    if not bits:
+def quantization_config(modules: dict) -> dict | None:
+    """mlx_lm's "quantization" entry (GGUF stem -> the module's quantization): the
+    most common one, and a per-module entry for each module that differs."""
+    if not modules:
         return None
-    common = max(set(bits.values()), key=list(bits.values()).count)
-    config = {"group_size": GROUP_SIZE, "bits": common}
-    config.update({path: {"group_size": GROUP_SIZE, "bits": b}
-                   for path, b in sorted(bits.items()) if b != common})
+    kinds = [json.dumps(q, sort_keys=True) for q in modules.values()]
+    config = json.loads(max(set(kinds), key=kinds.count))
+    config.update({_hf_name(f"{stem}.weight").removesuffix(".weight"): q
+                   for stem, q in sorted(modules.items()) if q != config})
     return config
 
 
-def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write the model folder for `gguf_path` to `out_dir` (atomically)."""
+def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
+            inexact: str = INEXACT_FORMS[0]) -> Path:
+    """Write the model folder for `gguf_path` to `out_dir` (atomically). `inexact`:
+    the form of types with no exact MLX one (float32, or q8: 8-bit re-quantized)."""
     import mlx.core as mx
 
-    weights, meta = read_gguf(gguf_path)
-    config = hf_config(meta, weights)
+    if inexact not in INEXACT_FORMS:
+        raise GGUFError(f"inexact must be one of {INEXACT_FORMS}, not {inexact!r}")
+    tensors, meta = read_gguf(gguf_path)
+    hf_config(meta, tensors)   # refuse an unsupported model before decoding anything
+    weights, modules, forms = mlx_tensors(tensors, inexact)
+    config = hf_config(meta, weights, modules)
+    config["gguf"] = {"conversion_version": CONVERSION_VERSION, "inexact": inexact,
+                      "forms": dict(sorted(forms.items()))}
     tokenizer = build_tokenizer(meta)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -179,11 +209,15 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def cached_conversion(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
-    """The converted folder for this file's content, converting on first use."""
-    out = Path(cache_dir) / "gguf" / file_sha256(gguf_path)[:32]
+def cached_conversion(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike,
+                      inexact: str = INEXACT_FORMS[0]) -> Path:
+    """The converted folder for this file's content (and this converter's version),
+    converting on first use; a folder appears only once complete (convert)."""
+    suffix = "" if inexact == INEXACT_FORMS[0] else f"-{inexact}"
+    out = (Path(cache_dir) / "gguf" /
+           f"{file_sha256(gguf_path)[:32]}-v{CONVERSION_VERSION}{suffix}")
     if not (out / "config.json").exists():
-        convert(gguf_path, out)
+        convert(gguf_path, out, inexact)
     return out
 
 
@@ -192,9 +226,12 @@ def main(argv=None) -> int:
                                              "mlx_lm model folder.")
     ap.add_argument("gguf", help="input .gguf file")
     ap.add_argument("out_dir", help="output folder (replaced if it exists)")
+    ap.add_argument("--inexact", choices=INEXACT_FORMS, default=INEXACT_FORMS[0],
+                    help="types with no exact MLX form (Q2_K, Q3_K, Q6_K, ...): float32 "
+                         "(exact, the default) or q8 (8-bit groups of 32, ~4e-3 error)")
     args = ap.parse_args(argv)
     try:
-        out = convert(args.gguf, args.out_dir)
+        out = convert(args.gguf, args.out_dir, args.inexact)
     except (GGUFError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

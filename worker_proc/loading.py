@@ -40,6 +40,8 @@ def _upcast_quantization_params(model: nn.Module) -> None:
     """float32 scales and biases make dequantization exact: in float16, an affine
     `q * scale + bias` with a large bias (8-bit blocks) loses ~3 significant bits."""
     for _, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        # mxfp4's scales are uint8 exponents, exact as they are, and it has no biases
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and \
+                module.mode == "affine":
             module.scales = module.scales.astype(mx.float32)
             module.biases = module.biases.astype(mx.float32)
