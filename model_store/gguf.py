@@ -168,8 +168,6 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
             inexact: str = INEXACT_FORMS[0]) -> Path:
     """Write the model folder for `gguf_path` to `out_dir` (atomically). `inexact`:
     the form of types with no exact MLX one (float32, or q8: 8-bit re-quantized)."""
-    import mlx.core as mx
-
     if inexact not in INEXACT_FORMS:
         raise GGUFError(f"inexact must be one of {INEXACT_FORMS}, not {inexact!r}")
     tensors, meta = read_gguf(gguf_path)
@@ -181,24 +179,48 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     tokenizer = build_tokenizer(meta)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    tmp = _temp_folder(out.parent)
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), hf_weights(weights, config),
-                            metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
-        eos = special_token(meta, "eos")
-        if eos is not None:
-            (tmp / "generation_config.json").write_text(
-                json.dumps({"eos_token_id": config["eos_token_id"]}))
-        tmp.chmod(0o755)
+        _write_folder(tmp, hf_weights(weights, config), config, tokenizer, meta)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_folder(folder: Path, weights: dict, config: dict, tokenizer, meta: dict) -> None:
+    import mlx.core as mx
+
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
+    if special_token(meta, "eos") is not None:
+        (folder / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": config["eos_token_id"]}))
+    folder.chmod(0o755)
+
+
+def _temp_folder(parent: Path) -> Path:
+    """A new `.converting-<pid>-*` folder in `parent`, renamed into place once
+    complete. Those of processes no longer alive (killed midway) are removed first."""
+    for stale in parent.glob(".converting-*-*"):
+        pid = stale.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".converting-{os.getpid()}-", dir=parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # alive, someone else's
+        pass
+    return True
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

@@ -14,7 +14,8 @@ from mlx.utils import tree_flatten
 from transformers import AutoTokenizer
 
 from gguf_writer import write_gguf
-from mlxd.model_store.gguf import GGUFError, cached_conversion, convert, permute_rows, unpermute_rows
+from mlxd.model_store.gguf import (CONVERSION_VERSION, GGUFError, cached_conversion, convert,
+                                   file_sha256, permute_rows, unpermute_rows)
 from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import ROOT, PROMPTS, Server
 from mlxd.worker_proc.loading import load_model
@@ -319,7 +320,12 @@ def test_cli_converts_and_reports_errors(tiny_folders, tmp_path):
 
 def test_conversions_are_cached_by_content(tiny_folders, tmp_path):
     write_model_gguf(tiny_folders[False], tmp_path / "a.gguf", "Q8_0")
+    # an older converter's folder for the same file (mlxd < conversion version 2)
+    old = tmp_path / "cache" / "gguf" / file_sha256(tmp_path / "a.gguf")[:32]
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
     first = cached_conversion(tmp_path / "a.gguf", tmp_path / "cache")
+    assert first != old and first.name.endswith(f"-v{CONVERSION_VERSION}")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     (tmp_path / "b.gguf").write_bytes((tmp_path / "a.gguf").read_bytes())
     assert cached_conversion(tmp_path / "b.gguf", tmp_path / "cache") == first
@@ -351,6 +357,27 @@ def test_the_server_serves_a_q4_k_m_file_like_mlx_lm(dequantize, tiny_folders, t
                 assert max(abs(a - b) for a, (_, b) in zip(result.logprobs, ref)) < 1e-3
     finally:
         server.stop()
+
+
+def test_an_interrupted_conversion_never_leaves_a_folder_that_looks_complete(tiny_folders,
+                                                                            tmp_path):
+    """A conversion killed midway leaves only its `.converting-<pid>-*` folder, which
+    the next conversion removes; the cache then converts afresh."""
+    gguf, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    write_model_gguf(tiny_folders[False], gguf, "Q4_K")
+    killed = ("import os, sys\nimport mlxd.model_store.gguf as g\n"
+              "g.tokenizer_config = lambda meta: os._exit(9)   # after the weights\n"
+              "g.cached_conversion(sys.argv[1], sys.argv[2])\n")
+    proc = subprocess.run([sys.executable, "-c", killed, str(gguf), str(cache)], cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 9
+    left = list((cache / "gguf").iterdir())
+    assert len(left) == 1 and left[0].name.startswith(".converting-")
+    assert (left[0] / "model.safetensors").exists()
+    folder = cached_conversion(gguf, cache)
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == [folder.name]
+    assert json.loads((folder / "config.json").read_text())["gguf"]["conversion_version"] == \
+        CONVERSION_VERSION
 
 
 def reference_tokens_for(model, tokenizer, ids, max_tokens):
