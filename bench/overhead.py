@@ -16,10 +16,20 @@ The reference runs in one child that loads the model once, as the server does, a
 its runs alternate with the servers' (reference, overlap on, overlap off, per
 repeat): each repeat's ratio compares runs seconds apart, and the spread of those
 ratios is printed beside the ratio of the medians.
+
+Where /proc exists it also reports, for the reference child and the worker, the CPU
+time of their busiest thread (MLX's stream thread, which runs every kernel) per
+output token, and its share of the wall time, both over the whole generation (its
+prompt's prefill included): the kernel work per token, and how much of the time
+that thread had work. Two systems doing the same work per token differ only in the
+second figure.
+
+    python -m bench.overhead --model smollm2 --gen-len 128   # the server's default model
 """
 
 import argparse
 import asyncio
+import glob
 import json
 import os
 import statistics
@@ -71,6 +81,42 @@ def serve_in_process(model_path: str, prompt_len: int, gen_len: int) -> None:
         print(last.generation_tps, flush=True)
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process `pid`; empty without /proc."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for path in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            with open(path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[path.split("/")[4]] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def busiest_thread(before: dict, after: dict, tokens: int, wall: float) -> dict | None:
+    """The thread that used the most CPU between two snapshots `wall` seconds apart:
+    its CPU ms per token and its share of the wall time (None without /proc)."""
+    if not after:
+        return None
+    cpu = max(after[t] - before.get(t, 0.0) for t in after)
+    return {"ms_per_token": cpu * 1e3 / tokens, "busy": cpu / wall}
+
+
+def worker_pid(server: MlxdServer) -> int | None:
+    try:
+        with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+            children = f.read().split()
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline") as f:
+                if "mlxd.worker_proc" in f.read().split("\0"):
+                    return int(pid)
+    except OSError:
+        pass
+    return None
+
+
 class InProcess:
     """The reference child, asked for one generation at a time (between server runs)."""
 
@@ -83,26 +129,38 @@ class InProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError("the in-process reference did not start")
 
-    def run(self, seed: int, load_ms: list[float] = (), period_ms: float = 0.0) -> float:
+    def run(self, seed: int, load_ms: list[float] = (), period_ms: float = 0.0,
+            tokens: int = 0) -> float:
+        """Decode tok/s of one generation; with `tokens` (its length), its busiest
+        thread is left in `busiest` (`busiest_thread`)."""
         load = ",".join(f"{ms:.3f}" for ms in load_ms) or "-"
+        before, start = thread_cpu_seconds(self.proc.pid), now()
         self.proc.stdin.write(f"{seed} {load} {period_ms:.3f}\n")
         self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
+        rate = float(self.proc.stdout.readline())
+        if tokens:
+            self.busiest = busiest_thread(before, thread_cpu_seconds(self.proc.pid), tokens,
+                                          now() - start)
+        return rate
 
     def stop(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
 
-async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[float, dict, dict]:
-    """Decode tok/s of one stream, the server's step timing (p50s) over its steps, and
-    the CPU ms per output token of each process (empty without /proc)."""
+async def _drive(server: MlxdServer, prompt: list[int],
+                 gen_len: int) -> tuple[float, dict, dict, dict | None]:
+    """Decode tok/s of one stream, the server's step timing (p50s) over its steps, the
+    CPU ms per output token of each process (empty without /proc), and the worker's
+    busiest thread (`busiest_thread`)."""
     from mlxd.client import AsyncClient
 
     async with AsyncClient(server.address, timeout=600) as c:
         await c.generate(input_ids=prompt[:8], max_tokens=4, ignore_eos=True)
         first = end = None
         tokens = 0
+        worker = worker_pid(server)
+        threads_before, start = thread_cpu_seconds(worker) if worker else {}, now()
         cpu_before, client_before = server.cpu_seconds(), time.process_time()
         async for chunk in c.stream(input_ids=prompt, max_tokens=gen_len, ignore_eos=True):
             if chunk.token_ids and first is None:
@@ -110,6 +168,7 @@ async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[f
             tokens += len(chunk.token_ids)
             end = now()
         cpu_after, client_after = server.cpu_seconds(), time.process_time()
+        threads_after = thread_cpu_seconds(worker) if worker else {}
         timing = (await c.stats())["timing"]
     p50 = {k: v["p50"] for k, v in timing.items() if isinstance(v, dict)}
     cpu = {}
@@ -117,7 +176,8 @@ async def _drive(server: MlxdServer, prompt: list[int], gen_len: int) -> tuple[f
         cpu = {name.removesuffix("_proc"): (cpu_after[name] - cpu_before.get(name, 0.0)) * 1e3 / tokens
                for name in cpu_after}
         cpu["client"] = (client_after - client_before) * 1e3 / tokens
-    return (tokens - 1) / (end - first), p50, cpu   # decode rate, after the first token
+    busiest = busiest_thread(threads_before, threads_after, tokens, end - start)
+    return (tokens - 1) / (end - first), p50, cpu, busiest   # decode rate after the first token
 
 
 def main() -> None:
@@ -142,17 +202,20 @@ def main() -> None:
     runs = {"in_process": [], "overlap_on": [], "overlap_off": []}
     step_timing = {"overlap_on": [], "overlap_off": []}
     cpu_runs = {"overlap_on": [], "overlap_off": []}
+    busiest = {"in_process": [], "overlap_on": [], "overlap_off": []}
     try:
         # each repeat: the reference, then each server, on the same fresh prompt (no
         # prefix-cache hits); a repeat's ratio compares runs minutes apart at most
         for seed in range(args.repeats):
             prompt = random_prompts(1, args.prompt_len, vocab, seed=100 + seed)[0]
-            runs["in_process"].append(reference.run(100 + seed))
+            runs["in_process"].append(reference.run(100 + seed, tokens=args.gen_len))
+            busiest["in_process"].append(reference.busiest)
             for name, server in servers.items():
-                rate, timing, cpu = asyncio.run(_drive(server, prompt, args.gen_len))
+                rate, timing, cpu, top = asyncio.run(_drive(server, prompt, args.gen_len))
                 runs[name].append(rate)
                 step_timing[name].append(timing)
                 cpu_runs[name].append(cpu)
+                busiest[name].append(top)
         med = {k: statistics.median(v) for k, v in runs.items()}
         cpu_ms = {name: {p: statistics.median(c[p] for c in cpus) for p in cpus[0]}
                   for name, cpus in cpu_runs.items() if cpus[0]}
@@ -171,6 +234,7 @@ def main() -> None:
     report = {"machine": machine_summary(), "model": args.model, "gen_len": args.gen_len,
               "decode_tok_s": med, "runs": runs, "step_timing_p50_ms": step_timing,
               "cpu_ms_per_token": cpu_ms,
+              "busiest_thread_ms_per_token": busiest,
               "ratio_overlap_on": med["overlap_on"] / med["in_process"],
               "ratio_overlap_off": med["overlap_off"] / med["in_process"],
               # per repeat: the server's run over the reference's run just before it
@@ -190,6 +254,13 @@ def main() -> None:
         print("CPU ms per output token (median over runs):")
         for name, per_process in cpu_ms.items():
             print(f"  {name:12s} " + "  ".join(f"{p} {ms:.2f}" for p, ms in per_process.items()))
+    if all(v is not None for v in busiest["in_process"]):
+        print("busiest thread (MLX's stream thread: the kernels), CPU ms per output token "
+              "and its share of the wall time, prefill included (median over runs):")
+        for name, values in busiest.items():
+            ms = statistics.median(v["ms_per_token"] for v in values)
+            busy = statistics.median(v["busy"] for v in values)
+            print(f"  {name:12s} {ms:6.1f} ms, busy {busy:.2f}")
     if "in_process_loaded" in med:
         report["ratio_loaded_in_process"] = med["in_process_loaded"] / med["in_process"]
         print(f"in-process with the scheduler's, tokenizer's and client's CPU per token "

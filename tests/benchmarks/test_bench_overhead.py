@@ -74,6 +74,11 @@ def test_overhead_bench_runs_and_reports_every_figure(tiny_model, tmp_path):
             cpu = report["cpu_ms_per_token"][name]
             assert set(cpu) == {"worker", "scheduler", "tokenizer", "client"}
             assert cpu["worker"] > 0 and all(ms >= 0 for ms in cpu.values())
+        # the busiest thread of the reference child and of each worker: kernels ran on it
+        for name in ("in_process", "overlap_on", "overlap_off"):
+            (top,) = report["busiest_thread_ms_per_token"][name]
+            assert top["ms_per_token"] > 0 and 0 < top["busy"] <= 1.05
+        assert "busiest thread" in stdout
         assert report["ratio_loaded_in_process"] == pytest.approx(
             rates["in_process_loaded"] / rates["in_process"])
         assert "burnt alongside" in stdout
