@@ -74,7 +74,8 @@ class ServerFlags:
         "pool's size)", (WORKER,), shown="0 (auto)", minimum=0)
     dequantize: str = flag(
         "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
-        "(float32), off on Metal; `on`; `off`", (WORKER,))
+        "(float32) when the float32 weights fit the memory limit, off on Metal and CUDA; "
+        "`on`; `off`", (WORKER,))
     mem_fraction: float = flag(
         0.3, "share of machine memory for weights + KV when `--kv-capacity` is 0",
         (WORKER,), positive=True)

@@ -69,13 +69,13 @@ def build_runner(cfg: WorkerConfig):
 
     from .grammar import Grammars
     from .kv_pool import KVPool
-    from .loading import is_quantized, load_model, resolve_dequantize
+    from .loading import is_quantized, load_for_serving
     from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
     from .model_runner import ModelRunner, decode_page_for, probe_geometry, probe_vocab_size
 
     flags = cfg.flags
-    dequantize = resolve_dequantize(flags.dequantize)
-    model, tokenizer = load_model(flags.model, dequantize)
+    model, tokenizer, dequantize = load_for_serving(
+        flags.model, flags.dequantize, memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb))
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
     page = decode_page_for(model, geometry, flags.decode_layout)   # 0: padded

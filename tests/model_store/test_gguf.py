@@ -18,7 +18,8 @@ from mlxd.model_store.gguf import (CONVERSION_VERSION, GGUFError, cached_convers
                                    file_sha256, permute_rows, unpermute_rows)
 from mlxd.model_store.tiny import TinySpec, build_tiny_model
 from support import ROOT, PROMPTS, Server
-from mlxd.worker_proc.loading import load_model
+from mlxd.worker_proc.loading import float32_bytes, load_for_serving, load_model
+from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES
 
 HF_TO_GGUF = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
@@ -378,6 +379,24 @@ def test_an_interrupted_conversion_never_leaves_a_folder_that_looks_complete(tin
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == [folder.name]
     assert json.loads((folder / "config.json").read_text())["gguf"]["conversion_version"] == \
         CONVERSION_VERSION
+
+
+def test_auto_serves_float32_on_the_cpu_when_it_fits_the_memory_limit(tiny_folders, tmp_path):
+    """--dequantize auto on the CPU backend: float32 when the float32 weights (and the
+    activation reserve) fit the limit, else the exact quantized form; on/off as told."""
+    write_model_gguf(tiny_folders[False], tmp_path / "m.gguf", q4_k_m)
+    out = str(convert(tmp_path / "m.gguf", tmp_path / "out"))
+    wide, _ = load_model(out, dequantize=True)
+    need = float32_bytes(load(out)[0])
+    assert need == float32_bytes(wide) == 4 * sum(v.size for _, v in tree_flatten(wide.parameters()))
+    room = need + ACTIVATION_RESERVE_BYTES
+    cpu = mx.default_device().type == mx.DeviceType.cpu   # auto: quantized on a GPU
+    for choice, limit, dequantized in [("auto", room, cpu), ("auto", room - 1, False),
+                                       ("auto", 0, cpu), ("on", 1, True), ("off", room, False)]:
+        model, _, chosen = load_for_serving(out, choice, limit)
+        assert chosen is dequantized, (choice, limit)
+        quantized = {type(m).__name__ for _, m in model.named_modules()} & {"QuantizedLinear"}
+        assert bool(quantized) is not dequantized
 
 
 def reference_tokens_for(model, tokenizer, ids, max_tokens):
