@@ -171,6 +171,8 @@ REQUEST_PARAMS = (
     Param("parallel_tool_calls", "options", openai=False),
     Param("chat_template_kwargs", "options", openai=False),
     Param("enable_thinking", "options", openai=False),
+    # the final (assistant) message is continued, rendered open (a prefill)
+    Param("continue_final_message", "options", openai=False),
     Param("response_format", "response_format", openai=False),
 )
 

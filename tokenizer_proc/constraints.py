@@ -164,6 +164,23 @@ def grammar_text(constraint: Constraint) -> str:
     return LLMatcher.grammar_from_lark(constraint.source)
 
 
+def lark_from_any(text: str) -> str:
+    """A grammar in llama.cpp's GBNF or in Lark, as Lark in llguidance's flavour
+    (llguidance's own converter; Lark passes through). Raises InvalidConstraint."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # the converter raises its own and plain exceptions
+        raise InvalidConstraint(f"the grammar is neither Lark nor GBNF that llguidance "
+                                f"can convert: {_short(exc)}") from None
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """A Lark grammar whose text is exactly one of `choices`."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 

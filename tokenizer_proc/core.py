@@ -311,6 +311,24 @@ class TokenizerCore:
     def stats(self) -> dict:
         return {"streams": len(self.requests)}
 
+    def prompt_tokens(self, req: GenerateRequest) -> int:
+        """The number of tokens `req`'s prompt encodes to, rendered as it would be
+        were it submitted (template, tools, system prompt); nothing is started.
+        Raises InvalidRequest. Safe to run off the event loop (as `encode`)."""
+        vocab_size = model_vocab_size(self.limits, self.codec)
+        params = parse_params(req.params, vocab_size, self.default_max_tokens)
+        args = params.chat.template_args()
+        return len(prompt_ids(req, self.codec, vocab_size,
+                              max_prompt_chars(self.limits, self.codec.max_chars_per_token),
+                              lambda messages: self.render_chat(messages, args)))
+
+    def usage_so_far(self, client: Hashable, client_rid: str) -> Usage | None:
+        """The scheduler's latest usage of the client's running request (its first
+        choice; known from its first token on), None when it is not running."""
+        rids = self._rids.get(client, {}).get(client_rid)
+        request = self.requests.get(rids[0]) if rids else None
+        return None if request is None else request.stream.usage
+
     def check_integrity(self) -> None:
         """Every request is indexed under its client key and client rid, and only those."""
         indexed = {rid: (client, client_rid) for client, rids in self._rids.items()

@@ -127,15 +127,19 @@ class TextCodec:
     def encode_chat(self, messages: list[dict], **template_args) -> list[int]:
         return self.encode_rendered(self.render_chat(messages, **template_args))
 
-    def render_chat(self, messages: list[dict], **template_args) -> str:
-        """The chat template's text for `messages`, with the generation prompt;
-        `template_args` (tools, enable_thinking, ...) go to the template."""
+    def render_chat(self, messages: list[dict], continue_final: bool = False,
+                    **template_args) -> str:
+        """The chat template's text for `messages`, with the generation prompt, or,
+        with `continue_final`, the last message left open for the reply to continue
+        (transformers' continue_final_message); `template_args` (tools,
+        enable_thinking, ...) go to the template."""
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a prompt instead",
                                  "messages")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **template_args)
+                messages, add_generation_prompt=not continue_final,
+                continue_final_message=continue_final, tokenize=False, **template_args)
         except Exception as exc:  # jinja raises its own exception types
             raise InvalidRequest(f"the chat template rejected the messages: {exc}",
                                  "messages") from None

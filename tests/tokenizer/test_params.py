@@ -46,7 +46,7 @@ def test_everything_set():
                           "timeout", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "logit_bias", "min_tokens", "n", "tools",
                           "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                          "enable_thinking", "response_format"}
+                          "enable_thinking", "continue_final_message", "response_format"}
 
 
 # ---- valid values --------------------------------------------------------------------

@@ -1,17 +1,27 @@
 """`POST /v1/messages`, Anthropic's Messages API: text and tool calls in and out,
 streamed as its named events (message_start, content_block_start / _delta / _stop,
 message_delta, message_stop); a tool call is a `tool_use` block whose input comes
-as one `input_json_delta`."""
+as one `input_json_delta`. `POST /v1/messages/count_tokens` counts a request's
+prompt as it would be rendered. A final assistant message is a prefill: the reply
+continues it."""
 
+import asyncio
+import re
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
+from mlxd.protocol import ErrorReply, GenerateRequest
+
+from ..params import InvalidRequest
 from .anthropic_schema import (
-    PASSED, Message, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock,
+    PASSED, CountTokensRequest, Message, MessagesRequest, TextBlock, ToolResultBlock,
+    ToolUseBlock,
 )
 from .choices import Choice, Outputs
+from .compat import MESSAGES
 from .context import Api, read_body
 from .errors import ApiError, anthropic_body
 from .generation import Generation, failed
@@ -23,6 +33,12 @@ from .tool_calls import anthropic_tool_params, anthropic_tool_use
 # The core's names the errors name -> this API's
 RENAMED = {**{name: field for field, name in PASSED.items() if field != name},
            "prompt": "messages", "input_ids": "messages"}
+# The core's length errors (runtime/request_limits.py), in Anthropic's words, which
+# clients (Claude Code) read to know that the history must be compacted.
+TOO_LONG = re.compile(r"the prompt has (\d+) tokens; the (?:model's context is|KV cache "
+                      r"holds) (\d+) tokens")
+TOO_LONG_WITH_OUTPUT = re.compile(r"the prompt has (\d+) tokens and max_tokens allows "
+                                  r"(\d+) more; the KV cache holds (\d+) tokens")
 
 
 def _text(content) -> str:
@@ -47,31 +63,85 @@ def _turn(m: Message) -> list[dict]:
 
 
 def chat_messages(body: MessagesRequest) -> list[dict]:
-    system = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    return system + [message for m in body.messages for message in _turn(m)]
+    """The chat: one system message first (the body's `system`, then the text of any
+    system message among the messages: templates take a system prompt first only),
+    then the turns."""
+    system = [_text(body.system)] if body.system else []
+    system += [_text(m.content) for m in body.messages if m.role == "system"]
+    first = [{"role": "system", "content": "\n\n".join(system)}] if system else []
+    return first + [message for m in body.messages if m.role != "system"
+                    for message in _turn(m)]
+
+
+def prefilled(body: MessagesRequest) -> bool:
+    """A final assistant message of text is the start of the reply, to continue."""
+    last = body.messages[-1]
+    blocks = [] if isinstance(last.content, str) else last.content
+    return last.role == "assistant" and bool(_text(last.content)) and \
+        not any(isinstance(b, ToolUseBlock) for b in blocks)
 
 
 def core_params(body: MessagesRequest) -> dict:
     params = {name: getattr(body, field) for field, name in PASSED.items()
               if getattr(body, field) is not None}
+    for name in ("enable_thinking", "response_format"):
+        if getattr(body, name) is not None:
+            params[name] = getattr(body, name)
+    if prefilled(body):
+        params["continue_final_message"] = True
     return {**params, **anthropic_tool_params(body.tools, body.tool_choice)}
 
 
+def anthropic_error(reply: ErrorReply) -> ApiError:
+    """The core's refusal; a prompt too long in the words Anthropic's API uses."""
+    err = core_error(reply, RENAMED)
+    if match := TOO_LONG.search(reply.message):
+        n, limit = match.groups()
+        err.message = f"prompt is too long: {n} tokens > {limit} maximum"
+    elif match := TOO_LONG_WITH_OUTPUT.search(reply.message):
+        n, new, limit = map(int, match.groups())
+        err.message = (f"input length and `max_tokens` exceed context limit: {n} + {new} "
+                       f"> {limit + 1}, decrease input length or `max_tokens` and try again")
+    return err
+
+
+def _policy(api: Api) -> Callable[[dict], dict]:
+    return lambda body: api.compat.apply(MESSAGES, body)
+
+
 async def messages(api: Api, request: Request):
-    body = await read_body(request, MessagesRequest)
+    body = await read_body(request, MessagesRequest, _policy(api))
     api.check_model(body.model)
     api.check_ready()
     params = core_params(body)
-    gen = Generation(api.front, api.metrics, lambda e: core_error(e, RENAMED))
+    gen = Generation(api.front, api.metrics, anthropic_error)
     requests = generate_requests([{"messages": chat_messages(body)}], params, body.stream)
     await gen.begin(requests, request.receive)
-    render = MessageRender(api, [r.rid for r in requests], body.stop_sequences or [])
+    render = MessageRender(api, [r.rid for r in requests], body.stop_sequences or [],
+                           gen.call.usage_so_far)
     return await respond(gen, body.stream, render.response, render.events)
 
 
+async def count_tokens(api: Api, request: Request):
+    """`{"input_tokens": N}`: the prompt a request of this body would have (its
+    template, tools and system prompt), counted without running it."""
+    body = await read_body(request, CountTokensRequest, _policy(api))
+    api.check_model(body.model)
+    params = {k: v for k, v in core_params(body).items() if k != "max_tokens"}
+    req = GenerateRequest("count", params=params, messages=chat_messages(body))
+    try:   # off the event loop: a long prompt holds up no other request
+        n = await asyncio.to_thread(api.front.core.prompt_tokens, req)
+    except InvalidRequest as exc:
+        raise anthropic_error(ErrorReply("count", "invalid_request", str(exc),
+                                         exc.param)) from None
+    return JSONResponse({"input_tokens": n})
+
+
 class MessageRender:
-    def __init__(self, api: Api, rids: list[str], stop_sequences: list[str]):
+    def __init__(self, api: Api, rids: list[str], stop_sequences: list[str],
+                 usage_so_far: Callable[[str], dict | None] = lambda rid: None):
         self.api = api
+        self.usage_so_far = usage_so_far   # a running request's usage, by rid
         self.stop_sequences = stop_sequences
         self.outputs = Outputs(rids)
         self.id = f"msg_{uuid.uuid4().hex}"
@@ -96,9 +166,10 @@ class MessageRender:
                 if failed(chunk):
                     raise failed(chunk)
                 if not started:
+                    usage = chunk.usage or self.usage_so_far(chunk.rid)
                     yield event({"type": "message_start", "message": {
                         **self._message([]), "stop_reason": None, "stop_sequence": None,
-                        "usage": {"input_tokens": 0, "output_tokens": 0}}})
+                        "usage": {**_input_usage(usage), "output_tokens": 0}}})
                     started = True
                 for piece in self._content_events(text, chunk.tool_calls or []):
                     yield piece
@@ -161,10 +232,15 @@ class MessageRender:
         return {"stop_reason": "end_turn", "stop_sequence": None}
 
     def _usage(self) -> dict:
-        """Anthropic counts the prompt tokens read from the cache apart."""
         usage = self.outputs.usage()
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        return {"input_tokens": usage["prompt_tokens"] - cached,
-                "output_tokens": usage["completion_tokens"],
-                "cache_read_input_tokens": cached}
+        return {**_input_usage({"prompt_tokens": usage["prompt_tokens"], "cached_tokens":
+                                usage["prompt_tokens_details"]["cached_tokens"]}),
+                "output_tokens": usage["completion_tokens"]}
+
+
+def _input_usage(usage: dict | None) -> dict:
+    """Anthropic counts the prompt tokens read from the cache apart."""
+    prompt, cached = (usage["prompt_tokens"], usage.get("cached_tokens", 0)) if usage \
+        else (0, 0)
+    return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached}
 

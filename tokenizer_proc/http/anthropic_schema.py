@@ -1,6 +1,7 @@
-"""The request body of Anthropic's Messages API (`POST /v1/messages`): text, tools,
-tool_use and tool_result blocks. Strict like openai_schema.py: an unknown field is a
-400 naming it. The parameters it sends on as they are have their fields made from
+"""The request body of Anthropic's Messages API (`POST /v1/messages`, and
+`/v1/messages/count_tokens`'s): text, tools, tool_use and tool_result blocks. Strict
+like openai_schema.py: an unknown field is a 400 naming it, once the compatibility
+policy (compat.py) has dealt with the API's fields it ignores, maps or refuses. The parameters it sends on as they are have their fields made from
 their declarations (protocol/sampling.py), unless typed here (max_tokens, required;
 stop_sequences, a list; temperature, which this API bounds to [0, 1])."""
 
@@ -46,7 +47,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 
 class Message(Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]   # system: joins the system prompt
     content: str | list[Block]
 
 
@@ -64,10 +65,6 @@ class ToolChoice(Strict):
     disable_parallel_tool_use: bool | None = None
 
 
-class Metadata(Strict):
-    user_id: str | None = None
-
-
 class Model(Strict):
     model: str
 
@@ -79,6 +76,13 @@ class MessagesRequest(passed_fields(PASSED, Model)):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     stream: bool = False
-    metadata: Metadata | None = None   # accepted, not used
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    enable_thinking: bool | None = None    # from `thinking` (compat.py)
+    response_format: dict | None = None    # from `output_config.format` (compat.py)
+
+
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a request as it would be sent, max_tokens aside."""
+
+    max_tokens: int | None = Field(default=None, ge=1)

@@ -19,6 +19,7 @@ from .context import Api, read_body
 from .errors import ApiError, bad_request, install_error_handlers
 from .openai_api import chat_messages
 from .openai_schema import DetokenizeRequest, TokenizeRequest
+from .responses_api import Responses
 
 OPEN_PATHS = ("/health", "/metrics")   # no API key asked
 CLIENT_GONE = 499   # the status logged for a request whose client went away (nginx's)
@@ -62,10 +63,12 @@ def build_app(api: Api) -> FastAPI:
     routes = {("POST", "/v1/chat/completions"): openai_api.chat_completions,
               ("POST", "/v1/completions"): openai_api.completions,
               ("POST", "/v1/messages"): anthropic_api.messages,
+              ("POST", "/v1/messages/count_tokens"): anthropic_api.count_tokens,
               ("GET", "/v1/models"): models,
               ("GET", "/v1/models/{model:path}"): model,
               ("POST", "/tokenize"): tokenize,
-              ("POST", "/detokenize"): detokenize}
+              ("POST", "/detokenize"): detokenize,
+              **Responses().routes()}
     for (method, path), route in routes.items():
         app.add_api_route(path, _guarded(api, route), methods=[method])
     for path, route in (("/health", health), ("/metrics", metrics)):
@@ -96,22 +99,31 @@ class CountRequests:
         await self.app(scope, receive, counting_send)
 
 
-def _model_card(api: Api) -> dict:
+def _model_card(api: Api, request: Request) -> dict:
+    """OpenAI's model object, or Anthropic's to a client that sends the
+    `anthropic-version` header (as Anthropic's SDK does)."""
     limits = api.limits
+    context = limits.max_context if limits is not None and limits.max_context else None
+    if "anthropic-version" in request.headers:
+        card = {"type": "model", "id": api.model_name, "display_name": api.model_name,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(api.started))}
+        return {**card, "max_input_tokens": context} if context else card
     card = {"id": api.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "mlxd"}
-    if limits is not None and limits.max_context:
-        card["max_model_len"] = limits.max_context
-    return card
+    return {**card, "max_model_len": context} if context else card
 
 
 async def models(api: Api, request: Request):
-    return JSONResponse({"object": "list", "data": [_model_card(api)]})
+    card = _model_card(api, request)
+    if "anthropic-version" in request.headers:
+        return JSONResponse({"data": [card], "has_more": False, "first_id": card["id"],
+                             "last_id": card["id"]})
+    return JSONResponse({"object": "list", "data": [card]})
 
 
 async def model(api: Api, request: Request):
     api.check_model(request.path_params["model"])
-    return JSONResponse(_model_card(api))
+    return JSONResponse(_model_card(api, request))
 
 
 async def health(api: Api, request: Request):

@@ -37,7 +37,12 @@ class Disconnected(Exception):
     """The HTTP client went away; its requests were aborted."""
 
 
+class Cancelled(Exception):
+    """The call was cancelled from outside its request; its requests were aborted."""
+
+
 _GONE = object()   # put on a call's queue when its client disconnects
+_CANCELLED = object()   # put on it by `cancel`
 _keys = itertools.count()
 
 
@@ -69,18 +74,27 @@ class Call:
         return list(self._replies)
 
     async def next_reply(self) -> StreamChunk | ErrorReply:
-        """The next reply; raises Disconnected once the client is gone."""
+        """The next reply; raises Disconnected once the client is gone, Cancelled once
+        the call is cancelled."""
         while not self._replies:
             self._arrived.clear()
             await self._arrived.wait()
         reply = self._replies.popleft()
         if reply is _GONE:
             raise Disconnected()
+        if reply is _CANCELLED:
+            raise Cancelled()
         if isinstance(reply, ErrorReply):
             self.running -= self.choices
         elif isinstance(reply, StreamChunk) and reply.finish_reason:
             self.running -= 1
         return reply
+
+    def usage_so_far(self, rid: str) -> dict | None:
+        """The usage of the call's running request `rid` as the scheduler last told it
+        (from its first token on)."""
+        usage = self.front.core.usage_so_far(self.key, rid)
+        return None if usage is None else usage.as_dict()
 
     async def stats(self) -> dict:
         """The scheduler's counters (StatsReply.stats)."""
@@ -102,6 +116,11 @@ class Call:
         self.disconnected = True
         await self.close()
         self._put(_GONE)
+
+    async def cancel(self) -> None:
+        """Abort the call from elsewhere (another request): its reader gets Cancelled."""
+        await self.close()
+        self._put(_CANCELLED)
 
     async def close(self) -> None:
         """Abort whatever of the call still runs; nothing more reaches its queue."""

@@ -2,8 +2,10 @@
 name, the API key, the metrics; and reading a JSON body into its model."""
 
 import json
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -11,9 +13,9 @@ from pydantic import BaseModel, ValidationError
 from ..text import TextCodec
 from ..validation import ModelLimits
 from .calls import Front
+from .compat import Compat, without_nulls
 from .errors import ApiError, bad_request, validation_error
 from .metrics import Metrics
-from .openai_schema import drop_nulls
 
 MAX_BODY_BYTES = 64 << 20
 
@@ -24,6 +26,8 @@ class Api:
     model_name: str
     api_key: str = ""
     metrics: Metrics = field(default_factory=Metrics)
+    compat: Compat = field(default_factory=Compat)   # the compatibility policy (compat.py)
+    started: float = field(default_factory=time.time)   # when the server started
 
     def __post_init__(self):
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
@@ -51,9 +55,11 @@ class Api:
             raise ApiError(503, "the server is starting: the model is not ready yet")
 
 
-async def read_body(request: Request, model: type[BaseModel]):
-    """The request's JSON body as `model`: 400 for bad JSON or a body that does not
-    fit, 413 past MAX_BODY_BYTES."""
+async def read_body(request: Request, model: type[BaseModel],
+                    policy: Callable[[dict], dict] | None = None):
+    """The request's JSON body as `model`, its nulls dropped at every depth and
+    `policy` applied first (e.g. `lambda b: api.compat.apply(CHAT, b)`): 400 for bad
+    JSON or a body that does not fit, 413 past MAX_BODY_BYTES."""
     raw = await _body(request)
     try:
         body = json.loads(raw)
@@ -61,8 +67,11 @@ async def read_body(request: Request, model: type[BaseModel]):
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    body = without_nulls(body)
+    if policy is not None:
+        body = policy(body)
     try:
-        return model.model_validate(drop_nulls(body))
+        return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
 

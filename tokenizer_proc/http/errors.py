@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger("mlxd.http")
 
-ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # OpenAI's error type for each status; Anthropic's differ (below).
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error",

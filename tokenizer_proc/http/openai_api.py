@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .calls import Disconnected
+from .compat import CHAT, COMPLETIONS
 from .choices import Outputs, chat_logprobs, completion_logprobs
 from .context import Api, read_body
 from .errors import ApiError, bad_request, openai_body
@@ -51,8 +52,19 @@ def prompt_inputs(prompt) -> list[dict]:
     return [{"input_ids": ids} for ids in prompt]
 
 
+def continues_final(body: ChatRequest) -> bool | None:
+    """Whether the reply continues the final message (an assistant's prefill, as
+    Anthropic's API and llama.cpp's server take it): by default when that message is
+    the assistant's text, unless the body says otherwise (vLLM's fields)."""
+    if body.continue_final_message is not None:
+        return body.continue_final_message or None
+    last = body.messages[-1]
+    prefill = last.role == "assistant" and bool(last.content) and not last.tool_calls
+    return (prefill and not body.add_generation_prompt) or None
+
+
 async def chat_completions(api: Api, request: Request):
-    body = await read_body(request, ChatRequest)
+    body = await read_body(request, ChatRequest, lambda b: api.compat.apply(CHAT, b))
     api.check_model(body.model)
     api.check_ready()
     n = choices_per_request(body)
@@ -61,6 +73,7 @@ async def chat_completions(api: Api, request: Request):
         else body.max_tokens
     params = core_params(body, max_tokens, logprobs=body.logprobs or None,
                          top_logprobs=body.top_logprobs, response_format=body.response_format,
+                         continue_final_message=continues_final(body),
                          **openai_tool_params(body))
     renamed = {"prompt": "messages", "input_ids": "messages"}
     if body.max_completion_tokens is not None:
@@ -77,7 +90,8 @@ async def chat_completions(api: Api, request: Request):
 
 
 async def completions(api: Api, request: Request):
-    body = await read_body(request, CompletionRequest)
+    body = await read_body(request, CompletionRequest,
+                           lambda b: api.compat.apply(COMPLETIONS, b))
     api.check_model(body.model)
     api.check_ready()
     if body.echo and body.logprobs is not None:
@@ -87,7 +101,8 @@ async def completions(api: Api, request: Request):
     include_usage = usage_in_stream(body)
     inputs = prompt_inputs(body.prompt)
     params = core_params(body, body.max_tokens, logprobs=body.logprobs is not None or None,
-                         top_logprobs=body.logprobs or None)
+                         top_logprobs=body.logprobs or None,
+                         response_format=body.response_format)
     renamed = {"top_logprobs": "logprobs", "input_ids": "prompt", "prompt": "prompt"}
     gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed))
     requests = generate_requests(inputs, params, body.stream)

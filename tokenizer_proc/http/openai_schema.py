@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Types are strict (a string is not a number) and unknown fields are refused, so a
-parameter this server does not implement is a 400 naming it, never silently ignored.
-A field sent as null counts as not sent (`drop_nulls`), as OpenAI treats it. Values
+parameter this server does not implement is a 400 naming it, never silently ignored;
+the fields of the APIs that are ignored, mapped or refused by the compatibility policy
+are dealt with before (compat.py), and nulls dropped at every depth. Values
 are range-checked by the core (params.py), which knows what it can honour. The
 parameters sent on as they are have their fields made from their declarations
 (protocol/sampling.py); the others are declared here and mapped by the routes."""
@@ -32,13 +33,6 @@ def passed_fields(names: dict[str, str], base: type[BaseModel]) -> type[BaseMode
     return create_model(f"{base.__name__}Passed", __base__=base, **fields)
 
 
-def drop_nulls(body):
-    """Top-level fields sent as null are left out (the defaults apply)."""
-    if isinstance(body, dict):
-        return {k: v for k, v in body.items() if v is not None}
-    return body
-
-
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -56,8 +50,7 @@ class Sampling(passed_fields({name: name for name in PASSED}, Model)):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None                  # accepted, not used
-    metadata: dict[str, str] | None = None   # accepted, not used
+    response_format: dict | None = None   # checked and compiled by the core
 
 
 class TextPart(Strict):
@@ -116,7 +109,10 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None
     enable_thinking: bool | None = None   # vLLM's shorthand for the template kwarg
-    response_format: dict | None = None   # checked and compiled by the core
+    # vLLM's: a final assistant message is continued (rendered open) unless
+    # add_generation_prompt is true or continue_final_message false
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(Sampling):

@@ -1,5 +1,6 @@
 """A request's chat options (OpenAI names): `tools`, `tool_choice`,
-`parallel_tool_calls`, `chat_template_kwargs` and `enable_thinking`, validated."""
+`parallel_tool_calls`, `chat_template_kwargs`, `enable_thinking` and
+`continue_final_message`, validated."""
 
 from dataclasses import dataclass, field
 
@@ -7,6 +8,7 @@ MAX_TOOLS = 128
 # apply_chat_template's own arguments: a template kwarg must not replace them
 RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
                              "add_generation_prompt", "continue_final_message",
+                             "continue_final",
                              "chat_template", "return_dict", "tokenizer_kwargs"})
 CHOICES = ("auto", "none", "required")
 
@@ -26,6 +28,7 @@ class ChatOptions:
     function: str | None = None        # the named function
     parallel_tool_calls: bool = True
     template_kwargs: dict = field(default_factory=dict)
+    continue_final: bool = False   # the last message is continued, not answered
 
     @property
     def calls_tools(self) -> bool:
@@ -46,7 +49,8 @@ class ChatOptions:
     def template_args(self) -> dict:
         """What the chat template gets besides the messages."""
         tools = {"tools": self.tools} if self.calls_tools else {}
-        return {**self.template_kwargs, **tools}
+        final = {"continue_final": True} if self.continue_final else {}
+        return {**self.template_kwargs, **tools, **final}
 
 
 def _tool(tool) -> dict:
@@ -116,8 +120,10 @@ def chat_options(params: dict) -> ChatOptions:
     """The options in a request's params; InvalidOptions names what is wrong."""
     tools = _tools(params)
     choice, function = _choice(params, tools)
-    parallel = params.get("parallel_tool_calls", True)
-    if type(parallel) is not bool:
-        raise InvalidOptions(f"parallel_tool_calls must be true or false, got {parallel!r}",
-                             "parallel_tool_calls")
-    return ChatOptions(tools, choice, function, parallel, _template_kwargs(params))
+    flags = {name: params.get(name, default) for name, default in
+             (("parallel_tool_calls", True), ("continue_final_message", False))}
+    for name, value in flags.items():
+        if type(value) is not bool:
+            raise InvalidOptions(f"{name} must be true or false, got {value!r}", name)
+    return ChatOptions(tools, choice, function, flags["parallel_tool_calls"],
+                       _template_kwargs(params), flags["continue_final_message"])
