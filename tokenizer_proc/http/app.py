@@ -19,6 +19,7 @@ from .context import Api, read_body
 from .errors import ApiError, bad_request, install_error_handlers
 from .openai_api import chat_messages
 from .openai_schema import DetokenizeRequest, TokenizeRequest
+from .responses_api import Responses
 
 OPEN_PATHS = ("/health", "/metrics")   # no API key asked
 CLIENT_GONE = 499   # the status logged for a request whose client went away (nginx's)
@@ -66,7 +67,8 @@ def build_app(api: Api) -> FastAPI:
               ("GET", "/v1/models"): models,
               ("GET", "/v1/models/{model:path}"): model,
               ("POST", "/tokenize"): tokenize,
-              ("POST", "/detokenize"): detokenize}
+              ("POST", "/detokenize"): detokenize,
+              **Responses().routes()}
     for (method, path), route in routes.items():
         app.add_api_route(path, _guarded(api, route), methods=[method])
     for path, route in (("/health", health), ("/metrics", metrics)):

@@ -37,7 +37,12 @@ class Disconnected(Exception):
     """The HTTP client went away; its requests were aborted."""
 
 
+class Cancelled(Exception):
+    """The call was cancelled from outside its request; its requests were aborted."""
+
+
 _GONE = object()   # put on a call's queue when its client disconnects
+_CANCELLED = object()   # put on it by `cancel`
 _keys = itertools.count()
 
 
@@ -69,13 +74,16 @@ class Call:
         return list(self._replies)
 
     async def next_reply(self) -> StreamChunk | ErrorReply:
-        """The next reply; raises Disconnected once the client is gone."""
+        """The next reply; raises Disconnected once the client is gone, Cancelled once
+        the call is cancelled."""
         while not self._replies:
             self._arrived.clear()
             await self._arrived.wait()
         reply = self._replies.popleft()
         if reply is _GONE:
             raise Disconnected()
+        if reply is _CANCELLED:
+            raise Cancelled()
         if isinstance(reply, ErrorReply):
             self.running -= self.choices
         elif isinstance(reply, StreamChunk) and reply.finish_reason:
@@ -108,6 +116,11 @@ class Call:
         self.disconnected = True
         await self.close()
         self._put(_GONE)
+
+    async def cancel(self) -> None:
+        """Abort the call from elsewhere (another request): its reader gets Cancelled."""
+        await self.close()
+        self._put(_CANCELLED)
 
     async def close(self) -> None:
         """Abort whatever of the call still runs; nothing more reaches its queue."""

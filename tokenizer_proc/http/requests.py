@@ -9,14 +9,16 @@ from .openai_schema import PASSED
 
 def core_params(body, max_tokens: int | None, **extra) -> dict:
     """The core's params for an OpenAI body: what it sent of PASSED, `max_tokens`,
-    `n` (left out when 1, the default), `logit_bias` with token-id keys, and `extra`."""
+    `n` (left out when 1, the default), `logit_bias` with token-id keys, and `extra`
+    (a body without `n` or `logit_bias`, the Responses API's, sends neither)."""
     params = {name: getattr(body, name) for name in PASSED if getattr(body, name) is not None}
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
-    if body.n is not None and body.n != 1:
-        params["n"] = body.n
-    if body.logit_bias is not None:
-        params["logit_bias"] = token_keyed(body.logit_bias)
+    n, bias = getattr(body, "n", None), getattr(body, "logit_bias", None)
+    if n is not None and n != 1:
+        params["n"] = n
+    if bias is not None:
+        params["logit_bias"] = token_keyed(bias)
     params.update({k: v for k, v in extra.items() if v is not None})
     return params
 

@@ -1,0 +1,161 @@
+"""The request body of OpenAI's Responses API (`POST /v1/responses`), as pydantic models.
+
+The body is strict like openai_schema.py's: an unknown top-level field is a 400 naming
+it. A few fields OpenAI's clients send are accepted and have no effect here, each
+marked where it is declared. The parameters sent on as they are (temperature, top_p
+and the extensions every OpenAI body takes: top_k, seed, stop, ...) have their fields
+made from their declarations (protocol/sampling.py). Input items are typed by their
+`type` (a message may leave it out); an item's fields that do not change what the
+model reads (ids, statuses, an SDK's bookkeeping) are ignored rather than refused, so
+that a client can send back the items it was given, whatever it added to them."""
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from .openai_schema import PASSED, Strict, passed_fields
+
+LOGPROBS = "message.output_text.logprobs"   # the `include` value that asks for logprobs
+
+
+class Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class Item(Loose):
+    id: str | None = None   # kept to list the item back (input_items)
+
+
+class InputText(Loose):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class Refusal(Loose):
+    type: Literal["refusal"]
+    refusal: str
+
+
+Part = Annotated[Union[Annotated[InputText, Tag("text")], Annotated[Refusal, Tag("refusal")]],
+                 Discriminator(lambda v: "refusal" if _type(v) == "refusal" else "text")]
+
+
+class MessageItem(Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+
+
+class FunctionCallItem(Item):
+    """A call the model made earlier (an output item sent back as input)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str   # JSON text
+
+
+class FunctionCallOutputItem(Item):
+    """The client's result of a call: text, or text parts."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+
+class ReasoningItem(Item):
+    """An earlier reply's thinking: not re-sent to the model (as chat's
+    `reasoning_content`)."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = Annotated[
+    Union[Annotated[MessageItem, Tag("message")],
+          Annotated[FunctionCallItem, Tag("function_call")],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+          Annotated[ReasoningItem, Tag("reasoning")]],
+    Discriminator(lambda v: _type(v) or "message")]
+
+
+def _type(value) -> str | None:
+    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class AllowedTools(Strict):
+    """Only these of `tools` may be called, `mode` as tool_choice says."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunction] = Field(min_length=1)
+
+
+class JsonSchemaFormat(Strict):
+    type: Literal["json_schema"]
+    name: str
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class PlainFormat(Strict):
+    type: Literal["text", "json_object"]
+
+
+class TextConfig(Strict):
+    format: Annotated[JsonSchemaFormat | PlainFormat, Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None   # accepted, no effect
+
+
+class ReasoningConfig(Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None   # accepted: no summaries
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None   # the old name
+
+
+class StreamOptions(Strict):
+    include_obfuscation: bool | None = None   # accepted: nothing is padded here
+
+
+class Model(Strict):
+    model: str | None = None
+
+
+class ResponsesRequest(passed_fields({name: name for name in PASSED}, Model)):
+    input: str | list[InputItem] = ""
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    top_logprobs: int | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | AllowedTools | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None   # LOGPROBS is used; the others name hosted tools' data
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    background: Literal[False] | None = None   # background runs are not offered
+    truncation: Literal["disabled"] | None = None   # too long is a 400, never cut
+    metadata: dict[str, str] | None = None
+    chat_template_kwargs: dict | None = None   # an extension, as chat's
+    # accepted, not used: identify the end user, or steer OpenAI's own caching and tiers
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
