@@ -211,12 +211,13 @@ def _structured_outputs(value, _) -> Fields:
 
 
 def _constrained(name: str, kind: str, apis: tuple[str, ...], server: str) -> Rule:
-    return Rule(name, apis, MAPPED, f"{server}'s; response_format {kind}",
+    return Rule(name, apis, MAPPED, f"{server}'s; a {kind} constraint (response_format)",
                 to=_constraint(kind)(name))
 
 
 NO_EFFECT = "no effect on a local server"
 TEXT_ONLY = "this server's model reads and writes text only"
+LOGPROBS = "logprobs are not supported by the Messages API: use /v1/chat/completions"
 
 TABLE: tuple[Rule, ...] = (
     # (a) no effect on a local server: accepted and ignored
@@ -246,21 +247,19 @@ TABLE: tuple[Rule, ...] = (
          to=lambda v, _: _output_format(v)),
     Rule("structured_outputs", (*OPENAI,), MAPPED, "vLLM's; response_format",
          to=_structured_outputs),
-    _constrained("guided_json", "json_schema", OPENAI, "vLLM"),
+    _constrained("guided_json", "json", OPENAI, "vLLM"),
     _constrained("guided_regex", "regex", OPENAI, "vLLM"),
     _constrained("guided_choice", "choice", OPENAI, "vLLM"),
     _constrained("guided_grammar", "grammar", OPENAI, "vLLM"),
     _constrained("regex", "regex", OPENAI, "SGLang"),
     _constrained("ebnf", "grammar", OPENAI, "SGLang"),
-    _constrained("json_schema", "json_schema", OPENAI, "SGLang's and llama.cpp"),
+    _constrained("json_schema", "json", OPENAI, "SGLang's and llama.cpp"),
     _constrained("grammar", "grammar", OPENAI, "llama.cpp (GBNF)"),
     # (c) would change the output, cannot be honoured: refused
     Rule("modalities", (CHAT,), REFUSED, "audio output is not supported: " + TEXT_ONLY),
     Rule("audio", (CHAT,), REFUSED, "audio output is not supported: " + TEXT_ONLY),
-    Rule("logprobs", (MESSAGES,), REFUSED, "logprobs are not given by the Messages API "
-         "here: use /v1/chat/completions"),
-    Rule("top_logprobs", (MESSAGES,), REFUSED, "logprobs are not given by the Messages "
-         "API here: use /v1/chat/completions"),
+    Rule("logprobs", (MESSAGES,), REFUSED, LOGPROBS),
+    Rule("top_logprobs", (MESSAGES,), REFUSED, LOGPROBS),
     # (d) what a server's own reply objects carry, sent back in the history
     Rule("refusal", (CHAT,), MAPPED, "the content, where there is none", MESSAGE,
          to=_refusal),
