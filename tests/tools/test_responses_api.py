@@ -255,3 +255,43 @@ def test_logprobs_come_with_the_text_when_included(oai, front):
                              top_logprobs=0)
     part = r.output[0].content[0]
     assert part.logprobs and "".join(lp.token for lp in part.logprobs).strip()
+
+
+class HoldingFront(ScriptedFront):
+    """Answers with the first tokens of its reply, then holds (the request runs on)."""
+
+    async def _play(self, req) -> None:
+        from mlxd.protocol import TokenBatch, TokenEntry
+
+        ids = self.core.codec.tokenizer.encode(self.reply, add_special_tokens=False)[:3]
+        self.core.on_batch(TokenBatch([TokenEntry(req.rid, ids, [0.0] * len(ids))]))
+
+
+def test_a_running_response_can_be_read_and_cancelled(tool_model):
+    front = HoldingFront(TextCodec(tool_model))
+    front.reply = "Some words that go on."
+    with TestClient(build_app(Api(front, "m"))) as http:
+        with http.stream("POST", "/v1/responses",
+                         json={"model": "m", "input": "hi", "stream": True}) as stream:
+            lines = stream.iter_lines()
+            created = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
+            rid = created["response"]["id"]
+            next(line for line in lines if "response.output_text.delta" in line)
+            assert http.get(f"/v1/responses/{rid}").json()["status"] == "in_progress"
+            cancelled = http.post(f"/v1/responses/{rid}/cancel")
+            rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        assert rest[-1]["type"] == "response.failed"
+        assert rest[-1]["response"]["status"] == "cancelled"
+        assert rest[-1]["response"]["output"][0]["status"] == "incomplete"
+        again = http.post(f"/v1/responses/{rid}/cancel")
+        assert again.status_code == 400 and "cancelled" in again.json()["error"]["message"]
+        assert http.get(f"/v1/responses/{rid}").json()["status"] == "cancelled"
+        assert not front.core.requests   # the cancel aborted it in the core
+
+
+def test_a_forced_call_sets_the_text_format_aside(http, front):
+    r = http.post("/v1/responses", json={
+        "model": "m", "input": "hi", "tools": TOOLS, "tool_choice": "required",
+        "text": {"format": {"type": "json_object"}}})
+    assert r.status_code == 200, r.text

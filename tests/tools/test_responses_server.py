@@ -141,3 +141,43 @@ def test_an_agents_sdk_agent_calls_its_tool(server, model, streamed):
     assert result.raw_responses[0].response_id.startswith("resp_")   # the Responses API
     assert [type(i).__name__ for i in result.new_items] == ["ToolCallItem",
                                                             "ToolCallOutputItem"]
+
+
+def test_an_agent_with_an_output_type_calls_then_answers_in_its_schema(server, model):
+    """Two turns: the forced call (its text format set aside), then, tool_choice reset
+    to auto by the SDK, the answer constrained to the output type's schema, with the
+    whole history (the call and its output as items) sent back by the SDK."""
+    import agents
+    from openai.types.shared import Reasoning
+    from pydantic import BaseModel
+
+    agents.set_tracing_disabled(True)
+
+    class Answer(BaseModel):
+        zone: Literal["UTC", "CET"]
+        late: bool
+
+    @agents.function_tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        return f"23:00 {zone}"
+
+    agent = agents.Agent(
+        name="clock", instructions="Tell the time.", tools=[get_time], model=model,
+        output_type=Answer, model_settings=agents.ModelSettings(
+            tool_choice="get_time", max_tokens=100, reasoning=Reasoning(effort="none")))
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="none",
+                                    max_retries=0)
+        config = agents.RunConfig(model_provider=agents.OpenAIProvider(openai_client=client))
+        try:
+            return await agents.Runner.run(agent, "What time is it?", run_config=config)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert isinstance(result.final_output, Answer)
+    assert len(result.raw_responses) == 2
+    assert [type(i).__name__ for i in result.new_items] == [
+        "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]

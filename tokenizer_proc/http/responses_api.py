@@ -54,7 +54,7 @@ class Responses:
         owner = owner_of(request)
         history = self._history(owner, body.previous_response_id)
         items = input_items(body)
-        new = chat_messages(items)
+        new = chat_messages(items, history)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         if not history + new:
             raise bad_request("input is empty: send a text or at least one item", "input")

@@ -9,19 +9,21 @@ are flat here (`{type, name, parameters}`) and nested in chat (`{type, function}
 `text.format` is chat's `response_format`; `reasoning.effort` turns thinking on or,
 at `none` and `minimal`, off, and goes to templates that read it as `reasoning_effort`."""
 
+from typing import Sequence
+
+from .compat import THINKING_OFF   # as chat's reasoning_effort: off at none and minimal
 from .responses_schema import (
     LOGPROBS, AllowedTools, FunctionCallItem, FunctionCallOutputItem, JsonSchemaFormat,
     MessageItem, NamedFunction, ResponsesRequest,
 )
 
-# Efforts that turn thinking off, as chat's `reasoning_effort` does.
-THINKING_OFF = ("none", "minimal")
 
-
-def chat_messages(items: list) -> list[dict]:
-    """Input items (models of responses_schema, or output items as dicts) as chat messages."""
+def chat_messages(items: list, before: Sequence[dict] = ()) -> list[dict]:
+    """Input items (models of responses_schema, or output items as dicts) as chat
+    messages; `before`: the conversation they continue (its calls name tool results)."""
     messages: list[dict] = []
-    names: dict[str, str] = {}   # call_id -> the function's name, for the tool turns
+    names = {c["id"]: c["function"]["name"]   # call_id -> the function, for tool turns
+             for m in before for c in m.get("tool_calls", ())}
     for item in items:
         kind = item["type"] if isinstance(item, dict) else item.type
         if kind == "message":
@@ -99,7 +101,7 @@ def tool_params(body: ResponsesRequest) -> dict:
         params["parallel_tool_calls"] = body.parallel_tool_calls
     kwargs = dict(body.chat_template_kwargs or {})
     effort = body.reasoning.effort if body.reasoning is not None else None
-    if effort is not None:   # as chat's reasoning_effort (compat.py): off at none, minimal
+    if effort is not None:
         params["enable_thinking"] = effort not in THINKING_OFF
         kwargs.setdefault("reasoning_effort", effort)
     if kwargs or body.chat_template_kwargs is not None:
@@ -108,9 +110,12 @@ def tool_params(body: ResponsesRequest) -> dict:
 
 
 def response_format(body: ResponsesRequest) -> dict | None:
-    """`text.format` as chat's response_format (the core checks and compiles it)."""
+    """`text.format` as chat's response_format (the core checks and compiles it). It
+    shapes the reply's text, so a forced call, whose reply is the call, drops it (as
+    OpenAI takes both; the Agents SDK sends both when an agent with an output type
+    must call a tool)."""
     form = body.text.format if body.text is not None else None
-    if form is None or form.type == "text":
+    if form is None or form.type == "text" or forces_call(body):
         return None
     if isinstance(form, JsonSchemaFormat):
         spec = {"name": form.name, "schema": form.schema_}
@@ -118,6 +123,13 @@ def response_format(body: ResponsesRequest) -> dict | None:
                                         ("strict", form.strict)) if v is not None})
         return {"type": "json_schema", "json_schema": spec}
     return {"type": form.type}
+
+
+def forces_call(body: ResponsesRequest) -> bool:
+    choice = body.tool_choice
+    if isinstance(choice, AllowedTools):
+        choice = choice.mode
+    return bool(body.tools) and (choice == "required" or isinstance(choice, NamedFunction))
 
 
 def logprobs_asked(body: ResponsesRequest) -> bool:
