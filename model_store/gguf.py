@@ -47,12 +47,12 @@ def read_gguf(path: str | os.PathLike):
     """(the tensors, by name: (data, GGML type, numpy shape), the metadata dict)."""
     from gguf import GGUFReader
 
-    try:
+    try:   # a bad UTF-8 string and an unknown GGML type are ValueErrors too
         reader = GGUFReader(path)
+        meta = {f.name: f.contents() for f in reader.fields.values()
+                if not f.name.startswith("GGUF.")}
     except (OSError, ValueError, KeyError, IndexError) as exc:
         raise GGUFError(f"cannot read {path}: {exc}") from None
-    meta = {f.name: f.contents() for f in reader.fields.values()
-            if not f.name.startswith("GGUF.")}
     tensors = {t.name: (t.data, t.tensor_type, tuple(int(n) for n in reversed(t.shape)))
                for t in reader.tensors}
     return tensors, meta
@@ -67,10 +67,12 @@ def mlx_tensors(tensors: dict, inexact: str) -> tuple[dict, dict, dict]:
             parts, form = to_mlx(name, data, qtype, shape, inexact)
         except QuantError as exc:
             raise GGUFError(str(exc)) from None
-        stem = name.removesuffix(".weight")
-        arrays.update({f"{stem}.{kind}": value for kind, value in parts.items()})
-        if form.quantization():
+        if form.quantization():   # only matrices are kept quantized: name.weight
+            stem = name.removesuffix(".weight")
+            arrays.update({f"{stem}.{kind}": value for kind, value in parts.items()})
             modules[stem] = form.quantization()
+        else:
+            arrays[name] = parts["weight"]
         forms[qtype.name] = form.record()
     return arrays, modules, forms
 
