@@ -89,6 +89,10 @@ class ServerFlags:
         "own `timeout` may ask for less. Past it the request ends with "
         "finish_reason `error` and an error starting `timeout`", (TOKENIZER,),
         shown="0 (none)", minimum=0)
+    access_log: bool = flag(
+        True, "log a line per HTTP request at info level: method, path, status, latency, "
+        "model, prompt and completion tokens, and the error message of a 4xx or 5xx "
+        "(`--no-access-log`: none)", (TOKENIZER,))
     tool_call_parser: str = flag(
         "auto", "the tool-call format parsed from replies: `hermes` (`<tool_call>` JSON, "
         "Qwen), `qwen3_coder` (`<tool_call><function=...>` XML), `mistral` "

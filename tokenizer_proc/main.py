@@ -327,7 +327,8 @@ async def serve(cfg: TokenizerConfig) -> None:
         raise SystemExit(f"mlxd tokenizer: {exc}") from None
     flags = cfg.flags
     http = HttpFrontEnd(server, flags.http_host, flags.http_port,
-                        flags.served_model_name or codec.path.name, flags.api_key)
+                        flags.served_model_name or codec.path.name, flags.api_key,
+                        flags.access_log)
     try:
         server.http_address = await http.start()   # 503 until the scheduler is ready
         await server.run()

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from mlxd.protocol import ErrorReply, GenerateRequest
 
 from ..params import InvalidRequest
+from .access_log import access_note
 from .anthropic_schema import (
     PASSED, CountTokensRequest, Message, MessagesRequest, TextBlock, ToolResultBlock,
     ToolUseBlock,
@@ -114,7 +115,7 @@ async def messages(api: Api, request: Request):
     api.check_model(body.model)
     api.check_ready()
     params = core_params(body)
-    gen = Generation(api.front, api.metrics, anthropic_error)
+    gen = Generation(api.front, api.metrics, anthropic_error, access_note(request))
     requests = generate_requests([{"messages": chat_messages(body)}], params, body.stream)
     await gen.begin(requests, request.receive)
     render = MessageRender(api, [r.rid for r in requests], body.stop_sequences or [],

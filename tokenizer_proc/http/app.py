@@ -14,6 +14,7 @@ from mlxd.tokenizer_proc.params import InvalidRequest
 from mlxd.tokenizer_proc.validation import checked_messages, max_prompt_chars, model_vocab_size
 
 from . import anthropic_api, openai_api
+from .access_log import AccessLog
 from .calls import Call, Disconnected
 from .context import Api, read_body
 from .errors import ApiError, bad_request, install_error_handlers
@@ -57,7 +58,8 @@ def _open(api: Api, route: Route):
     return handle
 
 
-def build_app(api: Api) -> FastAPI:
+def build_app(api: Api, access_log: bool = False) -> FastAPI:
+    """The app; with `access_log`, a line per request (access_log.py)."""
     app = FastAPI(title="mlxd", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     routes = {("POST", "/v1/chat/completions"): openai_api.chat_completions,
@@ -75,6 +77,8 @@ def build_app(api: Api) -> FastAPI:
         app.add_api_route(path, _open(api, route), methods=["GET"])
     known = {path for _, path in routes} | set(OPEN_PATHS)
     app.add_middleware(CountRequests, api=api, known=known)
+    if access_log:
+        app.add_middleware(AccessLog)
     return app
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..text import TextCodec
 from ..validation import ModelLimits
+from .access_log import access_note
 from .calls import Front
 from .compat import Compat, without_nulls
 from .errors import ApiError, bad_request, validation_error
@@ -70,6 +71,9 @@ async def read_body(request: Request, model: type[BaseModel],
     body = without_nulls(body)
     if policy is not None:
         body = policy(body)
+    note = access_note(request)
+    if note is not None and isinstance(body.get("model"), str):
+        note.model = body["model"]
     try:
         return model.model_validate(body)
     except ValidationError as exc:

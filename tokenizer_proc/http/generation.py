@@ -7,6 +7,7 @@ from typing import AsyncIterator, Callable
 
 from mlxd.protocol import ErrorReply, GenerateRequest, StreamChunk
 
+from .access_log import AccessNote
 from .calls import Call, Front
 from .errors import ApiError
 from .metrics import Metrics
@@ -15,9 +16,12 @@ ToError = Callable[[ErrorReply], ApiError]
 
 
 class Generation:
-    def __init__(self, front: Front, metrics: Metrics, to_error: ToError):
+    def __init__(self, front: Front, metrics: Metrics, to_error: ToError,
+                 note: AccessNote | None = None):
+        """`note`: the request's in the access log, which gets its token counts."""
         self.call = Call(front)
         self.metrics = metrics
+        self.note = note
         self.to_error = to_error
         self._first: StreamChunk | None = None
         self._started = time.monotonic()
@@ -63,6 +67,8 @@ class Generation:
             self._last = now
         if chunk.finish_reason:
             self.metrics.finished(chunk, now - self._started)
+            if self.note is not None:
+                self.note.count(chunk)
 
 
 def failed(chunk: StreamChunk) -> ApiError | None:

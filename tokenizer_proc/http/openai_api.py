@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .access_log import access_note
 from .calls import Disconnected
 from .compat import CHAT, COMPLETIONS
 from .choices import Outputs, chat_logprobs, completion_logprobs
@@ -78,7 +79,8 @@ async def chat_completions(api: Api, request: Request):
     renamed = {"prompt": "messages", "input_ids": "messages"}
     if body.max_completion_tokens is not None:
         renamed["max_tokens"] = "max_completion_tokens"
-    gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed))
+    gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed),
+                     access_note(request))
     requests = generate_requests([{"messages": chat_messages(body.messages)}], params,
                                  body.stream)
     await gen.begin(requests, request.receive, n)
@@ -104,7 +106,8 @@ async def completions(api: Api, request: Request):
                          top_logprobs=body.logprobs or None,
                          response_format=body.response_format)
     renamed = {"top_logprobs": "logprobs", "input_ids": "prompt", "prompt": "prompt"}
-    gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed))
+    gen = Generation(api.front, api.metrics, lambda e: core_error(e, renamed),
+                     access_note(request))
     requests = generate_requests(inputs, params, body.stream)
     await gen.begin(requests, request.receive, n)
     echo = [echoed_prompt(api, given) for given in inputs] if body.echo else None   # valid ids

@@ -50,8 +50,10 @@ def url_of(sock: socket.socket) -> str:
 class HttpFrontEnd:
     """`start()` binds and serves; `url` is then the bound address; `stop()` ends it."""
 
-    def __init__(self, front: Front, host: str, port: int, model_name: str, api_key: str):
+    def __init__(self, front: Front, host: str, port: int, model_name: str, api_key: str,
+                 access_log: bool = True):
         self.api = Api(front, model_name, api_key)
+        self.access_log = access_log
         self.host, self.port = host or "127.0.0.1", port
         self.url: str | None = None
         self._server: _Server | None = None
@@ -60,7 +62,9 @@ class HttpFrontEnd:
     async def start(self) -> str:
         sock = bind(self.host, self.port)
         self.url = url_of(sock)
-        config = uvicorn.Config(build_app(self.api), log_config=None, access_log=False,
+        # uvicorn's own access log stays off: ours (access_log.py) knows the model and tokens
+        config = uvicorn.Config(build_app(self.api, self.access_log), log_config=None,
+                                access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=1)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
