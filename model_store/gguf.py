@@ -1,13 +1,13 @@
 """Convert a llama-family GGUF file into an mlx_lm model folder.
 
-    python -m model_store.gguf FILE.gguf OUT_DIR
-
-    python -m model_store.gguf --inexact q8 FILE.gguf OUT_DIR
+    python -m mlxd.model_store.gguf [--inexact q8] FILE.gguf OUT_DIR
 
 The `gguf` package (llama.cpp's own reader) reads the file; `mx.load` is not used:
 it mis-decodes Q4_K and silently drops tensors of types it does not know. Each
 tensor is kept in its exact MLX form where there is one (gguf_quants.py), so the
-folder is about as small as the GGUF; the worker may dequantize at load time. The
+folder stays near the GGUF's size (float32 scales and biases add 2 bits a weight;
+Q2_K/Q3_K/Q6_K tensors are float32 unless `--inexact q8`); the worker may
+dequantize at load time. The
 form chosen per GGML type is recorded in config.json ("gguf"). Q and K projections
 are permuted back from GGUF's rotary row order to the Hugging Face layout mlx_lm
 expects.
