@@ -288,6 +288,18 @@ def test_a_reply_sent_back_as_history_is_accepted(http, front):
     assert "<|assistant|>Fine.</s><|user|>more" in front.prompts[-1]
 
 
+def test_an_image_in_a_tool_result_is_refused_by_name(http):
+    r = post(http, MESSAGES, messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                           "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "image", "source": {}}]}]}])
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(
+        "messages.2.content.0.content.0: image input is not supported")
+
+
 @pytest.mark.parametrize("api", [CHAT, COMPLETIONS, MESSAGES])
 def test_a_field_outside_the_apis_stays_a_400_naming_it(http, api):
     r = post(http, api, frobnicate=1)

@@ -362,19 +362,23 @@ class Compat:
         if not isinstance(message, dict):
             return message
         message = self._fields(api, MESSAGE, message, path + ".")
-        content = message.get("content")
+        return self._content(api, message, path)
+
+    def _content(self, api: str, holder: dict, path: str) -> dict:
+        """`holder`'s content parts (a message's, a tool result's) by the PART rows."""
+        content = holder.get("content")
         if isinstance(content, list):
             parts = rules(api, PART)
-            message["content"] = [
+            holder["content"] = [
                 p for p in (self._part(api, parts, part, f"{path}.content.{j}")
                             for j, part in enumerate(content)) if p is not None]
-        return message
+        return holder
 
     def _part(self, api: str, found: dict, part, param: str):
         kind = part.get("type") if isinstance(part, dict) else None
         rule = _rule(found, kind, part) if isinstance(kind, str) else None
         if rule is None:
-            return part
+            return self._content(api, part, param) if kind == "tool_result" else part
         if rule.policy == REFUSED:
             raise bad_request(f"{param}: {rule.note} (content of type {kind})", param)
         if rule.policy == IGNORED:
