@@ -295,3 +295,4 @@ def test_a_forced_call_sets_the_text_format_aside(http, front):
         "model": "m", "input": "hi", "tools": TOOLS, "tool_choice": "required",
         "text": {"format": {"type": "json_object"}}})
     assert r.status_code == 200, r.text
+
