@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from mlxd.protocol import TokenBatch, TokenEntry, Usage
 from mlxd.tokenizer_proc.http.app import build_app
 from mlxd.tokenizer_proc.http.context import Api
 from mlxd.tokenizer_proc.http.responses_store import ResponseStore
@@ -261,8 +262,6 @@ class HoldingFront(ScriptedFront):
     """Answers with the first tokens of its reply, then holds (the request runs on)."""
 
     async def _play(self, req) -> None:
-        from mlxd.protocol import TokenBatch, TokenEntry
-
         ids = self.core.codec.tokenizer.encode(self.reply, add_special_tokens=False)[:3]
         self.core.on_batch(TokenBatch([TokenEntry(req.rid, ids, [0.0] * len(ids))]))
 
@@ -296,3 +295,28 @@ def test_a_forced_call_sets_the_text_format_aside(http, front):
         "text": {"format": {"type": "json_object"}}})
     assert r.status_code == 200, r.text
 
+
+class FailingFront(ScriptedFront):
+    """Answers with a few tokens, then the request fails (a worker error)."""
+
+    async def _play(self, req) -> None:
+        ids = self.core.codec.tokenizer.encode(self.reply, add_special_tokens=False)[:3]
+        self.core.on_batch(TokenBatch([TokenEntry(req.rid, ids, [0.0] * len(ids))]))
+        self.core.on_batch(TokenBatch([TokenEntry(
+            req.rid, [], [], finish_reason="error", error="worker failed",
+            usage=Usage(len(req.input_ids), 0, len(ids)))]))
+
+
+def test_a_failure_is_response_failed_in_a_stream_and_a_500_otherwise(tool_model):
+    front = FailingFront(TextCodec(tool_model))
+    front.reply = "Some words that go on."
+    with TestClient(build_app(Api(front, "m"))) as http:
+        r = http.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+        events = [json.loads(line[5:]) for line in r.text.splitlines()
+                  if line.startswith("data:")]
+        assert events[-1]["type"] == "response.failed"
+        failed = Response.model_validate(events[-1]["response"])
+        assert failed.status == "failed" and "worker failed" in failed.error.message
+        assert http.get(f"/v1/responses/{failed.id}").json()["status"] == "failed"
+        r = http.post("/v1/responses", json={"model": "m", "input": "hi"})
+        assert r.status_code == 500 and "worker failed" in r.json()["error"]["message"]
