@@ -243,7 +243,11 @@ def test_unknown_or_unsupported_fields_are_400s_naming_them(http):
         assert r.json()["error"]["param"].startswith(param.split(".")[0]), r.json()
     r = http.post("/v1/responses", json={"model": "m", "input": [
         {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
-    assert r.status_code == 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.content.0"
+    r = http.post("/v1/responses", json={"model": "m", "input": [
+        {"type": "item_reference", "id": "msg_1"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0"
+    assert "'function_call_output'" in r.json()["error"]["message"]
     r = http.post("/v1/responses", json={"model": "m", "input": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     r = http.post("/v1/responses", json={"model": "other", "input": "hi"})

@@ -13,8 +13,8 @@ from typing import Sequence
 
 from .compat import THINKING_OFF   # as chat's reasoning_effort: off at none and minimal
 from .responses_schema import (
-    LOGPROBS, AllowedTools, FunctionCallItem, FunctionCallOutputItem, JsonSchemaFormat,
-    MessageItem, NamedFunction, ResponsesRequest,
+    LOGPROBS, AllowedTools, FunctionCallItem, FunctionCallOutputItem, InputText,
+    JsonSchemaFormat, MessageItem, NamedFunction, ResponsesRequest,
 )
 
 
@@ -43,7 +43,7 @@ def _message(item) -> dict:
                                                          for p in item["content"])}
     assert isinstance(item, MessageItem)
     content = item.content if isinstance(item.content, str) else "".join(
-        getattr(p, "text", "") for p in item.content)
+        p.text if isinstance(p, InputText) else p.refusal for p in item.content)
     return {"role": "system" if item.role == "developer" else item.role, "content": content}
 
 

@@ -36,14 +36,35 @@ class Refusal(Loose):
     refusal: str
 
 
-Part = Annotated[Union[Annotated[InputText, Tag("text")], Annotated[Refusal, Tag("refusal")]],
-                 Discriminator(lambda v: "refusal" if _type(v) == "refusal" else "text")]
+def by_type(*names: str) -> Discriminator:
+    """Tells a union's models apart by their `type` (a message's may be left out); an
+    unknown type (an image part, a hosted tool's item) is a 400 naming the place. The
+    tags are spelled `type:NAME`, which the error's location leaves out (errors.py)."""
+    listed = ", ".join(map(repr, names))
+    return Discriminator(lambda v: f"type:{_type(v) or 'message'}",
+                         custom_error_type="unsupported_type",
+                         custom_error_message=f"type must be one of {listed} (this server "
+                         "reads text, and no hosted tool's items)")
+
+
+# A text, or a list: the error of the form sent is the one reported.
+TEXT_OR_LIST = Discriminator(lambda v: "str" if isinstance(v, str) else "list")
+
+Part = Annotated[Union[Annotated[InputText, Tag("type:input_text")],
+                       Annotated[InputText, Tag("type:output_text")],
+                       Annotated[InputText, Tag("type:text")],
+                       Annotated[Refusal, Tag("type:refusal")]],
+                 by_type("input_text", "output_text", "text", "refusal")]
+Content = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[Part], Tag("list")]],
+                    TEXT_OR_LIST]
+Output = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[InputText], Tag("list")]],
+                   TEXT_OR_LIST]
 
 
 class MessageItem(Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[Part]
+    content: Content
 
 
 class FunctionCallItem(Item):
@@ -60,7 +81,7 @@ class FunctionCallOutputItem(Item):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[InputText]
+    output: Output
 
 
 class ReasoningItem(Item):
@@ -71,11 +92,13 @@ class ReasoningItem(Item):
 
 
 InputItem = Annotated[
-    Union[Annotated[MessageItem, Tag("message")],
-          Annotated[FunctionCallItem, Tag("function_call")],
-          Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-          Annotated[ReasoningItem, Tag("reasoning")]],
-    Discriminator(lambda v: _type(v) or "message")]
+    Union[Annotated[MessageItem, Tag("type:message")],
+          Annotated[FunctionCallItem, Tag("type:function_call")],
+          Annotated[FunctionCallOutputItem, Tag("type:function_call_output")],
+          Annotated[ReasoningItem, Tag("type:reasoning")]],
+    by_type("message", "function_call", "function_call_output", "reasoning")]
+Input = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[InputItem], Tag("list")]],
+                  TEXT_OR_LIST]
 
 
 def _type(value) -> str | None:
@@ -135,7 +158,7 @@ class Model(Strict):
 
 
 class ResponsesRequest(passed_fields({name: name for name in PASSED}, Model)):
-    input: str | list[InputItem] = ""
+    input: Input = ""
     instructions: str | None = None
     max_output_tokens: int | None = None
     top_logprobs: int | None = None
