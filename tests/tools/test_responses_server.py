@@ -93,6 +93,18 @@ def test_text_format_json_schema_holds(oai, model):
         assert r.status == "completed" and satisfies("json_schema", r.output_text), r.output_text
 
 
+def test_the_sdk_parse_helper_gets_its_pydantic_type(oai, model):
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: Literal["ann", "bob"]
+        adult: bool
+
+    r = oai.responses.parse(model=model, input="A person.", text_format=Person,
+                            reasoning=NO_THINKING, max_output_tokens=100)
+    assert isinstance(r.output_parsed, Person), r.output_text
+
+
 def test_a_missing_previous_response_is_a_404(oai, model):
     with pytest.raises(openai.NotFoundError) as exc:
         oai.responses.create(model=model, input="hi", previous_response_id="resp_missing")
