@@ -139,12 +139,14 @@ def test_a_function_call_round_trip_with_full_history_and_with_previous_id(oai, 
     assert "The user wants" not in prompt_by_history   # reasoning is not sent back
 
 
-def test_stored_responses_can_be_read_listed_and_deleted(oai):
+def test_stored_responses_can_be_read_listed_and_deleted(oai, http):
     r = oai.responses.create(model="m", input="Weather?", tools=TOOLS)
     got = check(oai.responses.retrieve(r.id))
     assert got.id == r.id and got.output_text == r.output_text and got.status == "completed"
     items = oai.responses.input_items.list(r.id)
     assert [i.type for i in items.data] == ["message"] and items.data[0].role == "user"
+    again = http.get(f"/v1/responses/{r.id}", params={"stream": "true"})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "stream"
     deleted = oai.responses.delete(r.id)
     assert deleted is None or getattr(deleted, "deleted", True)
     with pytest.raises(openai.NotFoundError) as exc:

@@ -93,6 +93,10 @@ class Responses:
                 response["output"]), items)
 
     async def retrieve(self, api: Api, request: Request):
+        """The response as it is now (a running one: so far, status in_progress)."""
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise bad_request("a stored response is not streamed again here: read it "
+                              "whole (stream=false)", "stream")
         return JSONResponse(self._entry(request).response)
 
     async def delete(self, api: Api, request: Request):
