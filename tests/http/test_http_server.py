@@ -248,7 +248,7 @@ def bad_inputs(name):
         ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}, 400,
          "response_format"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content.0"),
         ("/v1/chat/completions", {**chat, "model": "gpt-4"}, 404, "model"),
         ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
         ("/v1/completions", {"model": name, "prompt": _long_prompt_ids(5000)}, 400, "prompt"),

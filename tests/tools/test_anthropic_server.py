@@ -195,3 +195,21 @@ def test_claude_codes_first_request_streams(server, tool_model):
     stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
     assert starts == stops == list(range(len(starts))) and starts
     assert events[-2]["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+
+
+@pytest.mark.parametrize("n, max_tokens, context, kv, expected", [
+    (3000, 4, 2048, 8192, "prompt is too long: 3000 tokens > 2048 maximum"),
+    (3000, 4, 4096, 2048, "prompt is too long: 3000 tokens > 2048 maximum"),
+    (1000, 2000, 4096, 2048, "input length and `max_tokens` exceed context limit: 1000 + "
+     "2000 > 2049, decrease input length or `max_tokens` and try again"),
+])
+def test_every_length_error_of_the_core_reads_as_anthropics(n, max_tokens, context, kv,
+                                                            expected):
+    """The wording follows runtime/request_limits.py's, whatever limit was hit."""
+    from mlxd.protocol import ErrorReply
+    from mlxd.runtime.request_limits import length_error
+    from mlxd.tokenizer_proc.http.anthropic_api import anthropic_error
+
+    message = length_error(n, max_tokens, context, kv)
+    err = anthropic_error(ErrorReply("0", "invalid_request", message, "prompt"))
+    assert (err.status, err.message, err.param) == (400, expected, "messages")
