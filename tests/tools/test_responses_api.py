@@ -326,3 +326,20 @@ def test_a_failure_is_response_failed_in_a_stream_and_a_500_otherwise(tool_model
         assert http.get(f"/v1/responses/{failed.id}").json()["status"] == "failed"
         r = http.post("/v1/responses", json={"model": "m", "input": "hi"})
         assert r.status_code == 500 and "worker failed" in r.json()["error"]["message"]
+
+
+def test_fields_without_effect_are_accepted_and_said_once_in_the_log(http, front, caplog):
+    front.reply = "Plain."
+    body = {"model": "m", "input": "hi", "user": "u1", "prompt_cache_key": "k",
+            "service_tier": "auto", "text": {"verbosity": "low"},
+            "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+            "metadata": {"run": "1"}}
+    with caplog.at_level("INFO", logger="mlxd.http"):
+        for _ in range(2):
+            r = http.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+    assert r.json()["metadata"] == {"run": "1"}
+    said = [m for m in caplog.messages if "accepted and ignored" in m]
+    for name in ("user", "prompt_cache_key", "service_tier", "text.verbosity",
+                 "reasoning.summary", "include reasoning.encrypted_content"):
+        assert sum(f"responses: {name} is" in m for m in said) == 1, (name, said)

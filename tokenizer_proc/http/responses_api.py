@@ -24,9 +24,10 @@ from .response_render import ResponseRender
 from .responses_items import (
     chat_messages, input_items, logprobs_asked, response_format, tool_params,
 )
-from .responses_schema import ResponsesRequest
+from .responses_schema import IGNORED, LOGPROBS, ResponsesRequest
 from .responses_store import ResponseStore, Stored, owner_of
 
+API = "responses"   # this API's name in the log (compat.Compat.note)
 # The core's names the errors name -> this API's
 RENAMED = {"max_tokens": "max_output_tokens", "prompt": "input", "input_ids": "input",
            "messages": "input", "response_format": "text.format",
@@ -49,6 +50,7 @@ class Responses:
 
     async def create(self, api: Api, request: Request):
         body = await read_body(request, ResponsesRequest)
+        note_ignored(api, body)
         api.check_model(body.model)
         api.check_ready()
         owner = owner_of(request)
@@ -129,6 +131,20 @@ class Responses:
 
     def _entry(self, request: Request) -> Stored:
         return self.store.get(owner_of(request), request.path_params["response_id"])
+
+
+def note_ignored(api: Api, body: ResponsesRequest) -> None:
+    """Say once in the log which fields sent have no effect here, as the compatibility
+    policy does for the other APIs."""
+    for path, why in IGNORED.items():
+        value = body
+        for name in path:
+            value = getattr(value, name, None)
+        if value is not None:
+            api.compat.note(API, ".".join(path), why)
+    for kind in body.include or ():
+        if kind != LOGPROBS:
+            api.compat.note(API, f"include {kind}", "no hosted tool's data here")
 
 
 def head(api: Api, body: ResponsesRequest) -> dict:

@@ -140,21 +140,33 @@ class PlainFormat(Strict):
 
 class TextConfig(Strict):
     format: Annotated[JsonSchemaFormat | PlainFormat, Field(discriminator="type")] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None   # accepted, no effect
+    verbosity: Literal["low", "medium", "high"] | None = None   # IGNORED
 
 
 class ReasoningConfig(Strict):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None   # accepted: no summaries
+    summary: Literal["auto", "concise", "detailed"] | None = None   # IGNORED
     generate_summary: Literal["auto", "concise", "detailed"] | None = None   # the old name
 
 
 class StreamOptions(Strict):
-    include_obfuscation: bool | None = None   # accepted: nothing is padded here
+    include_obfuscation: bool | None = None   # IGNORED
 
 
 class Model(Strict):
     model: str | None = None
+
+
+NO_EFFECT = "no effect on a local server"
+# The fields accepted with no effect here (said once in the log, compat.Compat.note).
+IGNORED = {("user",): NO_EFFECT, ("safety_identifier",): NO_EFFECT,
+           ("prompt_cache_key",): "prefix caching is automatic",
+           ("prompt_cache_retention",): "the prefix cache keeps what fits",
+           ("service_tier",): "one tier: " + NO_EFFECT,
+           ("text", "verbosity"): "the model's own length is kept",
+           ("reasoning", "summary"): "no reasoning summaries: the reasoning is given whole",
+           ("reasoning", "generate_summary"): "no reasoning summaries",
+           ("stream_options", "include_obfuscation"): "nothing is padded here"}
 
 
 class ResponsesRequest(passed_fields({name: name for name in PASSED}, Model)):
@@ -176,7 +188,7 @@ class ResponsesRequest(passed_fields({name: name for name in PASSED}, Model)):
     truncation: Literal["disabled"] | None = None   # too long is a 400, never cut
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict | None = None   # an extension, as chat's
-    # accepted, not used: identify the end user, or steer OpenAI's own caching and tiers
+    # IGNORED: they identify the end user, or steer OpenAI's own caching and tiers
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
