@@ -20,6 +20,7 @@ from mlxd.protocol import StreamChunk
 log = logging.getLogger("mlxd.http.access")
 STATE_KEY = "mlxd_access"
 MAX_ERROR_BODY = 8192   # bytes of an error body kept to read its message
+CLIENT_GONE = 499   # the status of a request whose client went away (nginx's; app.py)
 
 
 @dataclass
@@ -87,5 +88,6 @@ class AccessLog:
             line += f" prompt_tokens={note.prompt_tokens} " \
                     f"completion_tokens={note.completion_tokens}"
         if status >= 400:
-            line += f" error={error_message(error)!r}"
+            gone = "the client went away" if status == CLIENT_GONE else None
+            line += f" error={error_message(error) or gone!r}"
         log.info(line)

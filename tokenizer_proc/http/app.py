@@ -14,7 +14,7 @@ from mlxd.tokenizer_proc.params import InvalidRequest
 from mlxd.tokenizer_proc.validation import checked_messages, max_prompt_chars, model_vocab_size
 
 from . import anthropic_api, openai_api
-from .access_log import AccessLog
+from .access_log import CLIENT_GONE, AccessLog
 from .calls import Call, Disconnected
 from .context import Api, read_body
 from .errors import ApiError, bad_request, install_error_handlers
@@ -23,7 +23,6 @@ from .openai_schema import DetokenizeRequest, TokenizeRequest
 from .responses_api import Responses
 
 OPEN_PATHS = ("/health", "/metrics")   # no API key asked
-CLIENT_GONE = 499   # the status logged for a request whose client went away (nginx's)
 
 
 def authorize(api: Api, request: Request) -> None:
