@@ -17,7 +17,7 @@ from mlxd.protocol import (
 def messages(rows: int) -> dict:
     rng = random.Random(0)
     rids = list(range(1, rows + 1))
-    timing = StepTiming(compute_ms=12.5, wait_ms=0.8, idle_ms=0.1, ahead_wait_ms=0.3,
+    timing = StepTiming(compute_ms=12.5, wait_ms=0.8, idle_ms=0.1, chained_wait_ms=0.3,
                         chained=True, active_memory=2**31, peak_memory=2**32)
     return {
         "Step": Step(7, rids, [rng.randrange(1, 2**20) for _ in rids]),

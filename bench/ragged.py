@@ -47,7 +47,7 @@ class Driver:
 
     def __init__(self, model, capacity: int, layout: str):
         from mlxd.worker_proc.kv_pool import KVPool
-        from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
+        from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 
         import mlx.core as mx
 
@@ -55,7 +55,7 @@ class Driver:
         from mlxd.worker_proc.memory import buffer_cache_bytes
 
         geometry = probe_geometry(model)
-        self.runner = ModelRunner(model, KVPool(geometry, capacity), decode_layout=layout)
+        self.runner = runner_for(model, KVPool(geometry, capacity), decode_layout=layout)
         page = self.runner.decode_page   # MLX's buffer cache set as the worker sets it
         mx.set_cache_limit(buffer_cache_bytes(page, decode_cache_budget(capacity, 64, page),
                                               geometry.bytes_per_token))

@@ -41,7 +41,7 @@ class StepTiming:
     compute_ms: float = wire(Float(), default=0.0)
     wait_ms: float | None = wire(Opt(Float()), default=None)
     idle_ms: float | None = wire(Opt(Float()), default=None)
-    ahead_wait_ms: float = wire(Float(), default=0.0)
+    chained_wait_ms: float = wire(Float(), default=0.0)
     chained: bool = wire(Bool(), default=False)
     active_memory: int = wire(Int(minimum=0), default=0)
     peak_memory: int = wire(Int(minimum=0), default=0)

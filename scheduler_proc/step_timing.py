@@ -11,7 +11,7 @@ from collections import deque
 
 from mlxd.protocol import StepTiming
 
-METRICS = ("compute_ms", "wait_ms", "idle_ms", "ahead_wait_ms", "scheduler_ms")
+METRICS = ("compute_ms", "wait_ms", "idle_ms", "chained_wait_ms", "scheduler_ms")
 WINDOW = 256
 
 
@@ -25,7 +25,7 @@ class StepTimings:
         self.steps += 1
         self.chained += worker.chained
         self._recent.append((worker.compute_ms, worker.wait_ms, worker.idle_ms,
-                             worker.ahead_wait_ms, scheduler_ms))
+                             worker.chained_wait_ms, scheduler_ms))
 
     def summary(self) -> dict:
         """Totals, plus mean / p50 / p90 of each metric over the recent window, and

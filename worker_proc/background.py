@@ -14,7 +14,7 @@ from typing import Callable
 
 
 class BackgroundJob:
-    def __init__(self, name: str = "mlxd-ahead"):
+    def __init__(self, name: str = "mlxd-chained"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._error: BaseException | None = None

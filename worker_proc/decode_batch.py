@@ -7,26 +7,14 @@ copies every row once, right-aligned at the longest row's end, into a buffer as
 wide as kv_layout's rule (the one the scheduler budgets with) says.
 """
 
-from dataclasses import dataclass
+from typing import Iterable
 
 import mlx.core as mx
 
 from . import batch_cache
 from .batch_cache import LayerCache
+from .decode import JoinGroup
 from .sampling import RowState
-
-
-@dataclass
-class JoinGroup:
-    """Freshly prefilled requests waiting to join the batch, rows in cache order."""
-
-    rids: list[int]
-    rows: list[RowState]
-    caches: list[LayerCache]
-    first_tokens: mx.array   # [B], lazy
-    # per row, the pool slots of the positions its cache holds (the prefix's, then the
-    # new tokens'): pages with the same slots are shared (paged_batch); None: not shared
-    slots: list[list[int]] | None = None
 
 
 class DecodeBatch:
@@ -37,6 +25,7 @@ class DecodeBatch:
     at a time."""
 
     DEAD_SHARE = 8
+    page = 0   # kv_layout's rule for the padded layout
 
     def __init__(self, layout: batch_cache.CacheLayout | None = None):
         self.row_rids: list[int | None] = []   # per row; None: released, not yet dropped
@@ -129,6 +118,16 @@ class DecodeBatch:
         """The caches' arrays (what a join's copy computes; lazy until the next
         decode otherwise)."""
         return batch_cache.cache_arrays(self.caches) if self.caches is not None else []
+
+    def pending_writes(self) -> list[mx.array]:
+        """None of its own: a decode's cache writes are read by the next decode."""
+        return []
+
+    def slots_written(self, slots: Iterable[int]) -> None:
+        """Nothing here stands for pool slots."""
+
+    def before_joins(self, decoded: list[mx.array]) -> None:
+        """A join copies every row into new caches anyway."""
 
     def _live_index(self) -> mx.array | None:
         """Positions of the live rows; None when every row is live."""

@@ -19,12 +19,12 @@ from pathlib import Path
 import zmq
 
 from mlxd.protocol import (
-    Decoder, ProtocolError, Ready, Step, WorkerError, WorkerLimits, WorkerReady, encode,
+    Decoder, Ready, Step, WorkerError, WorkerLimits, WorkerReady, encode,
 )
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import WORKER, ServerFlags
 from mlxd.runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
-from mlxd.runtime.sockets import bind_pull, close_all, connect_push, waking_receiver
+from mlxd.runtime.sockets import bind_pull, close_all, connect_push, decode_from, waking_receiver
 
 log = logging.getLogger("mlxd.worker")
 
@@ -71,7 +71,8 @@ def build_runner(cfg: WorkerConfig):
     from .kv_pool import KVPool
     from .loading import is_quantized, load_for_serving
     from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
-    from .model_runner import ModelRunner, decode_page_for, probe_geometry, probe_vocab_size
+    from .decode import decode_page_for, decode_rows
+    from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
 
     flags = cfg.flags
     model, tokenizer, dequantize = load_for_serving(
@@ -98,14 +99,15 @@ def build_runner(cfg: WorkerConfig):
                   budget.window_capacity)
     cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
     mx.set_cache_limit(cache_bytes)
-    runner = ModelRunner(model, pool, cfg.prefill_step_size, overlap=not flags.disable_overlap,
-                         grammars=Grammars.for_model(tokenizer, probe_vocab_size(model)),
-                         decode_layout="paged" if page else "padded",
-                         decode_pages=-(-budget.decode_cache_tokens // page) if page else 0,
-                         preallocate_pages=flags.preallocate_decode_pages)
+    batch = decode_rows(geometry, page, -(-budget.decode_cache_tokens // page) if page else 0,
+                        flags.preallocate_decode_pages, share=not pool.uses_windows)
+    vocab_size = probe_vocab_size(model)
+    runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
+                         overlap=not flags.disable_overlap,
+                         grammars=Grammars.for_model(tokenizer, vocab_size))
     limits = WorkerLimits(
         kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
-        max_context=max_context, vocab_size=runner.vocab_size,
+        max_context=max_context, vocab_size=vocab_size,
         bytes_per_token=geometry.bytes_per_token, kv_pool_bytes=max(1, pool.nbytes),
         weights_bytes=weights_bytes, buffer_cache_bytes=cache_bytes,
         kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
@@ -141,10 +143,8 @@ def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket,
     while True:
         frame = recv()
         arrived_at = time.perf_counter()
-        try:
-            step = decoder.decode(frame)
-        except ProtocolError as exc:
-            log.error("dropped a malformed frame from the scheduler: %s", exc)
+        step = decode_from(decoder, frame, "scheduler", log)
+        if step is None:
             continue
         try:
             reply = runner.run(step, arrived_at)

@@ -13,29 +13,18 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
-from mlxd.runtime.kv_layout import DECODE_PAGE
 
 from . import batch_cache
 from .background import BackgroundJob
-from .decode_batch import DecodeBatch, JoinGroup
-from .decode_pages import PageArena, install_hook
+from .decode import DecodeRows, JoinGroup, UnsupportedModel, decode_page_for, decode_rows
 from .grammar import Grammars, RowGrammar, allowed
 from .kv_pool import KVGeometry, KVPool, write_ids
-from .paged_batch import PagedDecodeBatch, paged_decode_reaches
 from .penalties import RowPenalties
 from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
-
+from .step_checks import check_decode, check_prefills
 
 CLOSE_TIMEOUT = 60.0   # s; a chained decode is one step of the batch
-# The page arena's first size: an eighth of its most, at least FIRST_PAGES; it doubles
-# when rows need more (a growth faults in and copies the arena within a step: ~1.5 s
-# per GiB on a 2-core CPU, so a few large growths rather than many small ones).
-FIRST_PAGES, FIRST_SHARE = 64, 8
-
-
-class UnsupportedModel(ValueError):
-    pass
 
 
 def probe_geometry(model) -> KVGeometry:
@@ -66,31 +55,6 @@ def probe_vocab_size(model) -> int:
     return logits.shape[-1]
 
 
-def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
-    """Positions per decode page for the model, or 0 for the padded layout: "paged"
-    (UnsupportedModel if the model's attention does not go through the hook),
-    "padded", or "auto" (pages where the hook reaches every attention layer; a model
-    without KV layers has nothing to page)."""
-    if layout not in ("auto", "paged", "padded"):
-        raise ValueError(f"unknown decode layout {layout!r} (auto, paged or padded)")
-    if layout == "padded" or not geometry.num_layers:
-        return 0
-    install_hook(model)
-    g = geometry
-    probe = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 2)
-    if paged_decode_reaches(model, g.cache_layout, probe):
-        return DECODE_PAGE
-    if layout == "paged":
-        raise UnsupportedModel("mlxd cannot decode this model in pages: its attention does "
-                               "not call mlx_lm's scaled_dot_product_attention")
-    return 0
-
-
-def first_pages(most: int) -> int:
-    """The page arena's first size for a budget of `most` pages."""
-    return min(most, max(FIRST_PAGES, most // FIRST_SHARE))
-
-
 @dataclass
 class _Output:
     rids: list[int | None]   # per row; None: a dead decode row
@@ -99,29 +63,42 @@ class _Output:
     new_kv: list[tuple[mx.array, mx.array]] | None = None   # decode: per layer, the input's KV
 
 
+def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: int = 0,
+               preallocate_pages: bool = False, **options) -> "ModelRunner":
+    """A ModelRunner for `model`, its decode layout chosen (`decode_page_for`) and the
+    model probed here, once. `decode_pages`: the most the page arena grows to (0: the
+    pool's capacity); `options`: ModelRunner's."""
+    page = decode_page_for(model, pool.geometry, decode_layout)
+    most = decode_pages or (-(-pool.capacity // page) + 1 if page else 0)
+    batch = decode_rows(pool.geometry, page, most, preallocate_pages,
+                        share=not pool.uses_windows)
+    return ModelRunner(model, pool, batch, probe_vocab_size(model), **options)
+
+
 class ModelRunner:
     """Runs Steps. With `overlap`, every step ends by starting the next decode of
-    the whole batch (`self.ahead`) on a helper thread, chained on this step's
-    tokens; it computes while the result travels to the scheduler and the next
-    Step comes back. That Step then commits the work for the rows it keeps.
+    the whole batch on a helper thread, chained on this step's tokens (`chained`);
+    it computes while the result travels to the scheduler and the next Step comes
+    back. That Step then commits the work for the rows it keeps.
 
     Per-step timing (ms): `wait_ms` from the previous result to this Step,
-    `idle_ms` the part of it with no work in flight, `ahead_wait_ms` spent
+    `idle_ms` the part of it with no work in flight, `chained_wait_ms` spent
     finishing the chained decode after the Step arrived, `compute_ms` from the
     Step's arrival to its result."""
 
-    def __init__(self, model, pool: KVPool, prefill_step_size: int = 2048,
-                 rng: random.Random | None = None, overlap: bool = False,
-                 grammars: Grammars | None = None, decode_layout: str = "auto",
-                 decode_pages: int = 0, preallocate_pages: bool = False):
+    def __init__(self, model, pool: KVPool, batch: DecodeRows, vocab_size: int,
+                 prefill_step_size: int = 2048, rng: random.Random | None = None,
+                 overlap: bool = False, grammars: Grammars | None = None):
+        """`batch`: the decode layout chosen at startup (decode.decode_rows);
+        `vocab_size`: the model's logits' width (probe_vocab_size)."""
         self.model = model
         self.grammars = grammars   # None: constrained requests are refused
         self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
-        self.batch = self._decode_batch(decode_layout, decode_pages, preallocate_pages)
-        self.ahead: _Output | None = None   # a computed, uncommitted decode of the batch
-        self.vocab_size = probe_vocab_size(model)
+        self.batch = batch
+        self.chained: _Output | None = None   # a computed, uncommitted decode of the batch
+        self.vocab_size = vocab_size
         self._rng = rng or random.Random()
         # Both threads put their work on this one stream; they never use it at once.
         self.stream = mx.new_thread_unsafe_stream(mx.default_device())
@@ -129,26 +106,10 @@ class ModelRunner:
         self._returned_at: float | None = None   # when the last result was handed back
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
 
-    def _decode_batch(self, layout: str, pages: int,
-                      preallocate: bool) -> DecodeBatch | PagedDecodeBatch:
-        """The decode batch in pages (`decode_page_for`) or in mlx_lm's padded caches.
-        `pages`: the most the page arena grows to (the memory split's decode budget;
-        0: the pool's capacity); it starts at `first_pages(most)`, or at the most if
-        `preallocate`."""
-        g = self.pool.geometry
-        page = decode_page_for(self.model, g, layout)
-        if not page:
-            return DecodeBatch(g.layout)
-        most = pages or -(-self.pool.capacity // page) + 1
-        arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
-                          most if preallocate else first_pages(most), page,
-                          max_pages=most)
-        return PagedDecodeBatch(g.cache_layout, arena, share=not self.pool.uses_windows)
-
     @property
     def decode_page(self) -> int:
         """Positions per decode page; 0: the padded layout (kv_layout's rule)."""
-        return self.batch.arena.page if isinstance(self.batch, PagedDecodeBatch) else 0
+        return self.batch.page
 
     # ---- the step ---------------------------------------------------------
 
@@ -156,17 +117,17 @@ class ModelRunner:
         """Execute `step` (received at `arrived_at`, a perf_counter() time)."""
         start = time.perf_counter()
         arrived_at = start if arrived_at is None else arrived_at
-        chained = self.speculating
+        chained = self.chain_started
         busy_until = self._background.wait() if chained else 0.0
         timing = StepTiming(chained=chained)
         timing.wait_ms, timing.idle_ms = self._wait_timing(arrived_at, busy_until)
-        timing.ahead_wait_ms = (time.perf_counter() - start) * 1e3 if chained else 0.0
+        timing.chained_wait_ms = (time.perf_counter() - start) * 1e3 if chained else 0.0
         with mx.stream(self.stream):
             result = self._execute(step)
             timing.active_memory = mx.get_active_memory()
             timing.peak_memory = mx.get_peak_memory()
         if self._chains_next:   # step k+1, chained on step k
-            self._background.start(self._compute_ahead)
+            self._background.start(self._compute_chained)
         # A wait for the next Step is a round trip only while requests run.
         self._returned_at = time.perf_counter() if len(self.batch) else None
         timing.compute_ms = (time.perf_counter() - arrived_at) * 1e3
@@ -177,17 +138,15 @@ class ModelRunner:
         self.batch.remove(set(step.releases))
         outputs = []
         if step.decode_rids:   # the chained decode if there is one; its released rows drop
-            ahead, self.ahead = self.ahead or self._launch_decode(), None
-            outputs.append(self._commit_decode(ahead, step))
+            launched, self.chained = self.chained or self._launch_decode(), None
+            outputs.append(self._commit_decode(launched, step))
         elif len(self.batch):
             raise ValueError(f"step {step.step_id} decodes nothing but "
                              f"{len(self.batch)} requests are running")
         else:
-            self.ahead = None
-        if outputs and step.prefills and self.decode_page:
-            # the decode's reads of the pages come before the joins' writes into
-            # them, or the writes would copy the whole arena
-            mx.eval(_arrays(outputs), self.batch.arrays())
+            self.chained = None
+        if outputs and step.prefills:
+            self.batch.before_joins(_arrays(outputs))
         outputs += self._prefill(step.prefills)
         # the chained decode, when there is one, completes the pool writes
         return self._finalize(step.step_id, outputs, pool_writes=not self._chains_next)
@@ -198,7 +157,7 @@ class ModelRunner:
         return self.overlap and len(self.batch) > 0
 
     @property
-    def speculating(self) -> bool:
+    def chain_started(self) -> bool:
         """A chained decode was started for the next Step (it may have finished)."""
         return self._background.running
 
@@ -206,7 +165,7 @@ class ModelRunner:
         """Drop every request's state (after a failed step)."""
         self.close()
         self.batch.clear()
-        self.ahead = None
+        self.chained = None
         self._returned_at = None
         self._new_grammars = {}
 
@@ -246,20 +205,19 @@ class ModelRunner:
         mx.eval(logits)
         return sample(logits, rows, allowed(masks.result(), logits.shape[-1]))
 
-    def _compute_ahead(self) -> None:
+    def _compute_chained(self) -> None:
         """On the helper thread: decode the whole batch once more, to completion,
         with the step's pending pool writes."""
         with mx.stream(self.stream):
-            ahead = self._launch_decode()
-            mx.eval(self.pool.arrays, _arrays([ahead]), self._batch_arrays())
-        self.ahead = ahead
+            chained = self._launch_decode()
+            mx.eval(self.pool.arrays, _arrays([chained]), self.batch.pending_writes())
+        self.chained = chained
 
     def _commit_decode(self, launched: _Output, step: Step) -> _Output:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
         releases) and store their new KV at the Step's slots (and window ids)."""
-        running = self._check_decode(step)
-        if self.decode_page:
-            self.batch.slots_written(step.decode_slot_ids)
+        running = check_decode(step, self.batch.rids, self.pool)
+        self.batch.slots_written(step.decode_slot_ids)
         slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
         window_of = dict(zip(step.decode_rids, step.decode_window_ids))   # empty: no window pool
         ids = write_ids([slot_of[rid] for rid in running],
@@ -284,26 +242,13 @@ class ModelRunner:
             None if s.top_ids is None else s.top_ids[keep],
             None if s.top_logprobs is None else s.top_logprobs[keep]))
 
-    def _check_decode(self, step: Step) -> list[int]:
-        """The running rids, in row order, once the Step's decode set is theirs and
-        its slot and window ids are the pool's."""
-        running = self.batch.rids
-        if len(set(step.decode_rids)) != len(step.decode_rids) or \
-                set(step.decode_rids) != set(running):
-            raise ValueError(f"decode rids {sorted(step.decode_rids)} do not match the "
-                             f"running requests {sorted(running)}")
-        self.pool.check_slots(step.decode_slot_ids)
-        self.pool.check_window_ids(step.decode_window_ids)
-        if self.pool.uses_windows and len(step.decode_window_ids) != len(step.decode_rids):
-            raise ValueError("decode_window_ids must name a window id per decoded request")
-        return running
-
     # ---- prefill ----------------------------------------------------------
 
     def _prefill(self, prefills: list[PrefillInput]) -> list[_Output]:
-        self._check_prefills(prefills)
-        if self.decode_page:
-            self.batch.slots_written(s for p in prefills for s in p.new_slot_ids)
+        check_prefills(prefills, self.batch.rids, self.pool, self.vocab_size)
+        self._new_grammars = {p.rid: self._grammar(p) for p in prefills
+                              if p.needs_logits and p.sampling.grammar is not None}
+        self.batch.slots_written(s for p in prefills for s in p.new_slot_ids)
         joins, outputs = [], []
         for group in plan_groups(prefills, self.prefill_step_size):
             joined = self._prefill_group(group)
@@ -313,47 +258,6 @@ class ModelRunner:
         if joins:
             self.batch.add(joins)
         return outputs
-
-    def _check_prefills(self, prefills: list[PrefillInput]) -> None:
-        """Reject what MLX would not: unknown token ids (no bounds check on
-        embedding lookups), slots outside the pool, a rid that already runs."""
-        rids = [p.rid for p in prefills]
-        if len(set(rids)) != len(rids) or set(rids) & set(self.batch.rids):
-            raise ValueError(f"prefill of a request that is already running: {rids}")
-        for p in prefills:
-            ids = (p.input_ids, p.prompt_tail, p.output_ids, p.stop_token_ids,
-                   p.sampling.bias_ids)
-            if not all(_in_range(part, self.vocab_size) for part in ids):
-                raise ValueError(f"prefill {p.rid}: token id outside [0, {self.vocab_size})")
-            self.pool.check_slots(p.prefix_slot_ids)
-            self.pool.check_slots(p.new_slot_ids)
-            self._check_window_ids(p)
-            self._check_state_slots(p)
-        self._new_grammars = {p.rid: self._grammar(p) for p in prefills
-                              if p.needs_logits and p.sampling.grammar is not None}
-
-    def _check_window_ids(self, p: PrefillInput) -> None:
-        """With a window pool: a window id per slot id, in range, and the prefix's
-        last W positions held (the new tokens' windows reach them)."""
-        pool = self.pool
-        pool.check_window_ids(p.prefix_window_ids + p.new_window_ids)
-        if not pool.uses_windows:
-            return
-        if (len(p.new_window_ids) != len(p.new_slot_ids)
-                or len(p.prefix_window_ids) != len(p.prefix_slot_ids)):
-            raise ValueError(f"prefill {p.rid}: window ids must match the slot ids one for one")
-        if 0 in p.prefix_window_ids[-pool.window:]:
-            raise ValueError(f"prefill {p.rid}: a prefix without its window KV")
-
-    def _check_state_slots(self, p: PrefillInput) -> None:
-        states = self.pool.states
-        if states is None:
-            if p.state_from or p.state_slot or p.snapshot_slot:
-                raise ValueError(f"prefill {p.rid}: state slots for a model without state")
-            return
-        states.check_slots([p.state_from, p.state_slot, p.snapshot_slot])
-        if p.prefix_slot_ids and not p.state_from:
-            raise ValueError(f"prefill {p.rid}: a prefix without the state it ends at")
 
     def _grammar(self, p: PrefillInput) -> RowGrammar:
         if self.grammars is None:
@@ -392,7 +296,7 @@ class ModelRunner:
         # The pool writes are not in the tokens' graph: evaluate them with the step
         # (or with the chained decode), or lazy scatters pile up and pin every
         # step's KV in memory.
-        mx.eval(_arrays(outputs), self._batch_arrays(),
+        mx.eval(_arrays(outputs), self.batch.pending_writes(),
                 *((self.pool.arrays,) if pool_writes else ()))
         result = StepResult(step_id, [], [], [])
         tops = []
@@ -406,11 +310,6 @@ class ModelRunner:
         if any(t is not None for t in tops):
             result.top_logprobs = tops
         return result
-
-    def _batch_arrays(self) -> list:
-        """The decode pages' pending writes (joins, decoded positions): evaluated
-        with the step, so they pin nothing."""
-        return self.batch.arrays() if self.decode_page else []
 
     @staticmethod
     def _top_logprobs(o: _Output) -> list:
@@ -427,10 +326,6 @@ def _advance_grammars(rows: list[RowState], tokens: list[int]) -> None:
     for row, token in zip(rows, tokens):
         if row.grammar is not None:
             row.grammar.advance(token)
-
-
-def _in_range(ids: list[int], vocab_size: int) -> bool:
-    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
 
 
 def _arrays(outputs: list[_Output]) -> list[mx.array]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import batch_cache
 from .batch_cache import CacheLayout
-from .decode_batch import JoinGroup
+from .decode import JoinGroup
 from .decode_pages import PageArena, PagedLayerCache, step_pairs
 from .sampling import RowState
 from .shared_pages import SharedPages
@@ -37,6 +37,10 @@ class PagedDecodeBatch:
         # per state leaf, in the layout's order: [rows, ...] arrays (hybrid models)
         self.states: list[list[mx.array]] = []
         self._leaves: list[PagedLayerCache] = []   # the last forward's KV leaves
+
+    @property
+    def page(self) -> int:
+        return self.arena.page
 
     @property
     def rids(self) -> list[int]:
@@ -205,6 +209,14 @@ class PagedDecodeBatch:
     def arrays(self) -> list[mx.array]:
         """What a step evaluates to complete the batch's writes."""
         return [self.arena.keys, self.arena.values, self.states]
+
+    def pending_writes(self) -> list[mx.array]:
+        return self.arrays()
+
+    def before_joins(self, decoded: list[mx.array]) -> None:
+        """The decode's reads of the pages come before the joins' writes into them,
+        or the writes would copy the whole arena."""
+        mx.eval(decoded, self.arrays())
 
 
 def _runs(table: list[int], only: list[int] | None = None) -> list[tuple[int, int, int]]:

@@ -34,7 +34,7 @@ LIMITS = WorkerLimits(kv_capacity=4096, decode_cache_tokens=16384, max_context=2
                       device="Device(cpu, 0)", blas="/usr/lib/libopenblas.so.0",
                       quantized=True, dequantize=False, overlap=True, window_sizes=[512],
                       window_capacity=2048)
-TIMING = StepTiming(compute_ms=12.25, wait_ms=0.5, idle_ms=0.0, ahead_wait_ms=0.75,
+TIMING = StepTiming(compute_ms=12.25, wait_ms=0.5, idle_ms=0.0, chained_wait_ms=0.75,
                     chained=True, active_memory=2**33, peak_memory=2**34)
 
 # Several instances per class: defaults, every optional field set, unicode, edge values.

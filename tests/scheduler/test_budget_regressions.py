@@ -88,12 +88,12 @@ def test_overlap_decode_caches_stay_within_the_width_budget(llama_model, layout)
     from mlxd.protocol import SamplingParams, TokenizedRequest
     from support import load_reference
     from mlxd.worker_proc.kv_pool import KVPool
-    from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
+    from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 
     model, _ = load_reference(llama_model)
     spans = {}
     for overlap in (False, True):
-        runner = ModelRunner(model, KVPool(probe_geometry(model), 4096), overlap=overlap,
+        runner = runner_for(model, KVPool(probe_geometry(model), 4096), overlap=overlap,
                              decode_layout=layout)
         s = Scheduler(SchedulerLimits(kv_capacity=4096, max_context=2048,
                                       decode_cache_tokens=512, decode_page=runner.decode_page))

@@ -10,7 +10,7 @@ from mlxd.scheduler_proc.step_timing import StepTimings
 def test_summary_of_a_window():
     t = StepTimings(window=4)
     for i in range(6):   # only the last 4 stay in the window
-        t.record(StepTiming(compute_ms=10.0 * i, wait_ms=2.0, idle_ms=1.0, ahead_wait_ms=0.0,
+        t.record(StepTiming(compute_ms=10.0 * i, wait_ms=2.0, idle_ms=1.0, chained_wait_ms=0.0,
                             chained=i % 2 == 0), scheduler_ms=0.5)
     s = t.summary()
     assert s["steps"] == 6 and s["chained_steps"] == 3 and s["window"] == 4

@@ -118,7 +118,7 @@ def test_worker_idle_time_is_small_with_overlap_and_not_without(busy_model):
     on, off = timings["on"], timings["off"]
     for t in (on, off):
         assert t["window"] == 256
-        for key in ("compute_ms", "wait_ms", "idle_ms", "ahead_wait_ms", "scheduler_ms"):
+        for key in ("compute_ms", "wait_ms", "idle_ms", "chained_wait_ms", "scheduler_ms"):
             assert t[key]["p50"] >= 0 and t[key]["mean"] >= 0
     assert on["chained_steps"] > 0 and off["chained_steps"] == 0
     # off: every round trip through the scheduler is time the worker waits, idle

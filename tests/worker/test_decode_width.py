@@ -20,7 +20,7 @@ from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.worker_proc.kv_pool import KVGeometry, KVPool
 from mlxd.worker_proc.decode_pages import scaled_dot_product_attention
 from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, kv_budget
-from mlxd.worker_proc.model_runner import ModelRunner
+from mlxd.worker_proc.model_runner import runner_for
 
 GEOMETRY = KVGeometry(num_layers=2, n_kv_heads=2, k_head_dim=4, v_head_dim=4,
                       dtype=mx.float32)
@@ -49,7 +49,7 @@ class Driver:
     slots it holds) and checks the worker's caches against the rule after each Step."""
 
     def __init__(self, overlap: bool, layout: str = "padded"):
-        self.runner = ModelRunner(KVWriter(), KVPool(GEOMETRY, CAPACITY), overlap=overlap,
+        self.runner = runner_for(KVWriter(), KVPool(GEOMETRY, CAPACITY), overlap=overlap,
                                   decode_layout=layout)
         self.page = self.runner.decode_page
         assert (self.page > 0) == (layout == "paged")

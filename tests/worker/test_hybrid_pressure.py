@@ -14,7 +14,7 @@ import pytest
 from mlxd.protocol import SamplingParams, TokenizedRequest
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.worker_proc.kv_pool import KVPool
-from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
+from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 from support import PROMPTS, encode, load_reference, pressure_prompts, reference_tokens
 from test_hybrid_runner import RECURRENT, WINDOWED
 
@@ -33,7 +33,7 @@ class Engine:
         # step's prefill, twice, at most the KV pool's size
         window = max(geometry.cache_layout.windows, default=0)
         windows = min(kv_capacity, 2 * (max_running * window + 4096)) if window else 0
-        self.runner = ModelRunner(model, KVPool(geometry, kv_capacity, 2 * states, windows),
+        self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows),
                                   overlap=overlap)
         self.scheduler = Scheduler(SchedulerLimits(
             kv_capacity=kv_capacity, max_context=4096, chunked_prefill_size=chunk,

@@ -11,7 +11,7 @@ from mlxd.protocol import REPETITION_CONTEXT, PrefillInput, SamplingParams, Step
 from penalty_reference import reference_penalised_tokens
 from support import PROMPTS, encode, load_reference, reference_tokens
 from mlxd.worker_proc.kv_pool import KVPool
-from mlxd.worker_proc.model_runner import ModelRunner, probe_geometry
+from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 
 MAX_TOKENS = 20
 
@@ -24,7 +24,7 @@ class Driver:
         model, _ = load_reference(model_path)
         self.model = model
         pool = KVPool(probe_geometry(model), capacity, state_slots, window_capacity)
-        self.runner = ModelRunner(model, pool, overlap=overlap, decode_layout=decode_layout)
+        self.runner = runner_for(model, pool, overlap=overlap, decode_layout=decode_layout)
         self.slots = itertools.count(1)
         self.step_id = itertools.count(1)
         self.running: list[int] = []
@@ -255,12 +255,12 @@ def test_overlap_chains_the_next_decode(llama_model):
     d = Driver(llama_model)
     d.runner.overlap = True
     first = d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
-    assert d.runner.speculating and not first.timing.chained
+    assert d.runner.chain_started and not first.timing.chained
     result = d.step()
-    assert result.timing.chained is True and result.timing.ahead_wait_ms >= 0
-    assert d.runner.speculating
+    assert result.timing.chained is True and result.timing.chained_wait_ms >= 0
+    assert d.runner.chain_started
     d.step(releases=[1])
-    assert d.runner.ahead is None and len(d.runner.batch) == 0 and not d.runner.speculating
+    assert d.runner.chained is None and len(d.runner.batch) == 0 and not d.runner.chain_started
 
 
 def test_a_failed_chained_decode_fails_the_next_step_and_reset_recovers(llama_model):
@@ -272,7 +272,7 @@ def test_a_failed_chained_decode_fails_the_next_step_and_reset_recovers(llama_mo
     with pytest.raises(ZeroDivisionError):
         d.step()
     d.runner.reset()
-    assert len(d.runner.batch) == 0 and not d.runner.speculating
+    assert len(d.runner.batch) == 0 and not d.runner.chain_started
     d.running = []
     d.step([d.prefill(2, encode(llama_model, PROMPTS[1]))])
     for _ in range(MAX_TOKENS - 1):
@@ -298,7 +298,7 @@ def test_chained_step_timing_reports_the_wait_as_busy(llama_model):
     d.runner.overlap = True
     d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
     t = d.step().timing   # arrives at once: the chained decode is still computing or done
-    assert t.chained and t.idle_ms <= t.wait_ms and t.ahead_wait_ms >= 0
+    assert t.chained and t.idle_ms <= t.wait_ms and t.chained_wait_ms >= 0
 
 
 def decode_cache_bytes(batch) -> int:

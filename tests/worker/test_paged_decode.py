@@ -17,9 +17,8 @@ from mlxd.worker_proc.decode_pages import (
     PageArena, PagedLayerCache, install_hook, paged_attention, step_pairs,
 )
 from mlxd.worker_proc.kv_pool import KVPool
-from mlxd.worker_proc.model_runner import (
-    ModelRunner, UnsupportedModel, decode_page_for, probe_geometry,
-)
+from mlxd.worker_proc.decode import UnsupportedModel, decode_page_for
+from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 from support import load_reference
 
 PAGE = 8
@@ -164,7 +163,7 @@ def test_a_model_the_hook_cannot_reach_decodes_padded(llama_model):
         decode_page_for(direct, geometry, "paged")
     with pytest.raises(ValueError, match="decode layout"):
         decode_page_for(model, geometry, "ragged")
-    runner = ModelRunner(model, KVPool(geometry, 256), decode_layout="padded")
+    runner = runner_for(model, KVPool(geometry, 256), decode_layout="padded")
     assert runner.decode_page == 0
 
 
@@ -172,7 +171,7 @@ def test_a_join_writes_each_row_into_its_own_pages_however_they_lie(llama_model)
     """Rows of a left-padded prefill group join into pages handed out in runs and
     alone (a fragmented arena): every page holds its row's positions, in order."""
     from mlxd.worker_proc import batch_cache
-    from mlxd.worker_proc.decode_batch import JoinGroup
+    from mlxd.worker_proc.decode import JoinGroup
     from mlxd.worker_proc.paged_batch import PagedDecodeBatch
 
     model, _ = load_reference(llama_model)

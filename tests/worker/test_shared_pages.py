@@ -147,11 +147,12 @@ def test_a_window_pool_shares_nothing(hybrid_model):
 @pytest.mark.parametrize("preallocate", [False, True])
 def test_the_arena_starts_small_unless_preallocated(llama_model, preallocate):
     from mlxd.worker_proc.kv_pool import KVPool
-    from mlxd.worker_proc.model_runner import ModelRunner, first_pages, probe_geometry
+    from mlxd.worker_proc.decode import first_pages
+    from mlxd.worker_proc.model_runner import probe_geometry, runner_for
     from support import load_reference
 
     model, _ = load_reference(llama_model)
-    runner = ModelRunner(model, KVPool(probe_geometry(model), 8192), decode_pages=3000,
+    runner = runner_for(model, KVPool(probe_geometry(model), 8192), decode_pages=3000,
                          preallocate_pages=preallocate)
     arena = runner.batch.arena
     assert arena.pages == (3000 if preallocate else 375) and arena.max_pages == 3000

@@ -1,0 +1,133 @@
+"""The decode batch: the one interface the ModelRunner speaks to the running rows, its
+two layouts, and the choice between them, made once at startup.
+
+- pages (`paged_batch.PagedDecodeBatch`): each row's KV in its own pages of a page
+  arena, attended in place (`decode_pages`); the default where the model's attention
+  goes through mlx_lm's `scaled_dot_product_attention`;
+- padded (`decode_batch.DecodeBatch`): mlx_lm's batch caches, every row as wide as
+  the longest.
+
+`runtime/kv_layout.py` is the rule both layouts are budgeted by (`page`: 0 padded).
+"""
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import mlx.core as mx
+
+from mlxd.runtime.kv_layout import DECODE_PAGE
+
+from .batch_cache import LayerCache
+from .kv_pool import KVGeometry
+from .sampling import RowState
+
+# The page arena's first size: an eighth of its most, at least FIRST_PAGES; it doubles
+# when rows need more (a growth faults in and copies the arena within a step: ~1.5 s
+# per GiB on a 2-core CPU, so a few large growths rather than many small ones).
+FIRST_PAGES, FIRST_SHARE = 64, 8
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+@dataclass
+class JoinGroup:
+    """Freshly prefilled requests waiting to join the batch, rows in cache order."""
+
+    rids: list[int]
+    rows: list[RowState]
+    caches: list[LayerCache]
+    first_tokens: mx.array   # [B], lazy
+    # per row, the pool slots of the positions its cache holds (the prefix's, then the
+    # new tokens'): pages with the same slots are shared (paged_batch); None: not shared
+    slots: list[list[int]] | None = None
+
+
+class DecodeRows(Protocol):
+    """The running requests' decode state, rows in order. `row_rids` may hold None
+    for a released row not yet dropped (padded); `rids` are the live ones."""
+
+    page: int                       # positions per page; 0: the padded layout
+    row_rids: list[int | None]
+    rows: list[RowState]
+    tokens: mx.array | None         # [rows] each row's next input token
+
+    @property
+    def rids(self) -> list[int]: ...
+
+    @property
+    def cache_tokens(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def add(self, groups: list[JoinGroup]) -> None:
+        """The groups' rows join, after the running ones."""
+
+    def remove(self, rids: set[int]) -> None:
+        """Release these rows."""
+
+    def clear(self) -> None:
+        """Drop every row (after a failed step)."""
+
+    def forward(self, model) -> mx.array:
+        """Logits `[rows, V]` for every row's next token (lazy)."""
+
+    def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
+        """Per KV layer, keys/values `[rows, heads, dim]` the last forward wrote."""
+
+    def pending_writes(self) -> list[mx.array]:
+        """What a step evaluates to complete the batch's own writes."""
+
+    def slots_written(self, slots: Iterable[int]) -> None:
+        """These pool slots are written again: nothing held may stand for their old KV."""
+
+    def before_joins(self, decoded: list[mx.array]) -> None:
+        """A join is about to write into the batch after a decode read it."""
+
+
+def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
+    """Positions per decode page for the model, or 0 for the padded layout: "paged"
+    (UnsupportedModel if the model's attention does not go through the hook),
+    "padded", or "auto" (pages where the hook reaches every attention layer; a model
+    without KV layers has nothing to page). Probes the model once (a 2-row decode)."""
+    from .decode_pages import PageArena, install_hook
+    from .paged_batch import paged_decode_reaches
+
+    if layout not in ("auto", "paged", "padded"):
+        raise ValueError(f"unknown decode layout {layout!r} (auto, paged or padded)")
+    if layout == "padded" or not geometry.num_layers:
+        return 0
+    install_hook(model)
+    g = geometry
+    probe = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 2)
+    if paged_decode_reaches(model, g.cache_layout, probe):
+        return DECODE_PAGE
+    if layout == "paged":
+        raise UnsupportedModel("mlxd cannot decode this model in pages: its attention does "
+                               "not call mlx_lm's scaled_dot_product_attention")
+    return 0
+
+
+def first_pages(most: int) -> int:
+    """The page arena's first size for a budget of `most` pages."""
+    return min(most, max(FIRST_PAGES, most // FIRST_SHARE))
+
+
+def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
+                preallocate: bool = False, share: bool = True) -> DecodeRows:
+    """The decode batch of the layout `decode_page_for` chose (`page`; 0: padded). In
+    pages the arena grows to `most_pages` (the memory split's decode budget), from
+    `first_pages(most_pages)` or, with `preallocate`, all of it at once; `share`:
+    rows from one cached prefix hold its full pages once (not with a window pool)."""
+    from .decode_batch import DecodeBatch
+    from .decode_pages import PageArena
+    from .paged_batch import PagedDecodeBatch
+
+    g = geometry
+    if not page:
+        return DecodeBatch(g.layout)
+    arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
+                      most_pages if preallocate else first_pages(most_pages), page,
+                      max_pages=most_pages)
+    return PagedDecodeBatch(g.cache_layout, arena, share=share)
