@@ -211,7 +211,8 @@ def _structured_outputs(value, _) -> Fields:
 
 
 def _constrained(name: str, kind: str, apis: tuple[str, ...], server: str) -> Rule:
-    return Rule(name, apis, MAPPED, f"{server}'s; a {kind} constraint (response_format)",
+    what = "grammar (GBNF or Lark)" if kind == "grammar" else kind
+    return Rule(name, apis, MAPPED, f"{server}'s; a {what} constraint (response_format)",
                 to=_constraint(kind)(name))
 
 
@@ -254,7 +255,7 @@ TABLE: tuple[Rule, ...] = (
     _constrained("regex", "regex", OPENAI, "SGLang"),
     _constrained("ebnf", "grammar", OPENAI, "SGLang"),
     _constrained("json_schema", "json", OPENAI, "SGLang's and llama.cpp"),
-    _constrained("grammar", "grammar", OPENAI, "llama.cpp (GBNF)"),
+    _constrained("grammar", "grammar", OPENAI, "llama.cpp"),
     # (c) would change the output, cannot be honoured: refused
     Rule("modalities", (CHAT,), REFUSED, "audio output is not supported: " + TEXT_ONLY),
     Rule("audio", (CHAT,), REFUSED, "audio output is not supported: " + TEXT_ONLY),
