@@ -95,9 +95,11 @@ class ServerFlags:
         "(`--no-access-log`: none)", (TOKENIZER,))
     tool_call_parser: str = flag(
         "auto", "the tool-call format parsed from replies: `hermes` (`<tool_call>` JSON, "
-        "Qwen), `qwen3_coder` (`<tool_call><function=...>` XML), `mistral` "
-        "(`[TOOL_CALLS]`), `llama3_json`; `auto` reads it from the chat template "
-        "(`hermes` where the template shows none)", (TOKENIZER,))
+        "Qwen; also `json_tools`), `qwen3_coder` (`<tool_call><function=...>` XML), "
+        "`mistral` (`[TOOL_CALLS]`), `llama3_json`, or any other of mlx_lm's: "
+        "`function_gemma`, `gemma4`, `glm47`, `kimi_k2`, `kimi_k3`, `laguna`, `longcat`, "
+        "`minicpm5`, `minimax_m2`, `muse_spark`, `pythonic`; `auto` reads it from the chat "
+        "template as mlx_lm does (`hermes` where the template shows none)", (TOKENIZER,))
     reasoning_parser: str = flag(
         "auto", "`think`: a reply's `<think>...</think>` goes to `reasoning_content`; "
         "`none`; `auto`: `think` where the chat template mentions `<think>`", (TOKENIZER,))

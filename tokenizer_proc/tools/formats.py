@@ -1,35 +1,25 @@
-"""The tool-call formats of the main model families, each a BlockParser.
+"""The tool-call formats, each a BlockParser: every format mlx_lm has, parsed by its
+module (`mlx_lm_formats.py`), except where ours does better, and the one it lacks:
 
-- hermes (Hermes, Qwen 2.5 / 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+- hermes (Hermes, Qwen 2.5 / 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  mlx_lm's `json_tools` (both names)
 - qwen3_coder: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...`
-  `</function></tool_call>`
-- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or (newer tokenizers)
+  `</function></tool_call>` (ours: mlx_lm's reads a string parameter `null` as None
+  and takes text between parameters for a call)
+- mistral (ours: mlx_lm's takes the id of `NAME[CALL_ID]ID[ARGS]` for the name):
+  `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or (newer tokenizers)
   `[TOOL_CALLS]NAME[ARGS]{...}` per call
-- llama3_json (Llama 3.1+): the reply is `{"name": ..., "parameters": {...}}` (calls
-  separated by `;`), optionally after `<|python_tag|>`
+- llama3_json (Llama 3.1+; mlx_lm has none): the reply is `{"name": ...,
+  "parameters": {...}}` (calls separated by `;`), optionally after `<|python_tag|>`
+- the rest as mlx_lm's modules write them (`python -m mlxd.runtime.flags` lists them)
 """
 
 import json
 import re
 
 from .blocks import BlockParser
-from .markup import ToolCall, make_call
-
-
-def _calls(objects) -> list[ToolCall] | None:
-    """Calls from parsed objects with a name and arguments (or parameters)."""
-    if not isinstance(objects, list) or not objects:
-        return None
-    calls = []
-    for obj in objects:
-        if not isinstance(obj, dict):
-            return None
-        arguments = obj.get("arguments", obj.get("parameters"))
-        call = make_call(obj.get("name"), arguments)
-        if call is None:
-            return None
-        calls.append(call)
-    return calls
+from .markup import make_call
+from .mlx_lm_formats import NAMES, block_parser, calls_of
 
 
 def _json(text: str):
@@ -37,15 +27,6 @@ def _json(text: str):
         return json.loads(text)
     except ValueError:
         return None
-
-
-class Hermes(BlockParser):
-    START = ("<tool_call>",)
-    END = "</tool_call>"
-
-    def parse(self, body):
-        obj = _json(body.strip())
-        return _calls(obj if isinstance(obj, list) else [obj])
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
@@ -101,7 +82,8 @@ class Mistral(BlockParser):
         for piece in body.split("[TOOL_CALLS]"):
             piece = piece.strip()
             if piece.startswith("["):
-                found = _calls(_json(piece))
+                listed = _json(piece)
+                found = calls_of(listed) if isinstance(listed, list) else None
             elif "[ARGS]" in piece:
                 name, arguments = piece.split("[ARGS]", 1)
                 call = make_call(name.split("[CALL_ID]")[0].strip(), arguments.strip())
@@ -142,10 +124,14 @@ class Llama3Json(BlockParser):
             objects.append(obj)
             while at < len(body) and body[at] in "; \n\t":
                 at += 1
-        return _calls(objects)
+        return calls_of(objects)
 
 
+OURS: dict[str, type[BlockParser]] = {
+    "qwen3_coder": Qwen3Coder, "mistral": Mistral, "llama3_json": Llama3Json}
+# Names of one format: mlx_lm's name for what we call it.
+SAME_FORMAT = {"json_tools": "hermes"}
 PARSERS: dict[str, type[BlockParser]] = {
-    "hermes": Hermes, "qwen3_coder": Qwen3Coder, "mistral": Mistral,
-    "llama3_json": Llama3Json,
-}
+    "hermes": block_parser("json_tools"),
+    **{name: block_parser(name) for name in NAMES if name not in OURS},
+    **OURS}

@@ -8,6 +8,9 @@ import json
 import logging
 from typing import Callable
 
+from .formats import SAME_FORMAT
+from .mlx_lm_formats import markers
+
 log = logging.getLogger("mlxd.tokenizer")
 
 # How each format's call is written, as the model families' own templates teach it.
@@ -26,13 +29,23 @@ CALL_FORMATS = {
 Render = Callable[..., str]   # (messages, **template_args) -> the chat's text
 
 
+def call_format(tool_parser: str) -> str:
+    """How to call, for the prompt: the family's wording, or (mlx_lm's other formats,
+    whose templates render tools themselves) the format's markers."""
+    tool_parser = SAME_FORMAT.get(tool_parser, tool_parser)
+    if tool_parser in CALL_FORMATS:
+        return CALL_FORMATS[tool_parser]
+    start, end = markers(tool_parser)
+    return f"To call a function, write the call between {start} and {end or 'the end'}."
+
+
 def tools_prompt(tools: list[dict], tool_parser: str) -> str:
     """The system prompt's part that shows `tools` (OpenAI's shape) and how to call
     them in `tool_parser`'s format (Hermes's wording, as Qwen 2.5's template has it)."""
     signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query."
             "\n\nYou are provided with function signatures within <tools></tools> XML "
-            f"tags:\n<tools>\n{signatures}\n</tools>\n\n{CALL_FORMATS[tool_parser]}")
+            f"tags:\n<tools>\n{signatures}\n</tools>\n\n{call_format(tool_parser)}")
 
 
 def with_system_text(messages: list[dict], text: str) -> list[dict]:

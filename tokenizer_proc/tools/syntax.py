@@ -5,7 +5,8 @@ template unless the server's flags name them (`--tool-call-parser`,
 from dataclasses import dataclass
 
 from .blocks import BlockParser
-from .formats import PARSERS
+from .formats import PARSERS, SAME_FORMAT
+from .mlx_lm_formats import inferred, markers
 from .output import OutputParser
 from .reasoning import CLOSE, OPEN, ThinkParser
 
@@ -13,10 +14,25 @@ AUTO = "auto"
 REASONING_PARSERS = ("think", "none")
 FALLBACK_TOOL_PARSER = "hermes"   # for templates that show no format: plain-text markers
 # Marker texts per format: where they are special tokens, decoding must keep them.
+# mlx_lm's formats: their start and end markers, and those inside a block below.
 MARKERS = {"hermes": ("<tool_call>", "</tool_call>"),
            "qwen3_coder": ("<tool_call>", "</tool_call>"),
            "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
            "llama3_json": ("<|python_tag|>",)}
+INNER_MARKERS = {"kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                             "<|tool_call_end|>"),
+                 "kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
+                 "gemma4": ('<|"|>',), "function_gemma": ("<escape>",),
+                 "glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+                 "laguna": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+
+
+def markers_of(tool_parser: str) -> tuple[str, ...]:
+    """The marker texts of format `tool_parser` (a name in PARSERS)."""
+    if tool_parser in MARKERS:
+        return MARKERS[tool_parser]
+    start, end = markers(tool_parser)
+    return (start, *((end,) if end else ()), *INNER_MARKERS.get(tool_parser, ()))
 
 
 @dataclass(frozen=True)
@@ -27,7 +43,7 @@ class OutputSyntax:
     @property
     def markers(self) -> tuple[str, ...]:
         """Texts the parsers look for: kept in the text even where they are special."""
-        return MARKERS[self.tool_parser] + ((OPEN, CLOSE) if self.reasoning else ())
+        return markers_of(self.tool_parser) + ((OPEN, CLOSE) if self.reasoning else ())
 
     def parser(self, tools: list[dict] | None, chat: bool,
                prompt_thinks: bool = False) -> OutputParser | None:
@@ -42,8 +58,13 @@ class OutputSyntax:
         return OutputParser(block, think)
 
 
-def tool_parser_of(template: str) -> str:
-    """The tool-call format a chat template shows; FALLBACK_TOOL_PARSER if none."""
+def tool_parser_of(template: str, vocab: dict[str, int] | None = None) -> str:
+    """The tool-call format a chat template (and vocabulary) shows: mlx_lm's choice
+    where it makes one, else ours (a looser Qwen3-Coder test, Hermes, Llama);
+    FALLBACK_TOOL_PARSER if none."""
+    found = inferred(template, vocab)
+    if found is not None:
+        return SAME_FORMAT.get(found, found)
     if "<tool_call>" in template:
         return "qwen3_coder" if "<function=" in template else "hermes"
     if "[TOOL_CALLS]" in template:
