@@ -74,3 +74,23 @@ def test_a_forced_call_in_kimi_k2_format_comes_back_parsed(oai, kimi_model):
     deltas = [d for chunk in required for d in chunk.choices[0].delta.tool_calls or []]
     assert len(deltas) == 1 and deltas[0].function.name in ("get_weather", "get_time")
     json.loads(deltas[0].function.arguments)
+
+
+def test_a_format_without_a_grammar_answers_a_forced_call_with_a_400(kimi_model):
+    """Gemma 4's format (named by the flag) has no forced-call grammar (grammar.py's
+    UNFORCED); `auto` is still served."""
+    server = Server(kimi_model, "--kv-capacity", "8192", "--log-level", "warning",
+                    "--tool-call-parser", "gemma4")
+    try:
+        with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", timeout=60,
+                           max_retries=0) as client:
+            name = kimi_model.rsplit("/", 1)[-1]
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model=name, messages=ASK, tools=TOOLS,
+                                               tool_choice="required", max_tokens=8)
+            assert "gemma4" in str(refused.value)
+            auto = client.chat.completions.create(model=name, messages=ASK, tools=TOOLS,
+                                                  max_tokens=8)
+            assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    finally:
+        server.stop()
