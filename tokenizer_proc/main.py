@@ -120,7 +120,7 @@ class TokenizerServer:
         self.client_decoder = Decoder(GenerateRequest, AbortRequest, StatsRequest)
         self.scheduler_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
         syntax = resolve(codec.chat_template_text, cfg.flags.tool_call_parser,
-                         cfg.flags.reasoning_parser)
+                         cfg.flags.reasoning_parser, codec.tokenizer.get_vocab)
         self.core = TokenizerCore(codec, cfg.flags.default_max_tokens,
                                   request_timeout=cfg.flags.request_timeout, syntax=syntax,
                                   offload=self._offload)

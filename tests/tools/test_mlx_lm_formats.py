@@ -175,7 +175,9 @@ def test_ours_decide_where_mlx_lm_sees_no_format(template, expected):
 
 def test_the_vocabulary_decides_when_the_template_shows_nothing():
     vocab = {t: i for i, t in enumerate(("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))}
-    assert tool_parser_of("{{ messages }}", vocab) == "kimi_k3"
+    assert tool_parser_of("{{ messages }}", lambda: vocab) == "kimi_k3"
+    lfm = {"<|tool_call_start|>": 1, "<|tool_call_end|>": 2}
+    assert resolve("{{ messages }}", vocab=lambda: lfm).tool_parser == "pythonic"
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))

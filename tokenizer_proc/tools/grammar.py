@@ -130,12 +130,10 @@ def _json_in_markers(tool_parser: str) -> "Builder":
     return build
 
 
-def _calls_within(head: str, calls: list[str], tail: str, parallel: bool,
-                  separator: str = "") -> list[str]:
+def _calls_within(head: str, calls: list[str], tail: str, parallel: bool) -> list[str]:
     """Rules of a section (`head` ... `tail`) holding one call, or several."""
-    sep = f" {quoted(separator)}" if separator else ""
-    many = f"call ({sep} call)*" if parallel else "call"
-    return [f"start: {head} {many} {tail}", "call: " + " | ".join(calls)]
+    return [f"start: {head} call{'+' if parallel else ''} {tail}",
+            "call: " + " | ".join(calls)]
 
 
 def kimi_k2(tools: list[dict], parallel: bool, ref: TokenRef) -> str:

@@ -11,6 +11,7 @@ import sys
 import types
 from functools import cache
 from pathlib import Path
+from typing import Callable
 
 from .blocks import BlockParser
 from .markup import ToolCall, make_call
@@ -51,15 +52,15 @@ def markers(name: str) -> tuple[str, str | None]:
     return parser.tool_call_start, parser.tool_call_end or None
 
 
+Vocab = Callable[[], dict[str, int]]   # a tokenizer's get_vocab: called only if needed
+
+
 class _ShownTokenizer:
     """What `_infer_tool_parser` reads of a tokenizer: its template and vocabulary."""
 
-    def __init__(self, template: str, vocab: dict[str, int]):
+    def __init__(self, template: str, vocab: Vocab | None):
         self.chat_template = template
-        self._vocab = vocab
-
-    def get_vocab(self) -> dict[str, int]:
-        return self._vocab
+        self.get_vocab = vocab or dict
 
 
 @cache
@@ -73,9 +74,10 @@ def _tokenizer_utils() -> types.ModuleType:
     return loaded
 
 
-def inferred(template: str, vocab: dict[str, int] | None = None) -> str | None:
-    """The format mlx_lm picks for a chat template (and vocabulary); None if none."""
-    return _tokenizer_utils()._infer_tool_parser(_ShownTokenizer(template, vocab or {}))
+def inferred(template: str, vocab: Vocab | None = None) -> str | None:
+    """The format mlx_lm picks for a chat template (and, where that shows none, the
+    vocabulary `vocab()` returns); None if none."""
+    return _tokenizer_utils()._infer_tool_parser(_ShownTokenizer(template, vocab))
 
 
 def calls_of(found) -> list[ToolCall] | None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .blocks import BlockParser
 from .formats import PARSERS, SAME_FORMAT
-from .mlx_lm_formats import inferred, markers
+from .mlx_lm_formats import Vocab, inferred, markers
 from .output import OutputParser
 from .reasoning import CLOSE, OPEN, ThinkParser
 
@@ -24,7 +24,9 @@ INNER_MARKERS = {"kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|
                  "kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
                  "gemma4": ('<|"|>',), "function_gemma": ("<escape>",),
                  "glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-                 "laguna": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+                 "laguna": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+                 "longcat": ("<longcat_arg_key>", "</longcat_arg_key>",
+                             "<longcat_arg_value>", "</longcat_arg_value>")}
 
 
 def markers_of(tool_parser: str) -> tuple[str, ...]:
@@ -58,7 +60,7 @@ class OutputSyntax:
         return OutputParser(block, think)
 
 
-def tool_parser_of(template: str, vocab: dict[str, int] | None = None) -> str:
+def tool_parser_of(template: str, vocab: Vocab | None = None) -> str:
     """The tool-call format a chat template (and vocabulary) shows: mlx_lm's choice
     where it makes one, else ours (a looser Qwen3-Coder test, Hermes, Llama);
     FALLBACK_TOOL_PARSER if none."""
@@ -75,9 +77,10 @@ def tool_parser_of(template: str, vocab: dict[str, int] | None = None) -> str:
 
 
 def resolve(template: str | None, tool_parser: str = AUTO,
-            reasoning_parser: str = AUTO) -> OutputSyntax:
-    """The syntax for a model with chat template `template` (None: it has none);
-    ValueError for a parser name that does not exist."""
+            reasoning_parser: str = AUTO, vocab: Vocab | None = None) -> OutputSyntax:
+    """The syntax for a model with chat template `template` (None: it has none) and
+    vocabulary `vocab()` (read only if the template shows no format); ValueError for
+    a parser name that does not exist."""
     if tool_parser != AUTO and tool_parser not in PARSERS:
         raise ValueError(f"--tool-call-parser {tool_parser!r}: one of "
                          f"{[AUTO, *PARSERS]}")
@@ -85,6 +88,6 @@ def resolve(template: str | None, tool_parser: str = AUTO,
         raise ValueError(f"--reasoning-parser {reasoning_parser!r}: one of "
                          f"{[AUTO, *REASONING_PARSERS]}")
     template = template or ""
-    tools = tool_parser_of(template) if tool_parser == AUTO else tool_parser
+    tools = tool_parser_of(template, vocab) if tool_parser == AUTO else tool_parser
     thinks = OPEN in template if reasoning_parser == AUTO else reasoning_parser == "think"
     return OutputSyntax(tools, thinks)
