@@ -110,7 +110,8 @@ def test_two_calls_in_one_block(name):
                "</minimax:tool_call>")}[name]
     _, calls = streamed(name, two, 4)
     assert calls == module_calls(name, two) == [
-        ("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Rome", "days": 1})]
+        ("get_weather", {"city": "Paris", "days": 3}),
+        ("get_weather", {"city": "Rome", "days": 1})]
 
 
 def test_a_block_mlx_lm_cannot_read_stays_content():
@@ -205,7 +206,8 @@ DATE = {"type": "function", "function": {"name": "get_date", "parameters": {
     "type": "object", "properties": {}}}}
 ZONE = '{"zone": "UTC"}'
 JSON_CALL = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
-K2_CALL = f"<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{ZONE}<|tool_call_end|>"
+K2_CALL = ("<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>"
+           f"{ZONE}<|tool_call_end|>")
 K3_CALL = ('<|open|>call tool="get_time"<|sep|><|open|>json type="object"<|sep|>'
            f"{ZONE}<|close|>json<|sep|><|close|>call<|sep|>")
 MUSE_CALL = ('<atem:invoke name="get_time"><atem:parameter name="zone">"UTC"'
