@@ -236,9 +236,37 @@ def test_tool_choice_forms_reach_the_core(http, front):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
+def test_codex_s_request_shape_is_served(http, front, caplog):
+    """What the Codex CLI sends on its first turn: function tools grouped in a
+    `namespace` (offered as the functions they hold), a hosted `web_search` (left
+    out, said once in the log), `client_metadata`, `include` of encrypted reasoning,
+    `reasoning.summary`, `store: false`, `prompt_cache_key`, streamed."""
+    front.reply = "Plain."
+    namespace = {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+                 "tools": [{"type": "function", "name": "close_agent", "strict": False,
+                            "parameters": {"type": "object", "properties": {
+                                "target": {"type": "string"}}, "required": ["target"],
+                                "additionalProperties": False}}]}
+    body = {"model": "m", "input": [{"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "hi"}]}],
+            "instructions": "You are a coding agent.", "stream": True, "store": False,
+            "tools": [TOOLS[1], namespace, {"type": "web_search", "external_web_access": False}],
+            "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "session-1",
+            "client_metadata": {"x-codex-turn-metadata": "{}", "session_id": "s"}}
+    with caplog.at_level("INFO"):
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        assert "response.completed" in r.text
+        assert http.post("/v1/responses", json=body).status_code == 200
+    assert "Tools: get_time close_agent</s>" in front.prompts[-1]
+    notes = [m for m in caplog.messages if "web_search" in m]
+    assert len(notes) == 1 and "hosted tool" in notes[0]
+
+
 def test_unknown_or_unsupported_fields_are_400s_naming_them(http):
     for extra, param in (({"frobnicate": 1}, "frobnicate"), ({"background": True}, "background"),
-                         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
                          ({"truncation": "auto"}, "truncation")):
         r = http.post("/v1/responses", json={"model": "m", "input": "hi", **extra})
         assert r.status_code == 400, (extra, r.text)

@@ -145,6 +145,9 @@ def note_ignored(api: Api, body: ResponsesRequest) -> None:
     for kind in body.include or ():
         if kind != LOGPROBS:
             api.compat.note(API, f"include {kind}", "no hosted tool's data here")
+    for kind in body.hosted_tools:
+        api.compat.note(API, f"tools of type {kind}",
+                        "a hosted tool: this server runs none, so the model is not offered it")
 
 
 def head(api: Api, body: ResponsesRequest) -> dict:

@@ -11,7 +11,7 @@ that a client can send back the items it was given, whatever it added to them.""
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from .openai_schema import PASSED, Strict, passed_fields
 
@@ -113,6 +113,24 @@ class FunctionTool(Strict):
     strict: bool | None = None
 
 
+def callable_tools(tools) -> tuple[list, list[str]]:
+    """A request's `tools` as the function tools the model is offered, and the types
+    of the hosted ones left out (web_search, file_search, ...: this server runs none).
+    A `namespace` tool (Codex's) offers the function tools it groups."""
+    functions, hosted = [], []
+    for tool in tools:
+        kind = _type(tool)
+        if kind == "namespace" and isinstance(tool, dict):
+            inner, more = callable_tools(tool.get("tools") or [])
+            functions += inner
+            hosted += more
+        elif kind == "function":
+            functions.append(tool)
+        else:
+            hosted.append(str(kind))
+    return functions, hosted
+
+
 class NamedFunction(Strict):
     type: Literal["function"]
     name: str
@@ -166,7 +184,8 @@ IGNORED = {("user",): NO_EFFECT, ("safety_identifier",): NO_EFFECT,
            ("text", "verbosity"): "the model's own length is kept",
            ("reasoning", "summary"): "no reasoning summaries: the reasoning is given whole",
            ("reasoning", "generate_summary"): "no reasoning summaries",
-           ("stream_options", "include_obfuscation"): "nothing is padded here"}
+           ("stream_options", "include_obfuscation"): "nothing is padded here",
+           ("client_metadata",): NO_EFFECT}
 
 
 class ResponsesRequest(passed_fields({name: name for name in PASSED}, Model)):
@@ -194,3 +213,14 @@ class ResponsesRequest(passed_fields({name: name for name in PASSED}, Model)):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    client_metadata: dict | None = None   # Codex's: who sent it
+    # the hosted tools' types `tools` named (`callable_tools`), left out
+    hosted_tools: list[str] = Field(default_factory=list, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _offered_tools(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("tools"), list):
+            functions, hosted = callable_tools(data["tools"])
+            data = {**data, "tools": functions, "hosted_tools": hosted}
+        return data
