@@ -3,6 +3,7 @@
 
 import json
 import re
+from typing import Callable
 
 # An object with required keys, enums, nested arrays and bounded numbers. Every
 # string is an enum and every array bounded, so a random model's output stays short.
@@ -92,3 +93,20 @@ def _object_errors(value: dict, schema: dict, path: str) -> list[str]:
         elif schema.get("additionalProperties", True) is False:
             errors.append(f"{path}: unexpected key {key}")
     return errors
+
+
+def grammar_acceptor(codec) -> Callable[[str, str], bool]:
+    """accepts(grammar, text): whether llguidance lets the grammar take `text` (encoded
+    by `codec`'s tokenizer) as a whole reply, as the worker's matcher would."""
+    from llguidance import LLMatcher
+
+    from mlxd.tokenizer_proc.constraints import ConstraintCompiler
+
+    compiler = ConstraintCompiler(codec)
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = LLMatcher(compiler._ll_tokenizer(), grammar, log_level=0)
+        ids = codec.tokenizer.encode(text, add_special_tokens=False)
+        return (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
+                and matcher.is_accepting())
+    return accepts

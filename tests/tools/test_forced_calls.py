@@ -3,7 +3,6 @@ schemas in constrained decoding (constraints.closed_objects), checked by running
 llguidance's matcher over texts: what a forced reply may be, and what it may not."""
 
 import pytest
-from llguidance import LLMatcher
 
 from mlxd.tokenizer_proc.constraints import (
     ConstraintCompiler, closed_objects, parse_response_format,
@@ -11,6 +10,7 @@ from mlxd.tokenizer_proc.constraints import (
 from mlxd.tokenizer_proc.text import TextCodec
 from mlxd.tokenizer_proc.tools.grammar import tool_call_grammar
 from mlxd.tokenizer_proc.tools.request import chat_options
+from structured_support import grammar_acceptor
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
@@ -36,14 +36,7 @@ def codec(llama_model):
 @pytest.fixture(scope="module")
 def accepts(codec):
     """accepts(grammar, text): whether the grammar allows `text` as a whole reply."""
-    compiler = ConstraintCompiler(codec)
-
-    def check(grammar: str, text: str) -> bool:
-        matcher = LLMatcher(compiler._ll_tokenizer(), grammar, log_level=0)
-        ids = codec.tokenizer.encode(text, add_special_tokens=False)
-        return (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
-                and matcher.is_accepting())
-    return check
+    return grammar_acceptor(codec)
 
 
 def grammar(parser: str, tools: list[dict], **params) -> str:

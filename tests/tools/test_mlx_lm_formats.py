@@ -15,6 +15,7 @@ from mlxd.tokenizer_proc.tools import mlx_lm_formats
 from mlxd.tokenizer_proc.tools.formats import PARSERS, SAME_FORMAT
 from mlxd.tokenizer_proc.tools.grammar import UNFORCED, tool_call_grammar
 from mlxd.tokenizer_proc.tools.request import chat_options
+from structured_support import grammar_acceptor
 from mlxd.tokenizer_proc.tools.syntax import resolve, tool_parser_of
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -236,19 +237,8 @@ def two_of(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def accepts(llama_model):
-    from llguidance import LLMatcher
-
-    from mlxd.tokenizer_proc.constraints import ConstraintCompiler
     from mlxd.tokenizer_proc.text import TextCodec
-    codec = TextCodec(llama_model)
-    compiler = ConstraintCompiler(codec)
-
-    def check(grammar: str, text: str) -> bool:
-        matcher = LLMatcher(compiler._ll_tokenizer(), grammar, log_level=0)
-        ids = codec.tokenizer.encode(text, add_special_tokens=False)
-        return (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
-                and matcher.is_accepting())
-    return check
+    return grammar_acceptor(TextCodec(llama_model))
 
 
 def forced(name: str, **params) -> str:
