@@ -97,13 +97,14 @@ class ModelRunner:
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
         self.batch = batch
-        self.chained: _Output | None = None   # a computed, uncommitted decode of the batch
+        self.chained: _Output | None = None   # a launched, uncommitted decode of the batch
         self.vocab_size = vocab_size
         self._rng = rng or random.Random()
         # Both threads put their work on this one stream; they never use it at once.
         self.stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._background = BackgroundJob()
         self._returned_at: float | None = None   # when the last result was handed back
+        self._outputs_at = 0.0   # when the last step's outputs were evaluated
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
 
     @property
@@ -121,20 +122,23 @@ class ModelRunner:
         busy_until = self._background.wait() if chained else 0.0
         timing = StepTiming(chained=chained)
         timing.wait_ms, timing.idle_ms = self._wait_timing(arrived_at, busy_until)
-        timing.chained_wait_ms = (time.perf_counter() - start) * 1e3 if chained else 0.0
         with mx.stream(self.stream):
-            result = self._execute(step)
+            result, following = self._execute(step)
             timing.active_memory = mx.get_active_memory()
             timing.peak_memory = mx.get_peak_memory()
+        timing.chained_wait_ms = (self._outputs_at - start) * 1e3 if chained else 0.0
         if self._chains_next:   # step k+1, chained on step k
-            self._background.start(self._compute_chained)
+            self.chained = following
+            self._background.start(self._dispatch_chained)
         # A wait for the next Step is a round trip only while requests run.
         self._returned_at = time.perf_counter() if len(self.batch) else None
         timing.compute_ms = (time.perf_counter() - arrived_at) * 1e3
         result.timing = timing
         return result
 
-    def _execute(self, step: Step) -> StepResult:
+    def _execute(self, step: Step) -> tuple[StepResult, _Output | None]:
+        """The step's result, and the next decode of the batch when it was built
+        ahead (while the step's last tasks computed)."""
         self.batch.remove(set(step.releases))
         outputs = []
         if step.decode_rids:   # the chained decode if there is one; its released rows drop
@@ -145,11 +149,14 @@ class ModelRunner:
                              f"{len(self.batch)} requests are running")
         else:
             self.chained = None
+        if outputs and not step.prefills and self._builds_ahead:
+            following = self._launch_decode()
+            return self._finalize(step.step_id, outputs, writes=False), following
         if outputs and step.prefills:
             self.batch.before_joins(_arrays(outputs))
         outputs += self._prefill(step.prefills)
         # the chained decode, when there is one, completes the pool writes
-        return self._finalize(step.step_id, outputs, pool_writes=not self._chains_next)
+        return self._finalize(step.step_id, outputs, pool_writes=not self._chains_next), None
 
     @property
     def _chains_next(self) -> bool:
@@ -160,6 +167,12 @@ class ModelRunner:
     def chain_started(self) -> bool:
         """A chained decode was started for the next Step (it may have finished)."""
         return self._background.running
+
+    @property
+    def _builds_ahead(self) -> bool:
+        """The next decode's graph can be built before this step's tokens are read:
+        it chains, and no row's grammar needs this step's token for its mask."""
+        return self._chains_next and not any(r.grammar is not None for r in self.batch.rows)
 
     def reset(self) -> None:
         """Drop every request's state (after a failed step)."""
@@ -173,6 +186,7 @@ class ModelRunner:
         """Wait for the chained decode, if one is computing (its errors are moot)."""
         try:
             self._background.wait(timeout=CLOSE_TIMEOUT)
+            mx.synchronize(self.stream)   # its last tasks, queued when the job ended
         except Exception:
             pass
 
@@ -205,13 +219,15 @@ class ModelRunner:
         mx.eval(logits)
         return sample(logits, rows, allowed(masks.result(), logits.shape[-1]))
 
-    def _compute_chained(self) -> None:
-        """On the helper thread: decode the whole batch once more, to completion,
-        with the step's pending pool writes."""
+    def _dispatch_chained(self) -> None:
+        """On the helper thread: queue the next decode of the batch (built now unless
+        it was built ahead) with the step's pending pool writes. The job ends when
+        the CPU backend's `async_eval` returns, as the last tasks are queued: the
+        next Step's commit and the decode after it are built while those compute."""
         with mx.stream(self.stream):
-            chained = self._launch_decode()
-            mx.eval(self.pool.arrays, _arrays([chained]), self.batch.pending_writes())
-        self.chained = chained
+            if self.chained is None:
+                self.chained = self._launch_decode()
+            mx.async_eval(self.pool.arrays, _arrays([self.chained]), self.batch.pending_writes())
 
     def _commit_decode(self, launched: _Output, step: Step) -> _Output:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
@@ -292,12 +308,16 @@ class ModelRunner:
 
     # ---- results ----------------------------------------------------------
 
-    def _finalize(self, step_id: int, outputs: list[_Output], pool_writes: bool) -> StepResult:
-        # The pool writes are not in the tokens' graph: evaluate them with the step
-        # (or with the chained decode), or lazy scatters pile up and pin every
-        # step's KV in memory.
-        mx.eval(_arrays(outputs), self.batch.pending_writes(),
+    def _finalize(self, step_id: int, outputs: list[_Output], pool_writes: bool = False,
+                  writes: bool = True) -> StepResult:
+        """The outputs' tokens, evaluated. `writes`: with the batch's pending writes
+        (False when the next decode was built ahead: its graph holds them), and the
+        pool's with `pool_writes`. The pool writes are not in the tokens' graph:
+        evaluated with the step (or with the chained decode), or lazy scatters pile
+        up and pin every step's KV in memory."""
+        mx.eval(_arrays(outputs), *((self.batch.pending_writes(),) if writes else ()),
                 *((self.pool.arrays,) if pool_writes else ()))
+        self._outputs_at = time.perf_counter()
         result = StepResult(step_id, [], [], [])
         tops = []
         for o in outputs:
