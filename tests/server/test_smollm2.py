@@ -99,3 +99,37 @@ def test_the_default_model_answers_json_object_through_openai(default_server):
             response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_the_default_model_through_langchain_and_instructor(default_server):
+    """The client libraries as users run them, on the default model (its template has
+    no tools branch: the tools reach it in the system prompt)."""
+    from typing import Literal
+
+    import instructor
+    import openai
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: Literal["France", "Italy", "Spain"]
+        capital: Literal["Paris", "Rome", "Madrid"]
+
+    base = default_server.http_url + "/v1"
+    with openai.OpenAI(base_url=base, api_key="none", timeout=120, max_retries=0) as raw:
+        name = raw.models.list().data[0].id
+    llm = ChatOpenAI(model=name, base_url=base, api_key="none",
+                     max_tokens=64, temperature=0, timeout=120, max_retries=0)
+    assert "Paris" in llm.invoke("What is the capital of France?").content
+    for method in ("function_calling", "json_schema"):
+        answer = llm.with_structured_output(Capital, method=method).invoke(
+            "What is the capital of France?")
+        assert isinstance(answer, Capital)
+    with openai.OpenAI(base_url=base, api_key="none", timeout=120, max_retries=0) as raw:
+        for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+            got = instructor.from_openai(raw, mode=mode).chat.completions.create(
+                model=name, response_model=Capital, max_retries=0,
+                max_tokens=64, temperature=0,
+                messages=chat("What is the capital of France? Answer with the country "
+                              "and its capital."))
+            assert isinstance(got, Capital)
