@@ -29,7 +29,8 @@ from mlxd.protocol import Decoder, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime import keys
 from mlxd.runtime.flags import WORKER, WORKER_RESTART_WINDOW_SECONDS, ServerFlags
-from mlxd.model_store.resolve import ModelError, resolve_model, served_name
+from mlxd.model_store.resolve import (ModelError, fetch_model, local_models, resolve_model,
+                                      served_name)
 from mlxd.runtime.blas import find_blas, mlx_gpu_backend
 from mlxd.runtime.lifecycle import die_with_parent, pid_alive
 from mlxd.scheduler_proc.main import SchedulerConfig
@@ -343,8 +344,43 @@ def _raise_stop(signum, _frame):
     raise _Stop(signal.Signals(signum).name)
 
 
+def models_command(argv: list[str]) -> int:
+    """`mlxd models`: the models already here; `mlxd pull ID`: fetch one, print its path."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="mlxd")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("models", help="list the models in the Hugging Face cache, "
+                                       "Ollama's store and mlxd's cache")
+    pull = commands.add_parser("pull", help="fetch a model into the Hugging Face cache "
+                                            "(as --model would) and print its local path")
+    pull.add_argument("id", help="ORG/NAME[@REVISION][:QUANT] (or any --model value)")
+    args = parser.parse_args(argv)
+    if args.command == "models":
+        table = [("NAME", "FORMAT", "SIZE"),
+                 *[(name, kind, _size(size)) for name, kind, size in local_models()]]
+        widths = [max(len(row[i]) for row in table) for i in range(3)]
+        for row in table:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return 0
+    try:
+        print(fetch_model(args.id, log=lambda message: print(message, file=sys.stderr)))
+    except ModelError as exc:
+        print(f"mlxd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def main(argv=None) -> int:
-    cfg = parse_config(ServerFlags, "Start the mlxd server.", argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["models"], ["pull"]):
+        return models_command(argv)
+    cfg = parse_config(ServerFlags, "Start the mlxd server (also: `mlxd models`, "
+                                    "`mlxd pull ID`).", argv)
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s launch %(levelname)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_stop)
