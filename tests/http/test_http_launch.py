@@ -22,7 +22,8 @@ def test_served_name_defaults_to_the_folder_or_file_asked_for():
     assert served_name("/models/Qwen3-0.6B", "/models/Qwen3-0.6B") == "Qwen3-0.6B"
     assert served_name("/m/llama.Q4.gguf", "/cache/abc") == "llama.Q4"
     assert served_name("demo", "/cache/demo-model") == "demo-model"
-    assert served_name("", "/cache/SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+    # the default model: its own name, not its cache folder's
+    assert served_name("", "/cache/smollm2-135m-instruct-q4_1-v2") == "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")

@@ -77,3 +77,30 @@ def test_a_server_logs_its_requests_unless_told_not_to(tool_model, flags, logged
             assert server.stop() is not None and written() == []
     finally:
         server.stop()
+
+
+def test_responses_lines_carry_tokens_and_metrics_name_their_routes(front, caplog):
+    """A response's line has its token counts; `/metrics` counts the Responses API's
+    routes by their declared path, its id not in the label (bounded)."""
+    front.reply = "Fine."
+    with TestClient(build_app(Api(front, "m"), access_log=True)) as http, \
+            caplog.at_level(logging.INFO, logger=access_log.name):
+        made = http.post("/v1/responses", json={"model": "m", "input": "hi", "store": True})
+        assert made.status_code == 200
+        rid = made.json()["id"]
+        assert http.get(f"/v1/responses/{rid}").status_code == 200
+        assert http.get("/v1/responses/resp_missing").status_code == 404
+        assert http.post(f"/v1/responses/{rid}/cancel").status_code in (200, 400)
+        assert http.get("/v1/models/m").status_code == 200
+        assert http.get("/nowhere").status_code == 404
+        text = http.get("/metrics").text
+    [line] = [r.getMessage() for r in caplog.records
+              if r.name == access_log.name and r.getMessage().startswith("POST /v1/responses ")]
+    assert "prompt_tokens=" in line and "completion_tokens=" in line
+    counted = 'mlxd_http_requests_total{endpoint="%s",status="%s"} 1.0'
+    assert counted % ("/v1/responses/{response_id}", 200) in text
+    assert counted % ("/v1/responses/{response_id}", 404) in text
+    assert 'endpoint="/v1/responses/{response_id}/cancel"' in text
+    assert counted % ("/v1/models/{model}", 200) in text
+    assert counted % ("other", 404) in text
+    assert rid not in text

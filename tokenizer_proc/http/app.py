@@ -8,6 +8,7 @@ from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.routing import compile_path
 
 from mlxd.tokenizer_proc.auth import key_matches
 from mlxd.tokenizer_proc.params import InvalidRequest
@@ -82,18 +83,25 @@ def build_app(api: Api, access_log: bool = False) -> FastAPI:
 
 
 class CountRequests:
-    """ASGI middleware: each response's status, by endpoint (paths not served count
-    as `other`, so that their number stays bounded)."""
+    """ASGI middleware: each response's status, by endpoint: the route's path, its
+    parameters as declared (`/v1/responses/{response_id}`); paths not served count
+    as `other`, so that their number stays bounded."""
 
     def __init__(self, app, api: Api, known: set[str]):
         self.app, self.api, self.known = app, api, known
+        self.templates = [(compile_path(path)[0], path.replace(":path}", "}"))
+                          for path in sorted(known) if "{" in path]
+
+    def endpoint(self, path: str) -> str:
+        if path in self.known:
+            return path
+        return next((name for pattern, name in self.templates if pattern.match(path)),
+                    "other")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = path if path in self.known else \
-            "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        endpoint = self.endpoint(scope["path"])
 
         async def counting_send(message):
             if message["type"] == "http.response.start":

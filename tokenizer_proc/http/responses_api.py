@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from mlxd.protocol import PARAMS
 
+from .access_log import access_note
 from .context import Api, read_body
 from .errors import ApiError, bad_request
 from .generation import Generation
@@ -64,7 +65,8 @@ class Responses:
         params = core_params(body, body.max_output_tokens, logprobs=logprobs or None,
                              top_logprobs=body.top_logprobs,
                              response_format=response_format(body), **tool_params(body))
-        gen = Generation(api.front, api.metrics, lambda e: core_error(e, RENAMED))
+        gen = Generation(api.front, api.metrics, lambda e: core_error(e, RENAMED),
+                         access_note(request))
         requests = generate_requests([{"messages": system + history + new}], params,
                                      body.stream)
         await gen.begin(requests, request.receive)
