@@ -134,14 +134,16 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def form_of(qtype, ndim: int, inexact: str) -> Form:
-    """The form a tensor of `qtype` is kept in (matrices only are kept quantized)."""
+    """The form a tensor of `qtype` is kept in. Only matrices and stacks of them
+    (MoE experts) are kept quantized."""
+    matrix = ndim in (2, 3)
     if qtype in FLOATS:
         return Form(FLOATS[qtype])
-    if ndim == 2 and qtype in AFFINE:
+    if matrix and qtype in AFFINE:
         return Form("affine", AFFINE[qtype][0])
-    if ndim == 2 and qtype == T.MXFP4:
+    if matrix and qtype == T.MXFP4:
         return Form("mxfp4", 4)
-    if qtype in AFFINE or qtype == T.MXFP4 or inexact == "float32" or ndim != 2:
+    if qtype in AFFINE or qtype == T.MXFP4 or inexact == "float32" or not matrix:
         return Form("float32")
     return Form("affine", 8, exact=False)
 
@@ -157,16 +159,16 @@ def to_mlx(name: str, data: np.ndarray, qtype, shape: tuple, inexact: str) -> tu
             return {"weight": mx.array(data.view(np.uint16).reshape(shape)).view(mx.bfloat16)}, form
         return {"weight": mx.array(data.reshape(shape))}, form
     blocks = data.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    rows, out = (-1, shape[-1]), (*shape[:-1], -1)
     if form.kind == "affine" and form.exact:
         q, scales, biases = AFFINE[qtype][1](blocks)
-        rows = (shape[0], -1)
-        return {"weight": mx.array(pack(q.reshape(rows), form.bits)),
-                "scales": mx.array(scales.reshape(rows)),
-                "biases": mx.array(biases.reshape(rows))}, form
+        return {"weight": mx.array(pack(q.reshape(rows), form.bits).reshape(out)),
+                "scales": mx.array(scales.reshape(out)),
+                "biases": mx.array(biases.reshape(out))}, form
     if form.kind == "mxfp4":
-        codes = _nibbles(blocks[:, 1:17]).reshape(shape[0], -1)
-        return {"weight": mx.array(pack(codes, 4)),
-                "scales": mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(shape[0], -1))}, form
+        codes = _nibbles(blocks[:, 1:17]).reshape(rows)
+        return {"weight": mx.array(pack(codes, 4).reshape(out)),
+                "scales": mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(out))}, form
     try:
         values = quants.dequantize(blocks, qtype).reshape(shape)
     except NotImplementedError:

@@ -1,75 +1,83 @@
-"""Rebuild a Hugging Face `tokenizers` tokenizer from GGUF metadata.
+"""The Hugging Face tokenizer a GGUF file's `tokenizer.ggml.*` metadata describes.
 
-Supports GGUF's "gpt2" tokenizer model: a byte-level BPE whose vocabulary and
-merges are stored as-is. The pre-tokenizer is chosen from `tokenizer.ggml.pre`.
+transformers' `convert_gguf_tokenizer` builds it (byte-level BPE for GGUF's "gpt2"
+model; SentencePiece-style BPE for "llama", with Gemma's and Phi-3's variants; unigram
+for "t5") from the metadata as our `gguf` reader gives it; its own reader needs torch.
+Set here on top: the individual-digit split of SmolLM/StarCoder-style "gpt2"
+vocabularies and Llama 3's whole-word lookup (`ignore_merges`), which that converter
+leaves out; the BOS the file asks for; and no token beyond the file's vocabulary (the
+converter's GPT-2 class adds "<|endoftext|>" when the vocabulary lacks it).
 """
 
-import logging
-
-log = logging.getLogger(__name__)
-
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLIT_REGEX = {"llama-bpe": LLAMA3_REGEX, "llama3": LLAMA3_REGEX, "qwen2": QWEN2_REGEX}
-GPT2_STYLE = {"default", "gpt2", "smollm", "starcoder", "refact", "codeshell"}
 DIGITS_FIRST = {"smollm", "starcoder", "refact", "codeshell"}   # every digit on its own
-
-# GGUF token types
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 class TokenizerError(ValueError):
     pass
 
 
-def _pre_tokenizer(pre: str):
-    from tokenizers import Regex, pre_tokenizers
+def tokenizer_dict(meta: dict) -> dict:
+    """The metadata under transformers' names (`tokens`, `merges`, `token_type`, ...)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
-    if pre in SPLIT_REGEX:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(SPLIT_REGEX[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if pre not in GPT2_STYLE:
-        log.warning("unknown GGUF pre-tokenizer %r; using GPT-2's", pre)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in DIGITS_FIRST:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        byte_level])
-    return byte_level
+    renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    out = {}
+    for key, name in renames.items():
+        value = meta.get(f"tokenizer.{key}")
+        if value is not None:
+            out[name] = value.tolist() if hasattr(value, "tolist") else value
+    return out
 
 
 def build_tokenizer(meta: dict):
     """A `tokenizers.Tokenizer` equivalent to the GGUF's embedded one."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import pre_tokenizers, processors
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', "
-                             "the byte-level BPE of Llama 3, Qwen, SmolLM and others)")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    types = _token_types(meta, len(tokens))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               ignore_merges=meta.get("tokenizer.ggml.pre") == "llama-bpe"))
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-    tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i, t in enumerate(types) if t == USER_DEFINED])
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, t in enumerate(types) if t == CONTROL])
+    if "tokenizer.ggml.tokens" not in meta:
+        raise TokenizerError("the GGUF file holds no tokenizer (tokenizer.ggml.tokens)")
+    try:
+        tok, _ = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict(meta))
+    except ValueError as exc:   # an unknown tokenizer.ggml.model
+        raise TokenizerError(str(exc)) from None
+    tok = _without_foreign_tokens(tok, len(meta["tokenizer.ggml.tokens"]))
+    pre = meta.get("tokenizer.ggml.pre")
+    if meta.get("tokenizer.ggml.model") == "gpt2" and pre in DIGITS_FIRST:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre == "llama-bpe":   # Llama 3 looks a whole word up before merging
+        tok.model.ignore_merges = True
     bos = special_token(meta, "bos")
-    if bos is not None and _flag(meta, "tokenizer.ggml.add_bos_token"):
+    if bos is not None and add_bos(meta):
+        bos_id = scalar(meta["tokenizer.ggml.bos_token_id"])
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-            special_tokens=[(bos, tokens.index(bos))])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     return tok
 
 
+def _without_foreign_tokens(tok, n_tokens: int):
+    """The tokenizer less the tokens its transformers class adds by default where the
+    vocabulary lacks them (GPT-2's "<|endoftext|>"): ids the model has no row for."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < n_tokens]
+    if spec["model"].get("unk_token") not in spec["model"]["vocab"]:
+        spec["model"]["unk_token"] = None
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def add_bos(meta: dict) -> bool:
+    """llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say."""
+    default = meta.get("tokenizer.ggml.model") == "llama"
+    return bool(scalar(meta.get("tokenizer.ggml.add_bos_token", default)))
+
+
 def tokenizer_config(meta: dict) -> dict:
-    config = {"tokenizer_class": "PreTrainedTokenizerFast",
-              "add_bos_token": _flag(meta, "tokenizer.ggml.add_bos_token"),
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos(meta),
               "clean_up_tokenization_spaces": False}
     for name, key in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"),
                       ("padding", "pad_token")):
@@ -88,16 +96,5 @@ def special_token(meta: dict, name: str) -> str | None:
 
 
 def scalar(value):
-    """GGUF scalars arrive as 0-d mx.arrays; plain Python values pass through."""
+    """GGUF scalars may arrive as numpy values; plain Python values pass through."""
     return value.item() if hasattr(value, "item") else value
-
-
-def _flag(meta: dict, key: str) -> bool:
-    return bool(scalar(meta.get(key, False)))
-
-
-def _token_types(meta: dict, n: int) -> list[int]:
-    types = meta.get("tokenizer.ggml.token_type")
-    if types is None:
-        return [NORMAL] * n
-    return types.tolist() if hasattr(types, "tolist") else list(types)

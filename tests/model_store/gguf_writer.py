@@ -203,3 +203,168 @@ def write_gguf(path, tensors: dict, metadata: dict, seed: int = 0) -> dict:
     writer.write_tensors_to_file()
     writer.close()
     return decoded
+
+
+# --- whole models, written as llama.cpp's convert_hf_to_gguf.py writes them ---
+
+# mlx_lm model_type -> GGUF general.architecture (Mistral's files say "llama")
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3",
+             "phi3": "phi3"}
+GEMMA = {"gemma2", "gemma3"}
+
+
+def llama_permute(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """The exporter's Q/K row order for llama: per head, rows (2, half) -> (half, 2)."""
+    return (x.reshape(n_heads, 2, x.shape[0] // n_heads // 2, *x.shape[1:])
+            .swapaxes(1, 2).reshape(x.shape))
+
+
+def llama_unpermute(x: np.ndarray, n_heads: int) -> np.ndarray:
+    return (x.reshape(n_heads, x.shape[0] // n_heads // 2, 2, *x.shape[1:])
+            .swapaxes(1, 2).reshape(x.shape))
+
+
+def model_metadata(config: dict, arch: str) -> dict:
+    """The hyperparameters the exporter writes for `config` (an mlx_lm config.json)."""
+    keys = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+            "block_count": "num_hidden_layers", "feed_forward_length": "intermediate_size",
+            "attention.head_count": "num_attention_heads",
+            "attention.head_count_kv": "num_key_value_heads",
+            "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+            "attention.key_length": "head_dim", "attention.value_length": "head_dim",
+            "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size",
+            "attn_logit_softcapping": "attn_logit_softcapping",
+            "final_logit_softcapping": "final_logit_softcapping",
+            "attention.sliding_window": "sliding_window"}
+    meta = {"general.architecture": arch}
+    meta.update({f"{arch}.{key}": config[name] for key, name in keys.items() if name in config})
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "linear":
+        meta.update({f"{arch}.rope.scaling.type": "linear",
+                     f"{arch}.rope.scaling.factor": float(scaling["factor"])})
+    if arch == "phi3":
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        meta["phi3.rope.dimension_count"] = int(head_dim * config.get("partial_rotary_factor", 1))
+    return meta
+
+
+def export_tensors(weights: dict, config: dict, arch: str,
+                   permute: bool = True) -> tuple[dict, dict]:
+    """(GGUF name -> array as the exporter stores it, GGUF name -> HF name). Names come
+    from gguf-py's own TensorNameMap; llama's Q/K rows are permuted (unless not
+    `permute`: a file as a broken exporter would write it), Gemma's norms stored as
+    1 + w, and a tied model has no output.weight."""
+    import gguf
+
+    arch_enum = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    tensors, hf_names = {}, {}
+    for hf, value in weights.items():
+        if hf == "lm_head.weight" and config.get("tie_word_embeddings", arch in GEMMA):
+            continue
+        name = names.get_name(hf.replace(".switch_mlp.", ".experts."),
+                              try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf
+        role = name.split(".")[2] if name.startswith("blk.") else None
+        if arch == "llama" and role in heads and permute:
+            value = llama_permute(value, heads[role])
+        if arch in GEMMA and hf.endswith("norm.weight"):
+            value = value + np.float32(1)
+        tensors[name], hf_names[name] = value, hf
+    return tensors, hf_names
+
+
+def write_model(folder, path, kind, tokenizer_meta: dict, seed: int = 0,
+                permute: bool = True) -> dict:
+    """Write the mlx_lm model in `folder` to the GGUF `path` as llama.cpp's exporter
+    would: matrices (and stacked experts) in `kind` (a type, or GGUF name -> type),
+    vectors in F32. Returns the HF-named values a correct converter serves: gguf's
+    reference dequantizer's, with the exporter's transforms undone."""
+    import json
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    arch = GGUF_ARCH[config["model_type"]]
+    weights = {k: np.array(v.astype(mx.float32))
+               for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    tensors, hf_names = export_tensors(weights, config, arch, permute)
+    kind_of = kind if callable(kind) else lambda name: kind
+    typed = {name: (value, kind_of(name) if value.ndim >= 2 else "F32")
+             for name, value in tensors.items()}
+    decoded = write_gguf(path, typed, {**model_metadata(config, arch), **tokenizer_meta}, seed)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    expected = {}
+    for name, value in decoded.items():
+        role = name.split(".")[2] if name.startswith("blk.") else None
+        if arch == "llama" and role in heads and permute:
+            value = llama_unpermute(value, heads[role])
+        if arch in GEMMA and name.endswith("norm.weight"):
+            value = value - np.float32(1)
+        expected[hf_names[name]] = value
+    return expected
+
+
+def bpe_tokenizer_metadata(folder) -> dict:
+    """GGUF's "gpt2" tokenizer for a folder's byte-level BPE tokenizer.json."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    return {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+        "tokenizer.ggml.bos_token_id": vocab[tok_config["bos_token"]],
+        "tokenizer.ggml.eos_token_id": vocab[tok_config["eos_token"]],
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": tok_config["chat_template"],
+    }
+
+
+def sentencepiece_tokenizer_metadata(folder, merges: bool = True) -> dict:
+    """GGUF's "llama" (SentencePiece) tokenizer for a folder's tokenizer.json of that
+    shape, as the exporter writes it: pieces in id order, a score per piece (its rank:
+    earlier is better), token types (UNKNOWN, CONTROL, BYTE for <0xXX>, NORMAL), and,
+    if `merges`, the BPE merges (without them a reader derives merges from the scores)."""
+    import json
+    import re
+    from pathlib import Path
+
+    folder = Path(folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+
+    def token_type(t):
+        if t == tok_config["unk_token"]:
+            return 2
+        return 3 if t in special else 6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else 1
+
+    meta = {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [-float(i) for i in range(len(tokens))],
+        "tokenizer.ggml.token_type": [token_type(t) for t in tokens],
+        "tokenizer.ggml.bos_token_id": vocab[tok_config["bos_token"]],
+        "tokenizer.ggml.eos_token_id": vocab[tok_config["eos_token"]],
+        "tokenizer.ggml.unknown_token_id": vocab[tok_config["unk_token"]],
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": tok_config["chat_template"],
+    }
+    if merges:
+        meta["tokenizer.ggml.merges"] = [m if isinstance(m, str) else " ".join(m)
+                                         for m in tok["model"]["merges"]]
+    return meta

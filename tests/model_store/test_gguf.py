@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx.utils import tree_flatten
 from transformers import AutoTokenizer
 
-from gguf_writer import write_gguf
+from gguf_writer import bpe_tokenizer_metadata, write_gguf, write_model
 from mlxd.model_store.gguf import (CONVERSION_VERSION, GGUFError, cached_conversion, convert,
                                    file_sha256, permute_rows, unpermute_rows)
 from mlxd.model_store.tiny import TinySpec, build_tiny_model
@@ -21,13 +21,6 @@ from support import ROOT, PROMPTS, Server
 from mlxd.worker_proc.loading import float32_bytes, load_for_serving, load_model
 from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES
 
-HF_TO_GGUF = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
 # rows of 256: the K-quants' and IQ4_XS's super-blocks
 SPEC = TinySpec(arch="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                 intermediate_size=512, vocab_size=384, seed=3)
@@ -36,69 +29,11 @@ TEXTS = ["Hello model server", "What is the capital of France? 12345 + 678",
          "<s> special </s> tokens <|user|> inside text", ""]
 
 
-def gguf_name(hf: str) -> str:
-    stem, kind = hf.rsplit(".", 1)
-    for hf_part, gguf_part in HF_TO_GGUF.items():
-        if stem == hf_part:
-            return f"{gguf_part}.{kind}"
-        if stem.startswith("model.layers.") and stem.endswith("." + hf_part):
-            return f"blk.{stem.split('.')[2]}.{gguf_part}.{kind}"
-    raise KeyError(hf)
-
-
-def tokenizer_metadata(folder: Path) -> dict:
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    return {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
-        "tokenizer.ggml.bos_token_id": vocab[tok_config["bos_token"]],
-        "tokenizer.ggml.eos_token_id": vocab[tok_config["eos_token"]],
-        "tokenizer.ggml.add_bos_token": True,
-        "tokenizer.chat_template": tok_config["chat_template"],
-    }
-
-
 def write_model_gguf(folder: Path, path: Path, kind, permute: bool = True):
-    """Write `folder`'s model as llama.cpp would: GGUF names, Q/K rows permuted,
-    2-D weights in `kind` (a type, or GGUF name -> type), norms in F32. Returns
-    the HF-named weights gguf's reference dequantizer decodes."""
-    kind_of = kind if callable(kind) else lambda name: kind
-    config = json.loads((folder / "config.json").read_text())
-    weights = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    tensors, names = {}, {}
-    for hf, value in weights.items():
-        name = gguf_name(hf)
-        role = name.split(".")[2] if name.startswith("blk.") else None
-        if role in heads and permute:
-            value = np.array(permute_rows(mx.array(value), heads[role]))
-        tensors[name] = (value, kind_of(name) if value.ndim == 2 else "F32")
-        names[name] = hf
-    meta = {
-        "general.architecture": "llama", "llama.block_count": config["num_hidden_layers"],
-        "llama.embedding_length": config["hidden_size"],
-        "llama.feed_forward_length": config["intermediate_size"],
-        "llama.attention.head_count": config["num_attention_heads"],
-        "llama.attention.head_count_kv": config["num_key_value_heads"],
-        "llama.attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
-        "llama.rope.freq_base": config["rope_theta"],
-        "llama.context_length": config["max_position_embeddings"],
-        "llama.vocab_size": config["vocab_size"], **tokenizer_metadata(folder),
-    }
-    decoded = write_gguf(path, tensors, meta)
-    out = {}
-    for name, value in decoded.items():
-        role = name.split(".")[2] if name.startswith("blk.") else None
-        if role in heads and permute:   # expected values in the HF row order
-            value = np.array(unpermute_rows(mx.array(value), heads[role]))
-        out[names[name]] = value
-    return out
+    """Write `folder`'s model as llama.cpp would (gguf_writer.write_model) with its
+    byte-level BPE tokenizer. Returns the HF-named weights gguf's reference
+    dequantizer decodes."""
+    return write_model(folder, path, kind, bpe_tokenizer_metadata(folder), permute=permute)
 
 
 @pytest.fixture(scope="module")
