@@ -172,6 +172,8 @@ def hf_config(meta: dict, tensors: dict) -> dict:
     for name, what in UNSUPPORTED_TENSORS.items():
         if name in tensors:
             raise GGUFError(f"GGUF files with {what} are not supported")
+    if "token_embd.weight" not in tensors:
+        raise GGUFError("the GGUF file has no token_embd.weight")
 
     def get(key, default=None):
         value = scalar(meta.get(f"{arch}.{key}", default))
