@@ -5,8 +5,8 @@ from .control import Ready
 from .sampling import PARAMS, REPETITION_CONTEXT, Param, SamplingParams
 from .to_client import ErrorReply, StatsReply, StreamChunk
 from .to_scheduler import (
-    Abort, GetStats, StepResult, StepTiming, TokenizedRequest, WorkerError, WorkerLimits,
-    WorkerReady,
+    MAX_PINS, Abort, GetStats, Pin, StepResult, StepTiming, TokenizedRequest, WorkerError,
+    WorkerLimits, WorkerReady,
 )
 from .to_tokenizer import (
     AbortRequest, GenerateRequest, SchedulerReady, Stats, StatsRequest, TokenBatch,
@@ -15,8 +15,8 @@ from .to_tokenizer import (
 from .to_worker import PrefillInput, Step
 
 __all__ = [
-    "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "PARAMS", "Param", "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready",
+    "MAX_PINS", "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
+    "PARAMS", "Param", "Pin", "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready",
     "SamplingParams", "SchedulerReady", "Stats",
     "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
     "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",

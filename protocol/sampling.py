@@ -36,11 +36,11 @@ class Param:
 
     `kind`: "number", "integer" or "flag", whose values the tokenizer checks against
     `lo`/`hi` here; or a kind checked by its own code: "stop", "token_ids",
-    "logit_bias" (tokenizer_proc/params.py), "options" (tools/request.py),
-    "response_format" (constraints.py). `default`: the value when not sent (None:
-    unset; for max_tokens, the server's). `nullable`: null counts as not sent.
-    `openai`: both OpenAI bodies have a field of its name, sent on as is (False: a
-    route maps it itself, e.g. max_completion_tokens, the completions API's
+    "logit_bias", "cache_prefixes" (tokenizer_proc/params.py), "options"
+    (tools/request.py), "response_format" (constraints.py). `default`: the value when
+    not sent (None: unset; for max_tokens, the server's). `nullable`: null counts as
+    not sent. `openai`: both OpenAI bodies have a field of its name, sent on as is
+    (False: a route maps it itself, e.g. max_completion_tokens, the completions API's
     integer `logprobs`, chat-only fields). `anthropic`: the name of the Messages API
     field sent on as this parameter, where that API takes it."""
 
@@ -174,6 +174,9 @@ REQUEST_PARAMS = (
     # the final (assistant) message is continued, rendered open (a prefill)
     Param("continue_final_message", "options", openai=False),
     Param("response_format", "response_format", openai=False),
+    # prefixes to pin in the prefix cache, each as the chat it renders from
+    # (Anthropic's cache_control, http/anthropic_api.py; checked in params.py)
+    Param("cache_prefixes", "cache_prefixes", openai=False),
 )
 
 

@@ -6,9 +6,22 @@ from .message import message
 from .sampling import SamplingParams
 
 
+MAX_PINS = 4   # cache_control breakpoints per request, as Anthropic's API allows
+
+
+@message
+class Pin:
+    """Keep the KV of the prompt's first `offset` tokens in the prefix cache ahead of
+    unpinned KV for `ttl_seconds` (Anthropic's cache_control)."""
+
+    offset: int = wire(Int(minimum=1))
+    ttl_seconds: int = wire(Int(minimum=1))
+
+
 @message
 class TokenizedRequest:
-    """A validated request. `stop_token_ids` already includes EOS unless ignored."""
+    """A validated request. `stop_token_ids` already includes EOS unless ignored;
+    `pin`: prefixes of the prompt to pin in the prefix cache once computed."""
 
     TAG = 30
     rid: int = wire(Int())
@@ -16,6 +29,8 @@ class TokenizedRequest:
     sampling: SamplingParams = wire(Struct(SamplingParams))
     max_new_tokens: int = wire(Int(minimum=1))
     stop_token_ids: list[int] = wire(List(Int()), default_factory=list)
+    # (the scheduler refuses a request whose pin ends past its prompt)
+    pin: list[Pin] = wire(List(Struct(Pin), max_len=MAX_PINS), default_factory=list)
 
 
 @message

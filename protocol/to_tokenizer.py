@@ -68,6 +68,8 @@ class Usage:
     prompt_tokens: int = wire(Int(minimum=0))
     completion_tokens: int = wire(Int(minimum=0))
     cached_tokens: int = wire(Int(minimum=0))   # prompt tokens whose KV was reused
+    # prompt tokens it computed and pinned (cache_control), none of the cached ones
+    pinned_tokens: int = wire(Int(minimum=0), default=0)
 
     def with_completion_tokens(self, n: int) -> "Usage":
         """The same request's usage with `n` tokens generated (the tokenizer's count

@@ -65,6 +65,11 @@ class ServerFlags:
     disable_radix_cache: bool = flag(
         False, "do not reuse the KV of shared prompt prefixes", (SCHEDULER,))
     kv_capacity: int = flag(
+    max_pinned_tokens: int = flag(
+        -1, "most KV slots that Anthropic `cache_control` breakpoints may pin at once (a "
+        "pinned prefix is evicted after all unpinned KV, until its TTL ends); a pin that "
+        "would pass it is not taken, and counted; 0: no pins", (SCHEDULER,),
+        shown="-1 (a quarter of the KV pool)", minimum=-1)
         0, "KV pool size in tokens; 0 derives it from the memory limit", (WORKER,),
         shown="0 (auto)", minimum=0)
     window_capacity: int = flag(

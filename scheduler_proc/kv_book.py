@@ -24,7 +24,15 @@ already older get none (the worker does not store them). So a request holds abou
 `window` of them however long it runs, and the tree `window` per cached prefix end.
 `match` cuts a match back to a length whose `window` preceding positions are held.
 Invariant: free + in the tree + private to running requests == window capacity.
+
+Pins (Anthropic's cache_control): once the tree holds a request's prefix up to a
+pin's offset, the path is pinned for the pin's TTL (`take_pins`), so eviction takes
+other KV first; at most `max_pinned` slots are pinned at once (a pin that would pass
+it is refused and counted, the request runs as it would have).
 """
+
+import time
+from typing import Callable
 
 from .allocator import SlotAllocator
 from .radix_cache import Node, RadixCache
@@ -33,7 +41,11 @@ from .request import Request
 
 class KVBook:
     def __init__(self, capacity: int, use_tree: bool = True, state_slots: int = 0,
-                 snapshot_slots: int = 0, window_capacity: int = 0, window: int = 0):
+                 snapshot_slots: int = 0, window_capacity: int = 0, window: int = 0,
+                 max_pinned: int = -1, pin_ttl_scale: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        """`max_pinned`: the most slots pins may hold (-1: a quarter of `capacity`);
+        `pin_ttl_scale` multiplies every pin's TTL (tests shorten them)."""
         self.capacity = capacity
         # window slots: the largest sliding window of the model (0: no window pool)
         self.window = window if window_capacity else 0
@@ -49,7 +61,10 @@ class KVBook:
         self.evict_batch = max(1, min(256, capacity // 64))
         self.allocator = SlotAllocator(capacity)
         self.tree = (RadixCache(self.allocator.free, self._free_snapshots.append,
-                                self.windows.free) if use_tree else None)
+                                self.windows.free, clock) if use_tree else None)
+        self.max_pinned = (max_pinned if max_pinned >= 0 else capacity // 4) if use_tree else 0
+        self.pin_ttl_scale = pin_ttl_scale
+        self.pins_refused = 0   # pins not taken: they would pass max_pinned
 
     # ---- capacity ---------------------------------------------------------------
 
@@ -241,6 +256,25 @@ class KVBook:
         req.last_node, req.prefix_len, req.slot_ids = node, len(slots), slots
         if self.window:
             req.window_ids = self.tree.path_windows(node)
+        self.take_pins(req)
+
+    def take_pins(self, req: Request) -> None:
+        """Pin each of the request's prefixes that the tree holds now (each once): a
+        pin that would take the pinned slots past `max_pinned` is refused. The
+        request counts the tokens it computed (not those it read) that it pinned."""
+        ready = [p for p in req.pins if p.offset <= req.prefix_len]
+        if not ready:
+            return
+        req.pins = [p for p in req.pins if p.offset > req.prefix_len]
+        for pin in ready:
+            _, node = self.tree.match_prefix(req.all_ids[:pin.offset])   # ends on a node
+            if self.tree.pinned_size + self.tree.pin_cost(node) > self.max_pinned:
+                self.pins_refused += 1
+                continue
+            until = self.tree.now() + pin.ttl_seconds * self.pin_ttl_scale
+            read = req.cached_tokens or 0
+            req.pinned_tokens += sum(max(0, end - max(start, read))
+                                     for start, end in self.tree.pin(node, until))
 
     def release(self, req: Request, keep: bool) -> None:
         """The request stops running: its KV goes to the tree (`keep`, when the KV
@@ -280,7 +314,12 @@ class KVBook:
                     "free_window_slots": self.windows.num_free,
                     "cached_window_slots": tree.num_windows if tree else 0}
                    if self.window else {})
-        return {**states, **windows,
+        if tree:
+            tree.expire()   # a pin past its time is not reported
+        pins = {"pinned_slots": tree.pinned_size if tree else 0,
+                "max_pinned_slots": self.max_pinned, "pins_refused": self.pins_refused,
+                "pinned_evicted_slots": tree.pinned_evicted if tree else 0}
+        return {**states, **windows, **pins,
             "capacity": self.capacity, "free_slots": self.allocator.num_free,
             "cached_slots": tree.total_size if tree else 0,
             "evictable_slots": tree.evictable_size if tree else 0,

@@ -12,6 +12,8 @@ worker's WorkerReady (the launcher starts one) before it sends another Step.
 """
 
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -36,6 +38,8 @@ from .step_timing import StepTimings
 from .worker_link import WorkerLink, replacement_mismatch
 
 log = logging.getLogger("mlxd.scheduler")
+# Multiplies every cache_control TTL: tests set it to see 5-minute pins end in seconds.
+PIN_TTL_SCALE_ENV = "MLXD_PIN_TTL_SCALE"
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,17 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         decode_cache_tokens=worker.decode_cache_tokens, vocab_size=worker.vocab_size,
         state_slots=worker.state_slots, snapshot_slots=worker.snapshot_slots,
         window_capacity=worker.window_capacity, window=max(worker.window_sizes, default=0),
-        decode_page=worker.decode_page)
+        decode_page=worker.decode_page, max_pinned_tokens=flags.max_pinned_tokens,
+        pin_ttl_scale=pin_ttl_scale())
+
+
+def pin_ttl_scale() -> float:
+    """MLXD_PIN_TTL_SCALE (a positive finite number; 1 when unset or not one)."""
+    try:
+        scale = float(os.environ.get(PIN_TTL_SCALE_ENV, "1"))
+    except ValueError:
+        scale = 1.0
+    return scale if math.isfinite(scale) and scale > 0 else 1.0
 
 
 def main(argv=None) -> None:

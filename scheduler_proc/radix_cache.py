@@ -14,16 +14,24 @@ parallel to `value`; 0 where the window-layer KV was not kept). Held window slot
 belong to the tree like KV slots and go back through `free_windows` with their node,
 or earlier, from any node, through `drop_windows` (the caller names the ones a
 running request still reads).
+
+A path may be pinned (cache_control, `pin`): its nodes carry `pinned_until`, a time
+of the tree's clock, and eviction takes unpinned leaves first, pinned ones only
+when those are not enough. A pin ends at that time (`expire`, called by every
+method that reads pins); pinning a path again extends it. A node is pinned at
+least as long as its children (every pin covers a whole path from the root), and
+`pinned_size` counts the slots of pinned nodes.
 """
 
 import heapq
 import itertools
+import time
 from typing import Callable
 
 
 class Node:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "snapshot",
-                 "windows", "held")
+                 "windows", "held", "pinned_until")
 
     def __init__(self, parent: "Node | None" = None, key=(), value=(), windows=()):
         self.children: dict[int, Node] = {}
@@ -36,6 +44,7 @@ class Node:
         # window pool: their window slots (0: not kept; empty without a window pool)
         self.windows: list[int] = list(windows)
         self.held = len(self.windows) - self.windows.count(0)   # window slots kept
+        self.pinned_until = 0.0   # cache_control: evicted after unpinned KV until then (0: not)
 
     def __lt__(self, other: "Node") -> bool:   # heap order: least recently used first
         return self.last_access < other.last_access
@@ -52,7 +61,8 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class RadixCache:
     def __init__(self, free_slots: Callable[[list[int]], None],
                  free_snapshot: Callable[[int], None] = lambda slot: None,
-                 free_windows: Callable[[list[int]], None] = lambda slots: None):
+                 free_windows: Callable[[list[int]], None] = lambda slots: None,
+                 clock: Callable[[], float] = time.monotonic):
         self._free_slots = free_slots
         self._free_snapshot = free_snapshot
         self._free_windows = free_windows
@@ -64,6 +74,11 @@ class RadixCache:
         self.evictable_size = 0   # slots in unlocked nodes
         self.protected_size = 0   # slots in nodes some running request locks
         self.version = 0          # changes whenever a match could return another length
+        self.now = clock          # the pins' clock (seconds)
+        self.pinned_size = 0      # slots in pinned nodes
+        self.pinned_evicted = 0   # slots of pinned nodes evicted before their pin ended
+        self._expiry: list[tuple[float, int, Node]] = []   # (pinned_until, seq, node)
+        self._pin_seq = itertools.count()
 
     @property
     def total_size(self) -> int:
@@ -149,6 +164,9 @@ class RadixCache:
         parent = child.parent
         upper = Node(parent, child.key[:n], child.value[:n], child.windows[:n])
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        if child.pinned_until:   # both halves stay pinned: the upper one expires too
+            upper.pinned_until = child.pinned_until
+            heapq.heappush(self._expiry, (upper.pinned_until, next(self._pin_seq), upper))
         parent.children[upper.key[0]] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         child.windows = child.windows[n:]
@@ -171,7 +189,7 @@ class RadixCache:
         nodes = [n for n in self._nodes() if n.snapshot and n.lock_ref == 0]
         if not nodes:
             return 0
-        node = min(nodes)
+        node = min(nodes, key=lambda n: (n.pinned_until > 0, n.last_access))   # unpinned first
         slot, node.snapshot = node.snapshot, 0
         self.num_snapshots -= 1
         self.version += 1
@@ -186,6 +204,49 @@ class RadixCache:
         if node.snapshot:
             self._free_snapshot(node.snapshot)
             self.num_snapshots -= 1
+
+    # ---- pins (cache_control) -------------------------------------------------------
+
+    @staticmethod
+    def path(node: Node) -> list[Node]:
+        """The nodes root..node, root excluded, root first."""
+        nodes = []
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+    def pin_cost(self, node: Node) -> int:
+        """The slots pinning the path root..node would add to `pinned_size`."""
+        self.expire()
+        return sum(len(n.value) for n in self.path(node) if not n.pinned_until)
+
+    def pin(self, node: Node, until: float) -> list[tuple[int, int]]:
+        """Pin the path root..node until `until` (a node pinned longer keeps its
+        time). Returns the spans [start, end) of the prefix that were not pinned."""
+        self.expire()
+        spans, start = [], 0
+        for n in self.path(node):
+            if not n.pinned_until:
+                self.pinned_size += len(n.value)
+                spans.append((start, start + len(n.value)))
+            if until > n.pinned_until:
+                n.pinned_until = until
+                heapq.heappush(self._expiry, (until, next(self._pin_seq), n))
+            start += len(n.value)
+        return spans
+
+    def expire(self) -> None:
+        """End the pins whose time has come."""
+        now = self.now()
+        while self._expiry and self._expiry[0][0] <= now:
+            until, _, node = heapq.heappop(self._expiry)
+            if node.pinned_until == until:   # else pinned again since, or evicted
+                self._unpin(node)
+
+    def _unpin(self, node: Node) -> None:
+        node.pinned_until = 0.0
+        self.pinned_size -= len(node.value)
 
     # ---- locking ----------------------------------------------------------------
 
@@ -211,23 +272,38 @@ class RadixCache:
 
     def evict(self, n: int, windows: int = 0) -> int:
         """Free at least `n` slots and `windows` window slots from unlocked leaves,
-        least recently used first (fewer if not enough are unlocked). Returns the
-        number of slots freed."""
-        heap = [node for node in self._nodes() if not node.children and node.lock_ref == 0]
+        least recently used first, unpinned ones before pinned ones (fewer if not
+        enough are unlocked). Returns the number of slots freed."""
+        self.expire()
+        freed, freed_windows = self._evict(n, windows, pinned_too=False)
+        if freed < n or freed_windows < windows:
+            more, _ = self._evict(n - freed, windows - freed_windows, pinned_too=True)
+            freed += more
+        return freed
+
+    def _evict(self, n: int, windows: int, pinned_too: bool) -> tuple[int, int]:
+        def evictable(node: Node) -> bool:
+            return not node.children and node.lock_ref == 0 and (
+                pinned_too or not node.pinned_until)
+
+        heap = [node for node in self._nodes() if evictable(node)]
         heapq.heapify(heap)
         freed = freed_windows = 0
         while (freed < n or freed_windows < windows) and heap:
             leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
+            if leaf.pinned_until:
+                self.pinned_evicted += len(leaf.value)
+                self._unpin(leaf)
             self._drop(leaf)
             self.evictable_size -= len(leaf.value)
             freed += len(leaf.value)
             freed_windows += leaf.held
             self.version += 1
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent is not self.root and evictable(parent):
                 heapq.heappush(heap, parent)
-        return freed
+        return freed, freed_windows
 
     def reset(self) -> None:
         """Drop everything (the worker lost its KV). No node may be locked."""
@@ -236,6 +312,7 @@ class RadixCache:
             self._drop(node)
         self.root.children.clear()
         self.evictable_size = 0
+        self.pinned_size, self._expiry = 0, []
         self.version += 1
 
     def drop_windows(self, n: int, needed: set[int]) -> int:
@@ -276,7 +353,7 @@ class RadixCache:
         return [node.snapshot for node in self._nodes() if node.snapshot]
 
     def check_integrity(self) -> None:
-        evictable = protected = windows_held = 0
+        evictable = protected = windows_held = pinned = 0
         for node in self._nodes():
             assert node.key and len(node.key) == len(node.value), "empty or ragged edge"
             assert len(node.windows) in (0, len(node.value)), "ragged window slots"
@@ -285,6 +362,9 @@ class RadixCache:
             assert node.lock_ref >= 0
             assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root, \
                 "a child is locked more than its parent"
+            assert node.parent is self.root or \
+                node.pinned_until <= node.parent.pinned_until, "a child is pinned longer"
+            pinned += len(node.value) if node.pinned_until else 0
             windows_held += node.held
             if node.lock_ref:
                 protected += len(node.value)
@@ -293,6 +373,7 @@ class RadixCache:
         assert (evictable, protected) == (self.evictable_size, self.protected_size), \
             f"sizes {(self.evictable_size, self.protected_size)} != {(evictable, protected)}"
         assert windows_held == self.num_windows, "window count"
+        assert pinned == self.pinned_size, f"pinned size {self.pinned_size} != {pinned}"
         windows = self.all_windows()
         assert len(set(windows)) == len(windows), "a window slot is cached twice"
         slots = self.all_slots()

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from mlxd.protocol import SamplingParams, TokenizedRequest, Usage
+from mlxd.protocol import Pin, SamplingParams, TokenizedRequest, Usage
 
 
 class Status(enum.Enum):
@@ -44,12 +44,16 @@ class Request:
     match_key: tuple = ()        # (tree version, fill_len) when match_len was computed
     match_len: int = 0           # cached prefix length of all_ids[:fill_len - 1]
     match_node: object = None    # the tree node that prefix ends at
+    # cache_control: prefixes to pin once the tree holds them (KVBook takes them)
+    pins: list[Pin] = field(default_factory=list)
+    pinned_tokens: int = 0       # prompt tokens it computed and pinned
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, max_new_tokens: int) -> "Request":
         req = cls(msg.rid, msg.input_ids, msg.sampling, max_new_tokens,
                   frozenset(msg.stop_token_ids))
         req.fill_len = len(msg.input_ids)
+        req.pins = sorted(msg.pin, key=lambda p: p.offset)
         return req
 
     @property
@@ -70,4 +74,4 @@ class Request:
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
-                     cached_tokens=self.cached_tokens or 0)
+                     cached_tokens=self.cached_tokens or 0, pinned_tokens=self.pinned_tokens)

@@ -8,7 +8,9 @@ prefix first, in the waiting queue's order (waiting.py). Finished requests and
 every finished chunk go into the radix tree.
 """
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from mlxd.protocol import (
     REPETITION_CONTEXT, PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest,
@@ -46,14 +48,18 @@ class SchedulerLimits:
     snapshot_slots: int = 0         # and its slots for snapshots of states (after those)
     window_capacity: int = 0        # the worker's window pool (0: none)
     window: int = 0                 # the largest sliding window of the model
+    max_pinned_tokens: int = _FLAGS.max_pinned_tokens   # cache_control pins' bound (-1: auto)
+    pin_ttl_scale: float = 1.0      # multiplies every pin's TTL (MLXD_PIN_TTL_SCALE, tests)
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits):
+    def __init__(self, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
+        """`clock`: seconds, for the pins' TTLs."""
         self.limits = limits
         self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache,
                          limits.state_slots, limits.snapshot_slots,
-                         limits.window_capacity, limits.window)
+                         limits.window_capacity, limits.window,
+                         limits.max_pinned_tokens, limits.pin_ttl_scale, clock)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests, limits.decode_page)
         self.waiting = WaitingQueue(self.kv)
@@ -332,6 +338,8 @@ class Scheduler:
         vocab = self.limits.vocab_size
         if vocab and not (0 <= min(msg.input_ids) and max(msg.input_ids) < vocab):
             return f"the prompt has token ids outside the model's vocabulary [0, {vocab})"
+        if any(p.offset > n for p in msg.pin):
+            return "a cache_control pin ends past the end of the prompt"
         return None
 
     def _finish(self, req: Request, reason: str, entry: TokenEntry, keep_kv: bool = True) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from mlxd.protocol import (
-    Abort, AbortRequest, ErrorReply, GenerateRequest, GetStats, ProtocolError, Stats,
+    Abort, AbortRequest, ErrorReply, GenerateRequest, GetStats, Pin, ProtocolError, Stats,
     StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, Usage,
 )
 
@@ -36,8 +36,8 @@ from .tools.grammar import tool_call_grammar
 from .tools.prompt import ChatRenderer
 from .tools.syntax import OutputSyntax
 from .validation import (
-    ModelLimits, check_length, check_prompt_chars, max_prompt_chars, model_vocab_size,
-    prompt_ids,
+    ModelLimits, check_length, check_prompt_chars, checked_messages, max_prompt_chars,
+    model_vocab_size, prompt_ids,
 )
 
 log = logging.getLogger("mlxd.tokenizer")
@@ -375,7 +375,28 @@ class TokenizerCore:
                   and params.chat.template_kwargs.get("enable_thinking") is not False)
         return TokenizedRequest(pending.rid, input_ids,
                                 self._sampling(params, thinks, pending.thinking),
-                                params.max_tokens, stop_ids)
+                                params.max_tokens, stop_ids, self._pins(params, input_ids))
+
+    def _pins(self, params: RequestParams, input_ids: list[int]) -> list[Pin]:
+        """Where each cache prefix ends in the prompt: the tokens the prompt shares
+        with the prefix's chat rendered alone (so a template's or the tokenizer's
+        choices at the boundary cut it short, never long). A prefix the template
+        refuses is left out (logged)."""
+        args = {k: v for k, v in params.chat.template_args().items() if k != "continue_final"}
+        pins = []
+        for prefix in params.cache_prefixes:
+            tools = {"tools": prefix.tools} if prefix.tools and "tools" in args else {}
+            try:
+                text = self.render_chat(checked_messages(prefix.messages), {**args, **tools})
+            except InvalidRequest as exc:
+                log.info("a cache_control prefix is not pinned: %s", exc)
+                continue
+            ids = self.codec.encode_rendered(text)
+            n = next((i for i, (a, b) in enumerate(zip(ids, input_ids)) if a != b),
+                     min(len(ids), len(input_ids)))
+            if n:
+                pins.append(Pin(n, prefix.ttl))
+        return pins
 
     def _sampling(self, params: RequestParams, thinks: bool = False, opened: bool = False):
         """The request's sampling parameters, with its response_format's grammar; for

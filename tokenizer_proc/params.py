@@ -11,7 +11,7 @@ sampling guarantees that where float32 rounds top_p to 0)."""
 import math
 from dataclasses import dataclass, field
 
-from mlxd.protocol import PARAMS, Param, SamplingParams
+from mlxd.protocol import MAX_PINS, PARAMS, Param, SamplingParams
 from mlxd.protocol.sampling import MAX_SEED, SAMPLING_PARAMS
 from mlxd.protocol.sampling import MAX_TOP_LOGPROBS  # noqa: F401 (imported from here too)
 
@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256      # characters per stop string: the held-back text grows with it
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_PIN_SECONDS = 86_400   # a cache prefix's ttl (Anthropic's longest is an hour)
 # Below this a temperature is greedy (as in vLLM): dividing logprobs by a smaller one
 # overflows, and a float32 temperature of 0 would give NaN.
 MIN_TEMPERATURE = 1e-5
@@ -51,6 +52,17 @@ class RequestParams:
     n: int = 1                     # choices: samples of the same prompt
     chat: ChatOptions = field(default_factory=ChatOptions)   # tools, template kwargs
     constraint: Constraint | None = None   # response_format, compiled when encoded
+    cache_prefixes: list["CachePrefix"] = field(default_factory=list)
+
+
+@dataclass
+class CachePrefix:
+    """A prefix of the prompt to pin for `ttl` seconds: the tokens the prompt shares
+    with `messages` rendered (with `tools` instead of the request's, when given)."""
+
+    messages: list
+    tools: list | None
+    ttl: int
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -204,7 +216,33 @@ def parse_params(params: dict, vocab_size: int, default_max_tokens: int) -> Requ
         timeout=values["timeout"],
         n=values["n"],
         chat=_chat(params),
-        constraint=_constraint(params, values["ignore_eos"], sampling.min_tokens))
+        constraint=_constraint(params, values["ignore_eos"], sampling.min_tokens),
+        cache_prefixes=_cache_prefixes(params))
+
+
+def _cache_prefixes(params) -> list[CachePrefix]:
+    """`[{"messages": [...], "tools": [...] (optional), "ttl": seconds}, ...]`."""
+    given = params.get("cache_prefixes")
+    if given is None:
+        return []
+    shape = ('cache_prefixes must be a list of at most {} {{"messages": [...], "tools": '
+             '[...], "ttl": seconds}}').format(MAX_PINS)
+    if not isinstance(given, list) or len(given) > MAX_PINS:
+        raise InvalidRequest(shape, "cache_prefixes")
+    prefixes = []
+    for entry in given:
+        if not (isinstance(entry, dict) and set(entry) <= {"messages", "tools", "ttl"}
+                and isinstance(entry.get("messages"), list) and entry["messages"]
+                and type(entry.get("ttl")) is int and 1 <= entry["ttl"] <= MAX_PIN_SECONDS):
+            raise InvalidRequest(shape, "cache_prefixes")
+        tools = entry.get("tools")
+        if tools is not None:
+            try:
+                tools = chat_options({"tools": tools}).tools
+            except InvalidOptions as exc:
+                raise InvalidRequest(f"cache_prefixes: {exc}", "cache_prefixes") from None
+        prefixes.append(CachePrefix(entry["messages"], tools, entry["ttl"]))
+    return prefixes
 
 
 def _chat(params) -> ChatOptions:

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from mlxd import Client
+from mlxd import Client, MlxdError
 from mlxd import protocol
 from mlxd.protocol.fields import Bool, Float, Int, List, Map, Opt, Str, Struct
 from mlxd.protocol.message import wire_fields
@@ -138,6 +138,9 @@ def _healthy(server: Server) -> None:
         stats = c.stats()
         assert stats["used_slots"] == 0, stats
         assert stats["free_slots"] + stats["cached_slots"] == stats["capacity"], stats
+        # pins the fuzzed requests took stay within their bound and in the tree
+        assert stats["pinned_slots"] <= min(stats["max_pinned_slots"],
+                                            stats["cached_slots"]), stats
 
 
 @pytest.mark.parametrize("process", sorted(INTERNAL))
@@ -161,6 +164,39 @@ def test_client_socket_survives_garbage(server):
         _healthy(server)
     finally:
         ctx.term()
+
+
+def random_cache_prefixes(rng: random.Random):
+    """A `cache_prefixes` parameter, mostly malformed: wrong types, missing keys, bad
+    ttls, too many entries, messages the template refuses, tools of no shape."""
+    chat = [{"role": "user", "content": "Hello"}]
+    entry = {"messages": chat, "ttl": 300}
+    return rng.choice([
+        None, 0, "x", {}, [], [entry] * rng.randrange(0, 9), [{}], [{"messages": chat}],
+        [{**entry, "ttl": rng.choice([0, -1, 1.5, "5m", None, 10**9, True])}],
+        [{**entry, "messages": rng.choice([[], "x", [1], [{"role": 3}], None])}],
+        [{**entry, "tools": rng.choice([[{"x": 1}], "x", [{"type": "function"}], {}])}],
+        [{**entry, "extra": 1}], [entry, {**entry, "messages": chat * 3}],
+        [{**entry, "messages": [{"role": "tool", "content": rng.randbytes(8).hex()}]}],
+    ])
+
+
+def test_cache_prefixes_garbage_is_refused_or_served(server):
+    rng = random.Random(26)
+    outcomes = set()
+    with Client(server.address, timeout=60) as c:
+        for _ in range(60):
+            params = {"cache_prefixes": random_cache_prefixes(rng)}
+            try:
+                result = c.generate(messages=[{"role": "user", "content": "Hello there"}],
+                                    max_tokens=2, **params)
+                assert result.finish_reason in ("stop", "length"), result
+                outcomes.add("served")
+            except MlxdError as exc:
+                assert exc.code == "invalid_request" and exc.param == "cache_prefixes", exc
+                outcomes.add("refused")
+        assert outcomes == {"served", "refused"} and c.stats()["pinned_slots"] > 0
+    _healthy(server)
 
 
 def _seed(process: str, flag: str) -> int:

@@ -692,7 +692,8 @@ def test_stats_and_has_work():
     def stats(waiting, running, free, cached, evictable, used):
         return {"waiting": waiting, "running": running, "retractions": 0, "capacity": 32,
                 "free_slots": free, "cached_slots": cached, "evictable_slots": evictable,
-                "used_slots": used}
+                "used_slots": used, "pinned_slots": 0, "max_pinned_slots": 8,
+                "pins_refused": 0, "pinned_evicted_slots": 0}
 
     assert h.s.stats() == stats(2, 0, 32, 0, 0, 0)
     h.run_step()                                 # the prompt is cached, locked

@@ -103,7 +103,8 @@ def test_non_stream_sends_exactly_one_chunk_at_the_end(decode, encode):
     assert chunk.text == "日本語 😀 café and more" and chunk.token_ids == ids
     assert chunk.logprobs == [-0.5 - j for j in range(len(ids))]
     assert chunk.finish_reason == "length" and chunk.error is None
-    assert chunk.usage == {"prompt_tokens": 5, "completion_tokens": len(ids), "cached_tokens": 0}
+    assert chunk.usage == {"prompt_tokens": 5, "completion_tokens": len(ids),
+                           "cached_tokens": 0, "pinned_tokens": 0}
 
 
 def test_entry_without_tokens_sends_nothing(decode, encode):
@@ -143,7 +144,8 @@ def test_abort_without_tokens(decode):
                                                cached_tokens=0)))
     assert rs.finished and chunk.finish_reason == "abort"
     assert chunk.text == "" and chunk.token_ids == []
-    assert chunk.usage == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0}
+    assert chunk.usage == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0,
+                           "pinned_tokens": 0}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -162,7 +164,7 @@ def test_usage(decode, encode):
     rs = make_stream(decode)
     chunks = feed(rs, entries_for(ids, prompt_tokens=11, cached=4))
     assert chunks[-1].usage == {"prompt_tokens": 11, "completion_tokens": len(ids),
-                                "cached_tokens": 4}
+                                "cached_tokens": 4, "pinned_tokens": 0}
     assert rs.usage == Usage(prompt_tokens=11, completion_tokens=len(ids),
                              cached_tokens=4)   # remembered from the scheduler's usage
 
@@ -237,7 +239,7 @@ def test_stop_string_usage_is_the_schedulers_latest_with_the_tokens_passed_on(de
     chunks = feed(rs, entries_for(ids, finish=None, prompt_tokens=9, cached=8))
     assert rs.finish_reason == "stop" and 1 < len(rs.token_ids) < len(ids)
     assert chunks[-1].usage == {"prompt_tokens": 9, "completion_tokens": len(rs.token_ids),
-                                "cached_tokens": 8}
+                                "cached_tokens": 8, "pinned_tokens": 0}
 
 
 def test_stop_string_spanning_several_tokens(decode, encode):

@@ -3,7 +3,8 @@ streamed as its named events (message_start, content_block_start / _delta / _sto
 message_delta, message_stop); a tool call is a `tool_use` block whose input comes
 as one `input_json_delta`. `POST /v1/messages/count_tokens` counts a request's
 prompt as it would be rendered. A final assistant message is a prefill: the reply
-continues it."""
+continues it. A `cache_control` breakpoint pins the prompt's prefix up to its block
+in the prefix cache for its TTL (the core's `cache_prefixes`)."""
 
 import asyncio
 import re
@@ -12,19 +13,20 @@ from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
-from mlxd.protocol import ErrorReply, GenerateRequest
+from mlxd.protocol import MAX_PINS, ErrorReply, GenerateRequest
 
 from ..params import InvalidRequest
 from .access_log import access_note
 from .anthropic_schema import (
-    PASSED, CountTokensRequest, Message, MessagesRequest, TextBlock, ToolResultBlock,
-    ToolUseBlock,
+    PASSED, CacheControl, CountTokensRequest, Message, MessagesRequest, TextBlock, Tool,
+    ToolResultBlock, ToolUseBlock,
 )
 from .choices import Choice, Outputs
 from .compat import MESSAGES
 from .context import Api, read_body
-from .errors import ApiError, anthropic_body
+from .errors import ApiError, anthropic_body, bad_request
 from .generation import Generation, failed
 from .openai_api import respond
 from .requests import core_error, generate_requests
@@ -40,6 +42,11 @@ TOO_LONG = re.compile(r"the prompt has (\d+) tokens; the (?:model's context is|K
                       r"holds) (\d+) tokens")
 TOO_LONG_WITH_OUTPUT = re.compile(r"the prompt has (\d+) tokens and max_tokens allows "
                                   r"(\d+) more; the KV cache holds (\d+) tokens")
+TTL_SECONDS = {"5m": 300, "1h": 3600}
+# Rendered after the last tool a breakpoint covers, so that its prefix ends where that
+# tool does, whatever the template writes after the tools.
+MARK_TOOL = Tool(name="_", input_schema={"type": "object", "properties": {}})
+EMPTY_TURN = Message(role="user", content="")   # ends a prefix that has no turn
 
 
 def _text(content) -> str:
@@ -90,7 +97,62 @@ def core_params(body: MessagesRequest) -> dict:
             params[name] = getattr(body, name)
     if prefilled(body):
         params["continue_final_message"] = True
+    prefixes = cache_prefixes(body)
+    if prefixes:
+        params["cache_prefixes"] = prefixes
     return {**params, **anthropic_tool_params(body.tools, body.tool_choice)}
+
+
+def cache_prefixes(body: MessagesRequest) -> list[dict]:
+    """Each cache_control breakpoint (at most 4, as Anthropic allows) as the chat that
+    renders the prompt up to its block, in Anthropic's order (tools, system, messages),
+    with its TTL; the core finds where each ends in the prompt's tokens."""
+    found = list(_breakpoints(body))
+    if len(found) > MAX_PINS:
+        raise bad_request(f"A maximum of {MAX_PINS} blocks with cache_control may be "
+                          f"provided. Found {len(found)}.")
+    return [{**_prefix(body, where), "ttl": TTL_SECONDS[control.ttl]}
+            for where, control in found]
+
+
+def _breakpoints(body: MessagesRequest):
+    """(where, cache_control) of each block with one: ("tool", i), ("system", j) or
+    ("message", k, b); a block inside a tool result counts as that result."""
+    for i, tool in enumerate(body.tools or []):
+        if tool.cache_control:
+            yield ("tool", i), tool.cache_control
+    for j, block in enumerate([] if isinstance(body.system, str | None) else body.system):
+        if block.cache_control:
+            yield ("system", j), block.cache_control
+    for k, m in enumerate(body.messages):
+        for b, block in enumerate([] if isinstance(m.content, str) else m.content):
+            if control := block.cache_control or _inner_control(block):
+                yield ("message", k, b), control
+
+
+def _inner_control(block) -> CacheControl | None:
+    inner = block.content if isinstance(block, ToolResultBlock) else ""
+    controls = [] if isinstance(inner, str) else [b.cache_control for b in inner
+                                                  if b.cache_control]
+    return controls[-1] if controls else None
+
+
+def _prefix(body: MessagesRequest, where: tuple) -> dict:
+    """The core's cache prefix of a breakpoint: the body cut after its block."""
+    system_turns = [m for m in body.messages if m.role == "system"]
+    if where[0] == "tool":
+        cut = body.model_copy(update={"messages": system_turns + [EMPTY_TURN]})
+        tools = body.tools[:where[1] + 1] + [MARK_TOOL]
+        return {"messages": chat_messages(cut),
+                "tools": anthropic_tool_params(tools, None)["tools"]}
+    if where[0] == "system":
+        cut = body.model_copy(update={"system": body.system[:where[1] + 1],
+                                      "messages": [EMPTY_TURN]})
+        return {"messages": chat_messages(cut)}
+    k, b = where[1:]
+    last = body.messages[k].model_copy(update={"content": body.messages[k].content[:b + 1]})
+    turns = body.messages[:k] + [last] + ([EMPTY_TURN] if last.role == "system" else [])
+    return {"messages": chat_messages(body.model_copy(update={"messages": turns}))}
 
 
 def anthropic_error(reply: ErrorReply) -> ApiError:
@@ -107,7 +169,42 @@ def anthropic_error(reply: ErrorReply) -> ApiError:
 
 
 def _policy(api: Api) -> Callable[[dict], dict]:
-    return lambda body: api.compat.apply(MESSAGES, body)
+    def apply(body: dict) -> dict:
+        check_cache_controls(body)
+        return api.compat.apply(MESSAGES, body)
+    return apply
+
+
+def check_cache_controls(body: dict) -> None:
+    """A bad cache_control is a 400 naming it, in Anthropic's words (the body's model
+    would blame the union around its block: `system: Input should be a valid string`)."""
+    for path, control in _controls(body):
+        try:
+            CacheControl.model_validate(control)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(map(str, (*path, "cache_control", *first["loc"])))
+            why = ("this server does not support the parameter"
+                   if first["type"] == "extra_forbidden" else first["msg"])
+            raise bad_request(f"{where}: {why}", where) from None
+
+
+def _controls(body: dict):
+    """(path, value) of every cache_control in the raw body: on tools, system blocks,
+    message content blocks and the blocks of a tool result."""
+    def blocks(path: tuple, value):
+        for i, block in enumerate(value if isinstance(value, list) else []):
+            if isinstance(block, dict):
+                if "cache_control" in block:
+                    yield (*path, i), block["cache_control"]
+                yield from blocks((*path, i, "content"), block.get("content"))
+
+    yield from blocks(("tools",), body.get("tools"))
+    yield from blocks(("system",), body.get("system"))
+    for k, m in enumerate(body.get("messages") if isinstance(body.get("messages"), list)
+                          else []):
+        if isinstance(m, dict):
+            yield from blocks(("messages", k, "content"), m.get("content"))
 
 
 async def messages(api: Api, request: Request):
@@ -147,11 +244,12 @@ class MessageRender:
         self.outputs = Outputs(rids)
         self.id = f"msg_{uuid.uuid4().hex}"
         self._blocks = 0          # content blocks started while streaming
+        self._final_usage: dict | None = None   # the scheduler's, with the finish
         self._open: str | None = None   # the kind of the block being streamed
 
     async def response(self, chunks) -> dict:
         async for chunk in chunks:
-            choice, _ = self.outputs.add(chunk)
+            choice, _ = self._add(chunk)
             if failed(chunk):
                 raise failed(chunk)
         text = [{"type": "text", "text": choice.text}] \
@@ -163,7 +261,7 @@ class MessageRender:
         started = False
         try:
             async for chunk in chunks:
-                choice, text = self.outputs.add(chunk)
+                choice, text = self._add(chunk)
                 if failed(chunk):
                     raise failed(chunk)
                 if not started:
@@ -182,6 +280,11 @@ class MessageRender:
             yield event({"type": "message_stop"})
         except ApiError as exc:
             yield event(anthropic_body(exc))
+
+    def _add(self, chunk):
+        if chunk.finish_reason and chunk.usage:
+            self._final_usage = chunk.usage
+        return self.outputs.add(chunk)
 
     def _content_events(self, text: str, calls: list[dict]) -> list[bytes]:
         """A chunk's text (into the open text block, or a new one) and its calls, each
@@ -233,15 +336,16 @@ class MessageRender:
         return {"stop_reason": "end_turn", "stop_sequence": None}
 
     def _usage(self) -> dict:
-        usage = self.outputs.usage()
-        return {**_input_usage({"prompt_tokens": usage["prompt_tokens"], "cached_tokens":
-                                usage["prompt_tokens_details"]["cached_tokens"]}),
-                "output_tokens": usage["completion_tokens"]}
+        return {**_input_usage(self._final_usage),
+                "output_tokens": self.outputs.usage()["completion_tokens"]}
 
 
 def _input_usage(usage: dict | None) -> dict:
-    """Anthropic counts the prompt tokens read from the cache apart."""
-    prompt, cached = (usage["prompt_tokens"], usage.get("cached_tokens", 0)) if usage \
-        else (0, 0)
-    return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached}
+    """Anthropic counts apart the prompt tokens read from the cache and those written
+    to it (computed and pinned by cache_control); input_tokens are the rest."""
+    usage = usage or {}
+    prompt, cached = usage.get("prompt_tokens", 0), usage.get("cached_tokens", 0)
+    pinned = usage.get("pinned_tokens", 0)
+    return {"input_tokens": prompt - cached - pinned,
+            "cache_creation_input_tokens": pinned, "cache_read_input_tokens": cached}
 

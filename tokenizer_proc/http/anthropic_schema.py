@@ -21,10 +21,18 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class CacheControl(Strict):
+    """A cache breakpoint: the prompt's prefix up to this block is pinned in the
+    prefix cache for `ttl` (anthropic_api.py)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class TextBlock(Strict):
     type: Literal["text"]
     text: str
-    cache_control: dict | None = None   # a caching hint: prefix caching is automatic
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(Strict):
@@ -32,7 +40,7 @@ class ToolUseBlock(Strict):
     id: str
     name: str
     input: dict
-    cache_control: dict | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(Strict):
@@ -40,7 +48,7 @@ class ToolResultBlock(Strict):
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool | None = None
-    cache_control: dict | None = None
+    cache_control: CacheControl | None = None
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -56,7 +64,7 @@ class Tool(Strict):
     input_schema: dict
     description: str | None = None
     type: Literal["custom"] | None = None
-    cache_control: dict | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(Strict):

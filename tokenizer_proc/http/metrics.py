@@ -2,7 +2,8 @@
 in a registry of the front end's own.
 
 Counters and histograms are fed as requests run; the scheduler's counters (running,
-waiting, KV slots, retractions, step time) are read from its stats at each scrape."""
+waiting, KV slots, pinned slots and refused pins, retractions, step time) are read
+from its stats at each scrape."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,6 +19,11 @@ STATS_GAUGES = {
     "cached_slots": ("mlxd_kv_slots_cached", "KV slots in the prefix cache"),
     "capacity": ("mlxd_kv_slots_capacity", "KV pool size in tokens"),
     "retractions": ("mlxd_retractions", "requests retracted so far (KV ran out)"),
+    "pinned_slots": ("mlxd_kv_slots_pinned", "KV slots pinned by cache_control breakpoints"),
+    "max_pinned_slots": ("mlxd_kv_slots_pinned_max", "the most KV slots pins may hold "
+                         "(--max-pinned-tokens)"),
+    "pins_refused": ("mlxd_kv_pins_refused", "cache_control pins not taken so far: they "
+                     "would have passed --max-pinned-tokens"),
 }
 
 
@@ -33,6 +39,9 @@ class Metrics:
                                          registry=r)
         self.cached_tokens = Counter("mlxd_prefix_cache_hit_tokens",
                                      "prompt tokens whose KV came from the prefix cache",
+                                     registry=r)
+        self.pinned_tokens = Counter("mlxd_prefix_cache_pinned_tokens",
+                                     "prompt tokens computed and pinned by cache_control",
                                      registry=r)
         self.ttft = Histogram("mlxd_time_to_first_token_seconds", "time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -52,6 +61,7 @@ class Metrics:
             self.prompt_tokens.inc(chunk.usage.get("prompt_tokens", 0))
             self.generation_tokens.inc(chunk.usage.get("completion_tokens", 0))
             self.cached_tokens.inc(chunk.usage.get("cached_tokens", 0))
+            self.pinned_tokens.inc(chunk.usage.get("pinned_tokens", 0))
 
     def render(self, stats: dict | None) -> bytes:
         """The text exposition, the gauges set from the scheduler's `stats` if given."""
