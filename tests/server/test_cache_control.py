@@ -119,11 +119,13 @@ def test_a_pin_is_released_after_its_ttl(claude, name, server):
     first = ask(claude, name, system)
     pinned = first.usage.cache_creation_input_tokens
     assert pinned > 80
-    assert metric(server, "mlxd_kv_slots_pinned") == before + pinned
+    with_it = metric(server, "mlxd_kv_slots_pinned")
+    assert with_it == before + pinned
     deadline = time.monotonic() + 60                 # 5m scaled: 6 s
-    while metric(server, "mlxd_kv_slots_pinned") > before and time.monotonic() < deadline:
+    while metric(server, "mlxd_kv_slots_pinned") > with_it - pinned and \
+            time.monotonic() < deadline:
         time.sleep(0.5)
-    assert metric(server, "mlxd_kv_slots_pinned") == before
+    assert metric(server, "mlxd_kv_slots_pinned") <= with_it - pinned
     press(claude, name, server)
     after = ask(claude, name, system)
     assert after.usage.cache_read_input_tokens < 10  # evicted as unpinned KV is
