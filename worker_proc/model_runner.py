@@ -227,7 +227,10 @@ class ModelRunner:
         with mx.stream(self.stream):
             if self.chained is None:
                 self.chained = self._launch_decode()
-            mx.async_eval(self.pool.arrays, _arrays([self.chained]), self.batch.pending_writes())
+            # the pool writes in a call of their own: in one call with the decode's
+            # arrays, async_eval returned only once all of it was computed (no tail)
+            mx.async_eval(self.pool.arrays)
+            mx.async_eval(_arrays([self.chained]), self.batch.pending_writes())
 
     def _commit_decode(self, launched: _Output, step: Step) -> _Output:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
