@@ -103,6 +103,13 @@ class SamplingParams:
     bias_values: list[float] = wire(List(Float()), default_factory=list)
     min_tokens: int = param(Int(minimum=0), 0, lo=0, hi=INT32_MAX)
     grammar: str | None = wire(Opt(Str()), default=None)   # from response_format
+    # a reasoning model thinks at most this many tokens, then its think block's end is
+    # forced (worker_proc/thinking.py); the tokenizer sets the markers' ids and whether
+    # the prompt opened the block, and clears the budget where the request does not think
+    thinking_budget: int | None = param(Opt(Int(minimum=0)), None, lo=0, hi=INT32_MAX)
+    think_start_ids: list[int] = wire(List(Int()), default_factory=list)
+    think_end_ids: list[int] = wire(List(Int()), default_factory=list)
+    think_opened: bool = wire(Bool(), default=False)
 
     @property
     def greedy(self) -> bool:
@@ -137,10 +144,14 @@ class SamplingParams:
         return self.counts_tokens or self.biases_logits or self.holds_stops()
 
     @property
+    def budgets_thinking(self) -> bool:
+        return self.thinking_budget is not None and bool(self.think_end_ids)
+
+    @property
     def needs_output_ids(self) -> bool:
         """The worker rebuilds the row's state from its output so far when it resumes
-        (penalty counts, the grammar's position)."""
-        return self.counts_tokens or self.grammar is not None
+        (penalty counts, the grammar's position, the thinking's count)."""
+        return self.counts_tokens or self.grammar is not None or self.budgets_thinking
 
     def check(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0

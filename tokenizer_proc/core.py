@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from mlxd.protocol import (
-    Abort, AbortRequest, ErrorReply, GenerateRequest, GetStats, Pin, ProtocolError, Stats,
-    StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest, Usage,
+    Abort, AbortRequest, ErrorReply, GenerateRequest, GetStats, Pin, ProtocolError,
+    SamplingParams, Stats, StatsReply, StatsRequest, StreamChunk, TokenBatch, TokenEntry,
+    TokenizedRequest, Usage,
 )
 
-from .constraints import ConstraintCompiler, InvalidConstraint, after_thinking
+from .constraints import (THINK_CLOSE, THINK_OPEN, ConstraintCompiler, InvalidConstraint,
+                          after_thinking)
 from .detokenizer import IncrementalDetokenizer
 from .params import InvalidRequest, RequestParams, choice_seed, parse_params
 from .request_stream import RequestStream
@@ -399,18 +401,34 @@ class TokenizerCore:
         return pins
 
     def _sampling(self, params: RequestParams, thinks: bool = False, opened: bool = False):
-        """The request's sampling parameters, with its response_format's grammar; for
-        a chat with a reasoning model (`thinks`), the grammar starts after the
-        thinking (`opened`: the prompt already opened the think block)."""
+        """The request's sampling parameters, with its thinking budget's markers and
+        its response_format's grammar; for a chat with a reasoning model (`thinks`),
+        the grammar starts after the thinking (`opened`: the prompt already opened
+        the think block). A request that does not think has no budget."""
+        sampling = self._thinking(params.sampling, thinks, opened)
         if params.constraint is None:
-            return params.sampling
+            return sampling
         try:
             grammar = self.constraints.compile(params.constraint)
         except InvalidConstraint as exc:
             raise InvalidRequest(str(exc), "response_format") from None
         if thinks:
             grammar = after_thinking(grammar, opened)
-        return dataclasses.replace(params.sampling, grammar=grammar)
+        return dataclasses.replace(sampling, grammar=grammar)
+
+    def _thinking(self, sampling: SamplingParams, thinks: bool, opened: bool) -> SamplingParams:
+        if sampling.thinking_budget is None:
+            return sampling
+        if not thinks:
+            return dataclasses.replace(sampling, thinking_budget=None)
+        return dataclasses.replace(sampling, think_start_ids=self._marker_ids(THINK_OPEN),
+                                   think_end_ids=self._marker_ids(THINK_CLOSE),
+                                   think_opened=opened)
+
+    def _marker_ids(self, marker: str) -> list[int]:
+        """A marker's tokens as the model writes it: a special token, else its text's."""
+        token = self.codec.special_id(marker)
+        return [token] if token is not None else self.codec.encode_text(marker)
 
     def _ends_thinking(self, input_ids: list[int]) -> bool:
         """Whether the prompt's last tokens open a think block (templates that start

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
 
-from . import batch_cache
+from . import batch_cache, thinking
 from .background import BackgroundJob
 from .decode import DecodeRows, JoinGroup, UnsupportedModel, decode_page_for, decode_rows
 from .grammar import Grammars, RowGrammar, allowed
@@ -23,6 +23,7 @@ from .penalties import RowPenalties
 from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
 from .step_checks import check_decode, check_prefills
+from .thinking import ThinkBudget
 
 CLOSE_TIMEOUT = 60.0   # s; a chained decode is one step of the batch
 
@@ -171,8 +172,10 @@ class ModelRunner:
     @property
     def _builds_ahead(self) -> bool:
         """The next decode's graph can be built before this step's tokens are read:
-        it chains, and no row's grammar needs this step's token for its mask."""
-        return self._chains_next and not any(r.grammar is not None for r in self.batch.rows)
+        it chains, and no row's grammar or thinking budget needs this step's token."""
+        return self._chains_next and not any(
+            r.grammar is not None or (r.thinking is not None and r.thinking.live)
+            for r in self.batch.rows)
 
     def reset(self) -> None:
         """Drop every request's state (after a failed step)."""
@@ -211,13 +214,20 @@ class ModelRunner:
                        self.batch.newest_kv())
 
     def _sample(self, logits: mx.array, rows: list[RowState], live=None) -> Sampled:
-        """`sample`, with the constrained rows' masks: computed on the mask thread
-        while this one evaluates the logits (the forward), then applied."""
+        """`sample`, with the constrained rows' masks (computed on the mask thread
+        while this one evaluates the logits, the forward, then applied) and the
+        tokens thinking budgets force."""
         masks = self.grammars.start_masks(rows, live) if self.grammars else None
-        if masks is None:
+        forced = thinking.forced_tokens([r.thinking for r in rows])
+        if masks is None and forced is None:
             return sample(logits, rows)
-        mx.eval(logits)
-        return sample(logits, rows, allowed(masks.result(), logits.shape[-1]))
+        mask = None
+        if masks is not None:
+            mx.eval(logits)
+            mask = allowed(masks.result(), logits.shape[-1])
+        if forced is not None:
+            mask = thinking.force(mask, forced, logits.shape[-1])
+        return sample(logits, rows, mask)
 
     def _dispatch_chained(self) -> None:
         """On the helper thread: queue the next decode of the batch (built now unless
@@ -304,7 +314,8 @@ class ModelRunner:
     def _row_state(self, p: PrefillInput) -> RowState:
         return RowState(p.sampling, self._seed(p.sampling), p.num_generated,
                         RowPenalties.for_prefill(p, self.vocab_size),
-                        self._new_grammars.pop(p.rid, None))
+                        self._new_grammars.pop(p.rid, None),
+                        ThinkBudget.of(p.sampling, p.output_ids))
 
     def _seed(self, sampling) -> int:
         return sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
@@ -344,11 +355,13 @@ class ModelRunner:
 
 
 def _advance_grammars(rows: list[RowState], tokens: list[int]) -> None:
-    """The constrained rows' matchers take the tokens the rows keep, before the
-    next decode (chained or not) computes their masks."""
+    """The constrained rows' matchers (and thinking budgets) take the tokens the rows
+    keep, before the next decode (chained or not) computes their masks."""
     for row, token in zip(rows, tokens):
         if row.grammar is not None:
             row.grammar.advance(token)
+        if row.thinking is not None:
+            row.thinking.advance(token)
 
 
 def _arrays(outputs: list[_Output]) -> list[mx.array]:

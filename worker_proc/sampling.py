@@ -19,6 +19,7 @@ from mlxd.protocol import SamplingParams
 from . import penalties
 from .grammar import RowGrammar
 from .penalties import RowPenalties
+from .thinking import ThinkBudget
 
 _MASK64 = (1 << 64) - 1
 
@@ -37,6 +38,7 @@ class RowState:
     generated: int = 0   # tokens sampled so far; indexes the random key
     penalties: RowPenalties | None = None   # only when the params process the logits
     grammar: RowGrammar | None = None       # only for a constrained request
+    thinking: "ThinkBudget | None" = None   # only under a thinking budget
 
 
 @dataclass

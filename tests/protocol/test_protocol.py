@@ -123,7 +123,7 @@ def test_nested_classes_round_trip_through_their_wire_form(nested):
 
 def test_int_fields_accept_ints_for_float_fields():
     msg = decode_as(TokenizedRequest,
-                    [30, 1, [1], [1, 1, 0, 0, None, 0, 0, 0, 1, [], [], 0, None], 4, [], []])
+                    [30, 1, [1], [1, 1, 0, 0, None, 0, 0, 0, 1, [], [], 0, None, None, [], [], False], 4, [], []])
     assert msg.sampling.temperature == 1.0 and type(msg.sampling.temperature) is float
     assert msg.sampling.greedy is False
 
@@ -219,7 +219,7 @@ def test_wrong_field_counts(msg):
 
 
 def good_sampling():
-    return [0.5, 0.9, 10, 0.1, 42, 2, 0.0, 0.0, 1.0, [], [], 0, None]
+    return [0.5, 0.9, 10, 0.1, 42, 2, 0.0, 0.0, 1.0, [], [], 0, None, None, [], [], False]
 
 
 def good_prefill():

@@ -46,13 +46,16 @@ def test_everything_set():
                           "timeout", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "logit_bias", "min_tokens", "n", "tools",
                           "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                          "enable_thinking", "continue_final_message", "response_format"}
+                          "enable_thinking", "continue_final_message", "response_format",
+                          "cache_prefixes", "thinking_budget"}
 
 
 # ---- valid values --------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,value,field,expected", [
     ("temperature", 0, "temperature", 0.0),
+    ("thinking_budget", 0, "thinking_budget", 0),
+    ("thinking_budget", 4096, "thinking_budget", 4096),
     ("temperature", 1, "temperature", 1.0),
     ("temperature", 0.7, "temperature", 0.7),
     ("temperature", 100.0, "temperature", 100.0),
@@ -145,6 +148,7 @@ def test_logprobs_without_top_logprobs():
 # ---- invalid values ------------------------------------------------------------------
 
 INVALID = [
+    ("thinking_budget", -1), ("thinking_budget", 1.5), ("thinking_budget", "8"),
     ("temperature", -0.01), ("temperature", -1), ("temperature", math.nan),
     ("temperature", math.inf), ("temperature", -math.inf), ("temperature", "0.5"),
     ("temperature", True), ("temperature", False), ("temperature", None), ("temperature", [1]),

@@ -46,3 +46,19 @@ def plain_model(llama_model, tmp_path_factory) -> str:
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "unk_token": "<pad>"}))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def thinking_model(tool_model, tmp_path_factory) -> str:
+    """The tool model, its template opening the think block whenever thinking is on
+    (as DeepSeek-R1's does): a random model then thinks until the token limit."""
+    path = tmp_path_factory.mktemp("models") / "llama-thinks"
+    shutil.copytree(tool_model, path)
+    opens = TOOL_TEMPLATE.replace("{% if open_thinking %}<think>{% endif %}",
+                                  "{% if enable_thinking is not defined or enable_thinking %}"
+                                  "<think>{% endif %}")
+    assert opens != TOOL_TEMPLATE
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": opens}))
+    return str(path)

@@ -92,7 +92,7 @@ def prefilled(body: MessagesRequest) -> bool:
 def core_params(body: MessagesRequest) -> dict:
     params = {name: getattr(body, field) for field, name in PASSED.items()
               if getattr(body, field) is not None}
-    for name in ("enable_thinking", "response_format"):
+    for name in ("enable_thinking", "thinking_budget", "response_format"):
         if getattr(body, name) is not None:
             params[name] = getattr(body, name)
     if prefilled(body):
@@ -216,7 +216,7 @@ async def messages(api: Api, request: Request):
     requests = generate_requests([{"messages": chat_messages(body)}], params, body.stream)
     await gen.begin(requests, request.receive)
     render = MessageRender(api, [r.rid for r in requests], body.stop_sequences or [],
-                           gen.call.usage_so_far)
+                           gen.call.usage_so_far, thinking=bool(body.enable_thinking))
     return await respond(gen, body.stream, render.response, render.events)
 
 
@@ -237,8 +237,12 @@ async def count_tokens(api: Api, request: Request):
 
 class MessageRender:
     def __init__(self, api: Api, rids: list[str], stop_sequences: list[str],
-                 usage_so_far: Callable[[str], dict | None] = lambda rid: None):
+                 usage_so_far: Callable[[str], dict | None] = lambda rid: None,
+                 thinking: bool = False):
+        """`thinking`: the request turned thinking on, and gets the model's thinking
+        as `thinking` blocks (else it is left out, as Anthropic leaves it)."""
         self.api = api
+        self.thinking = thinking
         self.usage_so_far = usage_so_far   # a running request's usage, by rid
         self.stop_sequences = stop_sequences
         self.outputs = Outputs(rids)
@@ -252,9 +256,11 @@ class MessageRender:
             choice, _ = self._add(chunk)
             if failed(chunk):
                 raise failed(chunk)
+        thought = [_thinking_block(choice.reasoning)] \
+            if self.thinking and choice.reasoning else []
         text = [{"type": "text", "text": choice.text}] \
-            if choice.text or not choice.tool_calls else []
-        content = text + [anthropic_tool_use(call) for call in choice.tool_calls]
+            if choice.text or not (choice.tool_calls or thought) else []
+        content = thought + text + [anthropic_tool_use(call) for call in choice.tool_calls]
         return {**self._message(content), **self._stop(choice), "usage": self._usage()}
 
     async def events(self, chunks) -> AsyncIterator[bytes]:
@@ -270,7 +276,8 @@ class MessageRender:
                         **self._message([]), "stop_reason": None, "stop_sequence": None,
                         "usage": {**_input_usage(usage), "output_tokens": 0}}})
                     started = True
-                for piece in self._content_events(text, chunk.tool_calls or []):
+                reasoning = chunk.reasoning if self.thinking else None
+                for piece in self._content_events(text, chunk.tool_calls or [], reasoning):
                     yield piece
             if self._blocks == 0:   # nothing at all: one empty text block
                 yield self._start({"type": "text", "text": ""})
@@ -286,10 +293,16 @@ class MessageRender:
             self._final_usage = chunk.usage
         return self.outputs.add(chunk)
 
-    def _content_events(self, text: str, calls: list[dict]) -> list[bytes]:
-        """A chunk's text (into the open text block, or a new one) and its calls, each
-        a tool_use block of its own."""
+    def _content_events(self, text: str, calls: list[dict],
+                        reasoning: str | None = None) -> list[bytes]:
+        """A chunk's thinking and text (each into the open block of its kind, or a new
+        one) and its calls, each a tool_use block of its own."""
         out = []
+        if reasoning:
+            if self._open != "thinking":
+                out += [self._close(), self._start(_thinking_block(""))]
+            out.append(event({"type": "content_block_delta", "index": self._blocks - 1,
+                              "delta": {"type": "thinking_delta", "thinking": reasoning}}))
         if text:
             if self._open != "text":
                 out += [self._close(), self._start({"type": "text", "text": ""})]
@@ -338,6 +351,12 @@ class MessageRender:
     def _usage(self) -> dict:
         return {**_input_usage(self._final_usage),
                 "output_tokens": self.outputs.usage()["completion_tokens"]}
+
+
+def _thinking_block(text: str) -> dict:
+    """A thinking block; its signature is empty (nothing here signs the thinking, and
+    a thinking block sent back in history is accepted as it is)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _input_usage(usage: dict | None) -> dict:

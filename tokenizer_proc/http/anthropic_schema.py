@@ -87,6 +87,7 @@ class MessagesRequest(passed_fields(PASSED, Model)):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     enable_thinking: bool | None = None    # from `thinking` (compat.py)
+    thinking_budget: int | None = None     # from `thinking.budget_tokens` (compat.py)
     response_format: dict | None = None    # from `output_config.format` (compat.py)
 
 

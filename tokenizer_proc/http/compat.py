@@ -66,13 +66,26 @@ THINKING_OFF = ("none", "minimal")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-def _reasoning_effort(value, _) -> Fields:
-    """Thinking on or off, and the level for templates that read it (gpt-oss's)."""
+# A reasoning effort's thinking budget in tokens (worker_proc/thinking.py); the
+# higher efforts think as long as the model does.
+EFFORT_BUDGETS = {"low": 1024, "medium": 8192}
+
+
+def effort_fields(effort: str, body: dict) -> Fields:
+    """What a reasoning effort sets: thinking on or off, its budget (unless the body
+    sets one), and the level for templates that read it (gpt-oss's)."""
+    fields: Fields = {"enable_thinking": effort not in THINKING_OFF,
+                      "chat_template_kwargs": {"reasoning_effort": effort}}
+    if effort in EFFORT_BUDGETS and body.get("thinking_budget") is None:
+        fields["thinking_budget"] = EFFORT_BUDGETS[effort]
+    return fields
+
+
+def _reasoning_effort(value, body) -> Fields:
     if value not in EFFORTS:
         raise bad_request(f"reasoning_effort must be one of {list(EFFORTS)}, got {value!r}",
                           "reasoning_effort")
-    return {"enable_thinking": value not in THINKING_OFF,
-            "chat_template_kwargs": {"reasoning_effort": value}}
+    return effort_fields(value, body)
 
 
 def _functions(value, _) -> Fields:
@@ -116,12 +129,21 @@ def _refusal(value, message) -> Fields:
 
 
 def _thinking(value, _) -> Fields:
-    """Anthropic's thinking: on (enabled, adaptive) or off. A budget is not enforced."""
+    """Anthropic's thinking: on (enabled, adaptive) or off; enabled's `budget_tokens`
+    is the thinking budget."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in ("enabled", "adaptive", "disabled"):
         raise bad_request('thinking must be {"type": "enabled" | "adaptive" | "disabled"}',
                           "thinking")
-    return {"enable_thinking": kind != "disabled"}
+    budget = value.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 0):
+        raise bad_request("thinking.budget_tokens must be a non-negative integer",
+                          "thinking.budget_tokens")
+    fields: Fields = {"enable_thinking": kind != "disabled"}
+    if kind == "enabled" and budget is not None:
+        fields["thinking_budget"] = budget
+    return fields
 
 
 def _output_config(value, _) -> Fields:
@@ -234,14 +256,15 @@ TABLE: tuple[Rule, ...] = (
     Rule("context_management", (MESSAGES,), IGNORED,
          "no context editing: the history is used as sent"),
     # (b) a local meaning: mapped
-    Rule("reasoning_effort", (CHAT,), MAPPED, "enable_thinking (off for none and minimal) "
-         "and the chat template's reasoning_effort", to=_reasoning_effort),
+    Rule("reasoning_effort", (CHAT,), MAPPED, "enable_thinking (off for none and minimal), "
+         "a thinking budget (low: 1024 tokens, medium: 8192) and the chat template's "
+         "reasoning_effort", to=_reasoning_effort),
     Rule("functions", (CHAT,), MAPPED, "tools", to=_functions),
     Rule("function_call", (CHAT,), MAPPED, "tool_choice", to=_function_call),
     Rule("n_predict", (*OPENAI,), MAPPED, "llama.cpp's; max_tokens (-1: the default)",
          to=_n_predict),
     Rule("thinking", (MESSAGES,), MAPPED, "enable_thinking: on for enabled and adaptive, "
-         "off for disabled; budget_tokens is not enforced", to=_thinking),
+         "off for disabled; budget_tokens: the thinking budget", to=_thinking),
     Rule("output_config", (MESSAGES,), MAPPED, "format: response_format json_schema; "
          "effort: ignored", to=_output_config),
     Rule("output_format", (MESSAGES,), MAPPED, "response_format json_schema",
@@ -351,8 +374,6 @@ class Compat:
                 continue
             if name == "output_config" and "effort" in value:
                 self.note(api, "output_config.effort", "no effect on a local server")
-            if name == "thinking" and isinstance(value, dict) and "budget_tokens" in value:
-                self.note(api, "thinking.budget_tokens", "the thinking is not cut short")
             mapped = rule.to(value, obj) if rule.to is not None else {name: value}
             for target, new in mapped.items():
                 out[target] = _merged(out, target, new, param, set_by)

@@ -7,11 +7,12 @@ items an assistant's `tool_calls` (joined into the assistant message before them
 (what the model said, kept for `previous_response_id`) go back the same way. Tools
 are flat here (`{type, name, parameters}`) and nested in chat (`{type, function}`);
 `text.format` is chat's `response_format`; `reasoning.effort` turns thinking on or,
-at `none` and `minimal`, off, and goes to templates that read it as `reasoning_effort`."""
+at `none` and `minimal`, off, sets its budget as chat's `reasoning_effort` does, and
+goes to templates that read it as `reasoning_effort`."""
 
 from typing import Sequence
 
-from .compat import THINKING_OFF   # as chat's reasoning_effort: off at none and minimal
+from .compat import effort_fields   # as chat's reasoning_effort
 from .responses_schema import (
     LOGPROBS, AllowedTools, FunctionCallItem, FunctionCallOutputItem, InputText,
     JsonSchemaFormat, MessageItem, NamedFunction, ResponsesRequest,
@@ -102,7 +103,10 @@ def tool_params(body: ResponsesRequest) -> dict:
     kwargs = dict(body.chat_template_kwargs or {})
     effort = body.reasoning.effort if body.reasoning is not None else None
     if effort is not None:
-        params["enable_thinking"] = effort not in THINKING_OFF
+        mapped = effort_fields(effort, {})
+        params["enable_thinking"] = mapped["enable_thinking"]
+        if "thinking_budget" in mapped:
+            params["thinking_budget"] = mapped["thinking_budget"]
         kwargs.setdefault("reasoning_effort", effort)
     if kwargs or body.chat_template_kwargs is not None:
         params["chat_template_kwargs"] = kwargs
