@@ -160,6 +160,55 @@ def test_a_family_serves_what_mlx_lm_serves_on_the_original(family, kind, source
         np.testing.assert_allclose(np.array(model(ids)), want_logits, rtol=1e-4, atol=1e-3)
 
 
+# Every type the converter takes, per family: matrices rows of 256 (a K-quant's
+# super-block), so every type packs every matrix.
+ALL_KINDS = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+WIDE = {"hidden_size": 256, "intermediate_size": 256, "num_heads": 4, "num_kv_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def wide_sources(tmp_path_factory):
+    """The families' models with hidden and feed-forward sizes of 256 (and 256-wide
+    experts)."""
+    import dataclasses
+
+    root = tmp_path_factory.mktemp("wide-families")
+
+    def source(family: str) -> Path:
+        folder = root / family
+        if not folder.exists():
+            spec = FAMILIES[family]
+            extra = tuple((k, 256 if k == "moe_intermediate_size" else
+                           64 if k == "query_pre_attn_scalar" else v) for k, v in spec.extra)
+            build_tiny_model(folder, dataclasses.replace(spec, **{
+                "hidden_size": 256, "intermediate_size": 256}, extra=extra))
+            randomize_vectors(folder, spec.seed)
+            if family == "mistral":
+                sentencepiece_tokenizer(folder, spec.vocab_size)
+        return folder
+    return source
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_type_of_every_family(family, kind, wide_sources, tmp_path):
+    """Each family written with every matrix in `kind`: both loading forms generate
+    what mlx_lm generates on the reference dequantizer's values (tokens equal,
+    chosen-token logprobs within 1e-3)."""
+    src = wide_sources(family)
+    expected = write_model(src, tmp_path / "m.gguf", kind, tokenizer_metadata(src))
+    out = convert(tmp_path / "m.gguf", tmp_path / "out")
+    reference, tokenizer = reference_model(src, expected)
+    want = generations(reference, tokenizer, PROMPTS[:2], max_tokens=8)
+    for dequantize in (True, False):
+        model, _ = load_model(str(out), dequantize=dequantize)
+        got = generations(model, tokenizer, PROMPTS[:2], max_tokens=8)
+        for g, w in zip(got, want):
+            assert [t for t, _ in g] == [t for t, _ in w], (dequantize, g, w)
+            assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 1e-3
+
+
 @pytest.mark.parametrize("merges", [True, False])
 def test_a_sentencepiece_tokenizer_round_trips(merges, sources, tmp_path):
     """GGUF's "llama" tokenizer model (with merges, or only the scores, from which
