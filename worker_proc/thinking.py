@@ -25,7 +25,7 @@ class ThinkBudget:
     budget: int
     start_ids: list[int]
     end_ids: list[int]
-    state: str = BEFORE
+    phase: str = BEFORE
     count: int = 0           # tokens thought so far
     forced: int = 0          # end-marker tokens forced (or continued) so far
     tail: list[int] = field(default_factory=list)   # the latest tokens, for the markers
@@ -36,20 +36,20 @@ class ThinkBudget:
         request resumed after a retraction)."""
         if params.thinking_budget is None or not params.think_end_ids:
             return None
-        state = THINKING if params.think_opened or not params.think_start_ids else BEFORE
+        phase = THINKING if params.think_opened or not params.think_start_ids else BEFORE
         row = cls(params.thinking_budget, list(params.think_start_ids),
-                  list(params.think_end_ids), state)
+                  list(params.think_end_ids), phase)
         for token in output_ids:
             row.advance(token)
         return row
 
     @property
     def live(self) -> bool:
-        return self.state != DONE
+        return self.phase != DONE
 
     def next_forced(self) -> int | None:
         """The token the row's next sample must be, if the budget forces one."""
-        if self.state != THINKING or self.count < self.budget:
+        if self.phase != THINKING or self.count < self.budget:
             return None
         if not self.forced:   # continue an end marker the model has just begun
             self.forced = _begun(self.tail, self.end_ids)
@@ -57,26 +57,26 @@ class ThinkBudget:
 
     def advance(self, token: int) -> None:
         """The row kept `token`."""
-        if self.state == DONE:
+        if self.phase == DONE:
             return
-        if self.state == THINKING and self.count >= self.budget:   # a forced token
+        if self.phase == THINKING and self.count >= self.budget:   # a forced token
             self.next_forced()   # where the forced marker starts (a resumed row's too)
             self.forced += 1
             self._push(token)
             if self.forced >= len(self.end_ids):
-                self.state = DONE
+                self.phase = DONE
             return
         self._push(token)
-        if self.state == BEFORE:
+        if self.phase == BEFORE:
             n = len(self.tail)
             if self.tail != self.start_ids[:n]:
-                self.state = DONE   # it answers without thinking
+                self.phase = DONE   # it answers without thinking
             elif n == len(self.start_ids):
-                self.state, self.tail = THINKING, []
+                self.phase, self.tail = THINKING, []
             return
         self.count += 1
         if self.tail[-len(self.end_ids):] == self.end_ids:
-            self.state = DONE
+            self.phase = DONE
 
     def _push(self, token: int) -> None:
         self.tail = (self.tail + [token])[-max(len(self.start_ids), len(self.end_ids)):]

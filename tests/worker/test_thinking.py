@@ -39,7 +39,7 @@ def test_no_budget_no_state():
 def test_the_end_marker_is_forced_at_the_budget():
     row = ThinkBudget.of(budget(3))
     assert forced_run(row, [1, 2, 3, 4, 5]) == [1, 2, 3, 7, 8, 9]
-    assert row.state == DONE and row.next_forced() is None
+    assert row.phase == DONE and row.next_forced() is None
 
 
 def test_a_budget_of_zero_forces_the_first_token():
@@ -49,7 +49,7 @@ def test_a_budget_of_zero_forces_the_first_token():
 def test_the_model_ending_its_thinking_is_never_cut():
     row = ThinkBudget.of(budget(10))
     assert forced_run(row, [1, 7, 8, 9, 5, 6]) == [1, 7, 8, 9]
-    assert row.state == DONE
+    assert row.phase == DONE
 
 
 def test_an_end_marker_begun_at_the_budget_is_continued_not_repeated():
@@ -60,7 +60,7 @@ def test_an_end_marker_begun_at_the_budget_is_continued_not_repeated():
 def test_a_reply_that_does_not_open_the_block_is_never_cut():
     row = ThinkBudget.of(budget(1, opened=False, start=[5, 6]))
     assert forced_run(row, [5, 2, 3, 4]) == [5, 2]   # 5 then 2: not the start marker
-    assert row.state == DONE and forced_run(row, [3, 4]) == []
+    assert row.phase == DONE and forced_run(row, [3, 4]) == []
 
 
 def test_thinking_opened_by_the_model_is_counted_from_its_start_marker():
@@ -120,7 +120,7 @@ def test_under_a_live_budget_the_runner_does_not_build_ahead(llama_model):
     d = Driver(llama_model, overlap=True)
     ids = encode(llama_model, PROMPTS[0])
     d.step([PrefillInput(0, ids, [], d.new_slots(0, len(ids)), budget(3), True)])
-    assert not d.runner._builds_ahead and d.runner.batch.rows[0].thinking.state == THINKING
+    assert not d.runner._builds_ahead and d.runner.batch.rows[0].thinking.phase == THINKING
     for _ in range(6):
         d.step()
-    assert d.runner.batch.rows[0].thinking.state == DONE and d.runner._builds_ahead
+    assert d.runner.batch.rows[0].thinking.phase == DONE and d.runner._builds_ahead
