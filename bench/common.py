@@ -41,6 +41,14 @@ def tokenizer_vocab(model_path: str) -> int:
     return len(json.loads((Path(model_path) / "tokenizer.json").read_text())["model"]["vocab"])
 
 
+def rerun_with_worker_blas(module: str) -> None:
+    """Re-execute `python -m module` with the worker's BLAS preloaded (Linux), unless
+    it already is: a library preloaded at start is the only way to swap it."""
+    env = blas_env()
+    if env.get("LD_PRELOAD") and os.environ.get("LD_PRELOAD") != env["LD_PRELOAD"]:
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+
+
 def blas_env() -> dict:
     """The environment the launcher gives its worker: the same BLAS for every system."""
     from mlxd.runtime.blas import find_blas

@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 
-from bench.common import bench_model, blas_env, random_prompts, tokenizer_vocab
+from bench.common import bench_model, random_prompts, rerun_with_worker_blas, tokenizer_vocab
 
 
 def measure(model, tokenizer, prompt, gen_len):
@@ -31,9 +31,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    env = blas_env()
-    if env.get("LD_PRELOAD") and os.environ.get("LD_PRELOAD") != env["LD_PRELOAD"]:
-        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], env)
+    rerun_with_worker_blas(__spec__.name)
     from mlxd.worker_proc.loading import load_model
 
     path = bench_model(args.model)

@@ -30,7 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, bench_model, blas_env, random_prompts, tokenizer_vocab
+from bench.common import ROOT, bench_model, random_prompts, rerun_with_worker_blas, tokenizer_vocab
+from bench.dequantize import measure
 
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}   # llama.cpp's, for rows not of 256
 
@@ -84,15 +85,6 @@ def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def decode_rate(model, tokenizer, prompt, gen_len) -> float:
-    from mlx_lm import stream_generate
-
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_len):
-        pass
-    return last.generation_tps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="a model folder, or smollm2")
@@ -100,9 +92,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    env = blas_env()
-    if env.get("LD_PRELOAD") and os.environ.get("LD_PRELOAD") != env["LD_PRELOAD"]:
-        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], env)
+    rerun_with_worker_blas(__spec__.name)
     from mlxd.model_store.gguf import convert
     from mlxd.worker_proc.loading import load_model
 
@@ -122,10 +112,10 @@ def main() -> None:
                 variants[(kind, name)] = load_model(str(converted), dequantize=dequantize)
         rates = {key: [] for key in variants}
         for model, tok in variants.values():   # warm up
-            decode_rate(model, tok, prompt[:16], 4)
+            measure(model, tok, prompt[:16], 4)
         for _ in range(args.repeats):
             for key, (model, tok) in variants.items():
-                rates[key].append(decode_rate(model, tok, prompt, args.gen_len))
+                rates[key].append(measure(model, tok, prompt, args.gen_len)[1])
     print(f"{path}: prompt {args.prompt_len}, output {args.gen_len}, {args.repeats} repeats, "
           f"BLAS {os.environ.get('LD_PRELOAD') or 'bundled'}")
     median = {key: statistics.median(r) for key, r in rates.items()}

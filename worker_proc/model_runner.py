@@ -336,7 +336,7 @@ class ModelRunner:
         tops = []
         for o in outputs:
             tokens = o.sampled.tokens.tolist()
-            _advance_grammars(o.rows, tokens)
+            _advance_rows(o.rows, tokens)
             result.rids += o.rids
             result.tokens += tokens
             result.logprobs += o.sampled.logprobs.tolist()
@@ -354,7 +354,7 @@ class ModelRunner:
                 else None for i, r in enumerate(o.rows)]
 
 
-def _advance_grammars(rows: list[RowState], tokens: list[int]) -> None:
+def _advance_rows(rows: list[RowState], tokens: list[int]) -> None:
     """The constrained rows' matchers (and thinking budgets) take the tokens the rows
     keep, before the next decode (chained or not) computes their masks."""
     for row, token in zip(rows, tokens):

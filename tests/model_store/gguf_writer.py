@@ -310,8 +310,9 @@ def write_model(folder, path, kind, tokenizer_meta: dict, seed: int = 0,
     return expected
 
 
-def bpe_tokenizer_metadata(folder) -> dict:
-    """GGUF's "gpt2" tokenizer for a folder's byte-level BPE tokenizer.json."""
+def _tokenizer_files(folder):
+    """A folder's tokenizer.json and tokenizer_config.json, its vocabulary, its
+    tokens in id order and its special tokens' texts."""
     import json
     from pathlib import Path
 
@@ -319,8 +320,13 @@ def bpe_tokenizer_metadata(folder) -> dict:
     tok = json.loads((folder / "tokenizer.json").read_text())
     tok_config = json.loads((folder / "tokenizer_config.json").read_text())
     vocab = tok["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    return tok, tok_config, vocab, sorted(vocab, key=vocab.get), special
+
+
+def bpe_tokenizer_metadata(folder) -> dict:
+    """GGUF's "gpt2" tokenizer for a folder's byte-level BPE tokenizer.json."""
+    tok, tok_config, vocab, tokens, special = _tokenizer_files(folder)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     return {
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
@@ -338,16 +344,9 @@ def sentencepiece_tokenizer_metadata(folder, merges: bool = True) -> dict:
     shape, as the exporter writes it: pieces in id order, a score per piece (its rank:
     earlier is better), token types (UNKNOWN, CONTROL, BYTE for <0xXX>, NORMAL), and,
     if `merges`, the BPE merges (without them a reader derives merges from the scores)."""
-    import json
     import re
-    from pathlib import Path
 
-    folder = Path(folder)
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    tok, tok_config, vocab, tokens, special = _tokenizer_files(folder)
 
     def token_type(t):
         if t == tok_config["unk_token"]:
@@ -368,3 +367,15 @@ def sentencepiece_tokenizer_metadata(folder, merges: bool = True) -> dict:
         meta["tokenizer.ggml.merges"] = [m if isinstance(m, str) else " ".join(m)
                                          for m in tok["model"]["merges"]]
     return meta
+
+
+def assert_same_tokenization(original, rebuilt, texts) -> None:
+    """`rebuilt` (a tokenizer converted from GGUF) encodes and decodes `texts` as
+    `original` does, special tokens kept and skipped, and has as many tokens."""
+    for text in texts:
+        ids = original.encode(text)
+        assert rebuilt.encode(text) == ids, text
+        assert rebuilt.decode(ids) == original.decode(ids)
+        assert rebuilt.decode(ids, skip_special_tokens=True) == \
+            original.decode(ids, skip_special_tokens=True)
+    assert len(rebuilt) == len(original)
