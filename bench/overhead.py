@@ -81,9 +81,13 @@ def serve_in_process(model_path: str, prompt_len: int, gen_len: int) -> None:
         print(last.generation_tps, flush=True)
 
 
+def clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of process `pid`; empty without /proc."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    ticks = clock_ticks()
     out = {}
     for path in glob.glob(f"/proc/{pid}/task/*/stat"):
         try:
@@ -97,11 +101,15 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 
 def busiest_thread(before: dict, after: dict, tokens: int, wall: float) -> dict | None:
     """The thread that used the most CPU between two snapshots `wall` seconds apart:
-    its CPU ms per token and its share of the wall time (None without /proc)."""
+    its CPU ms per token and its share of the wall time (None without /proc).
+    `busy_error` is that share's resolution: /proc counts whole clock ticks, so each
+    of the two snapshots may be off by one tick, which on a short run is a large part
+    of `wall`."""
     if not after:
         return None
     cpu = max(after[t] - before.get(t, 0.0) for t in after)
-    return {"ms_per_token": cpu * 1e3 / tokens, "busy": cpu / wall}
+    return {"ms_per_token": cpu * 1e3 / tokens, "busy": cpu / wall,
+            "busy_error": 2.0 / clock_ticks() / wall}
 
 
 def worker_pid(server: MlxdServer) -> int | None:

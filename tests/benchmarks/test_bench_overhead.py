@@ -77,7 +77,7 @@ def test_overhead_bench_runs_and_reports_every_figure(tiny_model, tmp_path):
         # the busiest thread of the reference child and of each worker: kernels ran on it
         for name in ("in_process", "overlap_on", "overlap_off"):
             (top,) = report["busiest_thread_ms_per_token"][name]
-            assert top["ms_per_token"] > 0 and 0 < top["busy"] <= 1.05
+            assert top["ms_per_token"] > 0 and 0 < top["busy"] <= 1.05 + top["busy_error"]
         assert "busiest thread" in stdout
         assert report["ratio_loaded_in_process"] == pytest.approx(
             rates["in_process_loaded"] / rates["in_process"])
