@@ -65,7 +65,10 @@ class StepTiming:
 @message
 class StepResult:
     """The tokens of one Step, aligned with `rids`. `top_logprobs[i]` is
-    `[ids, logprobs]` or None."""
+    `[ids, logprobs]` or None. With `runs` (aligned with `rids`), row i gave
+    `runs[i]` tokens in order (a verified draft's accepted tokens and the one after
+    them), and `tokens`, `logprobs`, `top_logprobs` hold every row's run in turn;
+    empty: one token each."""
 
     TAG = 60
     step_id: int = wire(Int())
@@ -74,12 +77,23 @@ class StepResult:
     logprobs: list[float] = wire(List(Float()))
     top_logprobs: list | None = wire(Opt(List()), default=None)
     timing: StepTiming = wire(Struct(StepTiming), default_factory=StepTiming)
+    runs: list[int] = wire(List(Int(minimum=1)), default_factory=list)
 
     def check(self):
-        n = len(self.rids)
+        if self.runs and len(self.runs) != len(self.rids):
+            raise ProtocolError("StepResult runs are not aligned with rids")
+        n = sum(self.runs) if self.runs else len(self.rids)
         if len(self.tokens) != n or len(self.logprobs) != n or (
                 self.top_logprobs is not None and len(self.top_logprobs) != n):
             raise ProtocolError("StepResult fields are not aligned with rids")
+
+    def row_runs(self) -> list[tuple[int, slice]]:
+        """(rid, its tokens' slice of `tokens`) per row."""
+        out, at = [], 0
+        for rid, n in zip(self.rids, self.runs or [1] * len(self.rids)):
+            out.append((rid, slice(at, at + n)))
+            at += n
+        return out
 
 
 @message
@@ -125,6 +139,9 @@ class WorkerLimits:
     # the decode caches' layout (runtime/kv_layout.py): positions per decode page,
     # or 0 for the padded layout; the scheduler counts `decode_cache_tokens` by it
     decode_page: int = wire(Int(minimum=0), default=0)
+    # the worker verifies draft tokens (Step.decode_drafts): decodes in pages, and the
+    # model has no recurrent state and no window pool
+    verifies_drafts: bool = wire(Bool(), default=False)
 
 
 @message

@@ -70,6 +70,8 @@ class Usage:
     cached_tokens: int = wire(Int(minimum=0))   # prompt tokens whose KV was reused
     # prompt tokens it computed and pinned (cache_control), none of the cached ones
     pinned_tokens: int = wire(Int(minimum=0), default=0)
+    # completion tokens that were verified draft tokens (speculative decoding)
+    accepted_tokens: int = wire(Int(minimum=0), default=0)
 
     def with_completion_tokens(self, n: int) -> "Usage":
         """The same request's usage with `n` tokens generated (the tokenizer's count

@@ -57,7 +57,15 @@ class PrefillInput:
 class Step:
     """One scheduler step. The worker first drops `releases`, then decodes
     `decode_rids` (writing each one's input-token KV to its slot in
-    `decode_slot_ids`), then runs `prefills`."""
+    `decode_slot_ids`), then runs `prefills`.
+
+    Speculative decoding: `decode_drafts[i]` (empty: none; the list itself empty: no
+    row drafts) are tokens proposed to follow row i's input; one forward verifies
+    them, writing their KV at `draft_slot_ids[i]`, and the row's result is a run of
+    the accepted ones and one token more (StepResult.runs). `chain_next`: the worker
+    may start the next decode before the next Step arrives (overlap); the scheduler
+    clears it when it means to send drafts next, which a chained decode cannot
+    take."""
 
     TAG = 51
     step_id: int = wire(Int())
@@ -67,9 +75,22 @@ class Step:
     releases: list[int] = wire(List(Int()), default_factory=list)
     # with a window pool: each decode row's window slot for its input token
     decode_window_ids: list[int] = wire(List(Int(minimum=0)), default_factory=list)
+    decode_drafts: list[list[int]] = wire(List(List(Int())), default_factory=list)
+    draft_slot_ids: list[list[int]] = wire(List(List(Int())), default_factory=list)
+    chain_next: bool = wire(Bool(), default=True)
 
     def check(self):
         if len(self.decode_rids) != len(self.decode_slot_ids):
             raise ProtocolError("decode_rids and decode_slot_ids differ in length")
         if self.decode_window_ids and len(self.decode_window_ids) != len(self.decode_rids):
             raise ProtocolError("decode_rids and decode_window_ids differ in length")
+        if self.decode_drafts or self.draft_slot_ids:
+            if not (len(self.decode_drafts) == len(self.draft_slot_ids) == len(self.decode_rids)):
+                raise ProtocolError("decode_drafts and draft_slot_ids must align with "
+                                    "decode_rids")
+            if any(len(d) != len(s) for d, s in zip(self.decode_drafts, self.draft_slot_ids)):
+                raise ProtocolError("each row's draft and draft slots differ in length")
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.decode_drafts)

@@ -76,6 +76,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, helps=None) -> No
             parser.add_argument(
                 _flag(f.name), type=_bounded(tp, f), default=default,
                 required=f.default is dataclasses.MISSING,
+                choices=f.metadata.get("choices"),
                 help=f"{help_text} (default: {default})".strip())
 
 

@@ -18,16 +18,18 @@ WORKER_RESTART_WINDOW_SECONDS = 600.0   # --worker-restarts counts restarts this
 
 
 def flag(default, help: str, used_by: tuple[str, ...] = (), shown: str | None = None,
-         minimum: float | None = None, positive: bool = False, env: str | None = None):
+         minimum: float | None = None, positive: bool = False, env: str | None = None,
+         choices: tuple[str, ...] | None = None):
     """A flag's declaration: `used_by` names the child processes that read it (the
     launcher reads every flag); `shown` is the default as the README writes it; a
     number below `minimum` (or, with `positive`, not above 0) is refused when parsed.
     A flag with `env` is a secret: its default comes from that environment variable,
     and it reaches child processes through it, never on a command line (which any
-    local user can read in `ps`)."""
+    local user can read in `ps`). `choices`: the values a string flag takes."""
     return dataclasses.field(default=default, metadata={
         "help": help, "used_by": frozenset(used_by), "shown": shown,
-        "minimum": 0 if positive else minimum, "positive": positive, "env": env})
+        "minimum": 0 if positive else minimum, "positive": positive, "env": env,
+        "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,22 @@ class ServerFlags:
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "
         "the scheduler does its bookkeeping)", (WORKER,))
+    speculative: str = flag(
+        "ngram", "speculative decoding: `ngram` drafts each request's next tokens from "
+        "its own prompt and output (the continuation of its longest recent n-gram "
+        "match), verified for every row in one forward, exact for greedy and sampled "
+        "requests alike; each request's draft length follows its acceptance, and a "
+        "request whose drafts are refused stops drafting for a while; `off`",
+        (SCHEDULER,), choices=("off", "ngram"))
+    spec_max_draft: int = flag(
+        8, "the most draft tokens one request verifies in a step", (SCHEDULER,), minimum=1)
+    spec_ngram_min: int = flag(
+        2, "the shortest n-gram match an n-gram draft follows", (SCHEDULER,), minimum=1)
+    spec_ngram_max: int = flag(
+        4, "the longest n-gram match an n-gram draft looks for", (SCHEDULER,), minimum=1)
+    spec_max_batch: int = flag(
+        8, "no drafts while more requests than this decode together (verifying costs "
+        "compute a full batch no longer has to spare)", (SCHEDULER,), minimum=1)
     blas: str = flag(
         "auto", "Linux: preload an optimized BLAS into the worker (`auto`: a system "
         "OpenBLAS, else MKL from the `mkl` wheel); `off`; or a library path")

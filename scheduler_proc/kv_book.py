@@ -123,6 +123,15 @@ class KVBook:
         req.slot_ids += slots
         return slots
 
+    def drop_tail(self, req: Request, keep: int) -> None:
+        """The request keeps its first `keep` slots; private ones after them (a
+        draft's rejected tokens') go back. Not for a window pool (drafts need none)."""
+        tail = req.slot_ids[max(keep, req.prefix_len):]
+        if tail:
+            assert not self.window, "drafts take no window slots"
+            self.allocator.free(tail)
+            del req.slot_ids[max(keep, req.prefix_len):]
+
     def extend_each(self, reqs: list[Request]) -> list[int]:
         """One new private slot for each request's next token (a decode step).
         Returns them in the order of `reqs`."""

@@ -34,6 +34,7 @@ from mlxd.runtime.sockets import (
 )
 
 from .scheduler import Scheduler, SchedulerLimits
+from .speculation import SpecConfig
 from .step_timing import StepTimings
 from .worker_link import WorkerLink, replacement_mismatch
 
@@ -268,7 +269,10 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         state_slots=worker.state_slots, snapshot_slots=worker.snapshot_slots,
         window_capacity=worker.window_capacity, window=max(worker.window_sizes, default=0),
         decode_page=worker.decode_page, max_pinned_tokens=flags.max_pinned_tokens,
-        pin_ttl_scale=pin_ttl_scale())
+        pin_ttl_scale=pin_ttl_scale(),
+        speculative=SpecConfig(flags.speculative, flags.spec_max_draft, flags.spec_ngram_min,
+                               flags.spec_ngram_max, flags.spec_max_batch),
+        verifies_drafts=worker.verifies_drafts, worker_overlaps=worker.overlap)
 
 
 def pin_ttl_scale() -> float:

@@ -47,6 +47,7 @@ class Request:
     # cache_control: prefixes to pin once the tree holds them (KVBook takes them)
     pins: list[Pin] = field(default_factory=list)
     pinned_tokens: int = 0       # prompt tokens it computed and pinned
+    accepted_tokens: int = 0     # of its output, draft tokens verified (speculation)
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, max_new_tokens: int) -> "Request":
@@ -74,4 +75,5 @@ class Request:
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
-                     cached_tokens=self.cached_tokens or 0, pinned_tokens=self.pinned_tokens)
+                     cached_tokens=self.cached_tokens or 0, pinned_tokens=self.pinned_tokens,
+                     accepted_tokens=self.accepted_tokens)

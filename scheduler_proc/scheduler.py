@@ -22,6 +22,7 @@ from mlxd.runtime.request_limits import length_error, max_new_tokens
 
 from .kv_book import KVBook
 from .request import Request, Status
+from .speculation import SpecConfig, Speculation
 from .waiting import WaitingQueue
 
 
@@ -50,6 +51,9 @@ class SchedulerLimits:
     window: int = 0                 # the largest sliding window of the model
     max_pinned_tokens: int = _FLAGS.max_pinned_tokens   # cache_control pins' bound (-1: auto)
     pin_ttl_scale: float = 1.0      # multiplies every pin's TTL (MLXD_PIN_TTL_SCALE, tests)
+    speculative: SpecConfig = SpecConfig()   # drafts (speculation.py); off by default here
+    verifies_drafts: bool = False   # the worker verifies drafts (WorkerLimits)
+    worker_overlaps: bool = False   # the worker chains decodes (WorkerLimits.overlap)
 
 
 class Scheduler:
@@ -70,6 +74,8 @@ class Scheduler:
         self._outbox: list[TokenEntry] = []
         self._step_id = 0
         self.num_retractions = 0
+        self.spec = Speculation(limits.speculative, limits.verifies_drafts)
+        self._chained = False   # the worker may have started the next decode already
 
     # ---- inputs -------------------------------------------------------------
 
@@ -83,7 +89,9 @@ class Scheduler:
 
     def abort(self, rid: int) -> None:
         if rid in self.running:
-            self._finish(self.running[rid], "abort", TokenEntry(rid, [], []))
+            req = self.running[rid]
+            self.kv.drop_tail(req, len(req.all_ids))   # draft slots of a step in flight
+            self._finish(req, "abort", TokenEntry(rid, [], []))
             return
         req = self.waiting.find(rid)
         if req is not None:
@@ -97,20 +105,33 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 self.kv.cache_progress(req)
         self._prefilled = []
-        tops = result.top_logprobs or [None] * len(result.rids)
-        for rid, token, logprob, top in zip(result.rids, result.tokens, result.logprobs, tops):
+        tops = result.top_logprobs or [None] * len(result.tokens)
+        for rid, run in result.row_runs():
             req = self.running.get(rid)
             if req is None:   # finished or aborted while the step ran
                 continue
-            req.output_ids.append(token)
-            entry = TokenEntry(rid, [token], [logprob], None if top is None else [top])
-            if len(req.output_ids) == 1:
-                entry.usage = req.usage()   # tells the tokenizer cached_tokens early
-            reason = req.finish_reason_after(token)
-            if reason:
-                self._finish(req, reason, entry)
-            else:
-                self._outbox.append(entry)
+            self._take_run(req, result.tokens[run], result.logprobs[run], tops[run])
+
+    def _take_run(self, req: Request, tokens: list[int], logprobs: list[float],
+                  tops: list) -> None:
+        """A row's tokens of one step (several after a verified draft), up to the
+        first that finishes it; the slots of the draft tokens it did not keep go."""
+        accepted = self.spec.ran(req, len(tokens))
+        reason, n = None, 0
+        while reason is None and n < len(tokens):
+            req.output_ids.append(tokens[n])
+            reason = req.finish_reason_after(tokens[n])
+            n += 1
+        req.accepted_tokens += min(accepted, n)
+        self.kv.drop_tail(req, len(req.all_ids) - 1)
+        entry = TokenEntry(req.rid, tokens[:n], logprobs[:n],
+                           None if all(t is None for t in tops[:n]) else tops[:n])
+        if len(req.output_ids) == n:
+            entry.usage = req.usage()   # tells the tokenizer cached_tokens early
+        if reason:
+            self._finish(req, reason, entry)
+        else:
+            self._outbox.append(entry)
 
     def fail_step(self, error: WorkerError) -> None:
         """The worker dropped every request's state: running requests fail, and the
@@ -127,6 +148,8 @@ class Scheduler:
                          keep_kv=False)
         self._releases.clear()
         self._prefilled = []
+        self.spec.reset()
+        self._chained = False
         self.kv.reset_tree()
 
     def abandon_step(self, error: WorkerError) -> None:
@@ -144,13 +167,36 @@ class Scheduler:
         decoding = self._make_room_for_decode()
         decode_slots = self.kv.extend_each(decoding)
         decode_windows = [r.window_ids[-1] for r in decoding] if self.kv.window else []
+        proposals = self.spec.proposals(decoding)
+        drafts, draft_slots = self._book_drafts(decoding, proposals)
         prefills = self._schedule_prefills(decoding)
         if not (decoding or prefills or self._releases):
             return None
         releases, self._releases = self._releases, []
         self._step_id += 1
+        # a row with a proposal now likely has one next step: keep that Step unchained
+        chain_next = not any(proposals)
+        self._chained = chain_next and self.limits.worker_overlaps
         return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases,
-                    decode_windows)
+                    decode_windows, drafts, draft_slots, chain_next)
+
+    def _book_drafts(self, rows: list[Request],
+                     proposals: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """The Step's drafts and their slots: none after a Step the worker may have
+        chained on, none that would take slots not free now (drafts evict no cached
+        prefix) or stretch the decode caches past their budget."""
+        total = sum(len(p) for p in proposals)
+        if self._chained or not total or total > self.kv.allocator.num_free:
+            return [], []
+        lengths = [len(r.slot_ids) + len(p) for r, p in zip(rows, proposals)]
+        if batch_tokens(lengths, self.limits.decode_page) > self.decode_cache_tokens:
+            return [], []
+        slots = []
+        for req, draft in zip(rows, proposals):
+            slots.append(self.kv.extend(req, len(draft)) if draft else [])
+            if draft:
+                self.spec.sending(req, draft)
+        return proposals, slots
 
     def take_outputs(self) -> list[TokenEntry]:
         out, self._outbox = self._outbox, []
@@ -163,6 +209,7 @@ class Scheduler:
     def stats(self) -> dict:
         return {"waiting": len(self.waiting), "running": len(self.running),
                 "retractions": self.num_retractions,
+                "speculative": self.spec.counters.as_dict(),
                 **self.kv.stats(list(self.running.values()))}
 
     def check_integrity(self) -> None:
@@ -347,6 +394,7 @@ class Scheduler:
         if self.chunking is req:
             self.chunking = None
         req.status = Status.FINISHED
+        self.spec.forget(req.rid)
         self.kv.release(req, keep=keep_kv)
         self._releases.append(req.rid)
         entry.finish_reason = reason

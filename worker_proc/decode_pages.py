@@ -8,7 +8,10 @@ decode step writes each row's new position into its last page (a scatter of one
 position per row and head), then attends, per (row, page) pair, the row's queries
 to that page in place with `mx.gather_mm` (scores, then weights x values), and
 merges each row's pairs by their softmax's log-sum-exp; a lone row whose pages are
-one run is attended as one slice instead. A step's cost follows the pages the rows
+one run is attended as one slice instead. A verify forward (speculative decoding)
+gives each row several consecutive query positions at once: all are written first,
+then each query attends causally (the positions up to its own), every page read
+once per row for all of them. A step's cost follows the pages the rows
 hold, not the longest row; a row joins by writing its own pages (one slice per run
 of consecutive pages) and leaves by giving them back; nothing else moves. A full
 page another running row holds for the same pool slots (a cached prefix both start
@@ -176,100 +179,140 @@ class PageArena:
 class Pairs:
     """What one decode step's attention reads for one window size: the (row, page)
     pairs, as `gather_mm` indices per KV head, and which positions of each pair's
-    page count `[n, 1, 1, page]`."""
+    page count for each query slot: `[n, 1, 1, L, page]` for a step of L query
+    positions per row (`[n, 1, 1, page]` when L is 1)."""
 
     rows: mx.array    # [n] int32: the pair's row
     lhs: mx.array     # [n * heads] uint32: row * heads + head
     rhs: mx.array     # [n * heads] uint32: head * (arena pages + 1) + page
-    mask: mx.array    # [n, 1, 1, page] bool
+    mask: mx.array    # [n, 1, 1, L, page] bool ([n, 1, 1, page] when L == 1)
+    window: int = 0   # the window the mask keeps (0: none); the slice path masks by it
 
 
 def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
-               window: int = 0) -> Pairs:
-    """The pairs of rows holding `lengths[i]` positions (the newest included) in
-    pages `tables[i]` of `arena`; with a `window`, only its last `window` positions
-    count."""
+               window: int = 0, queries: list[int] | None = None) -> Pairs:
+    """The pairs of rows holding `lengths[i]` positions (the new ones included) in
+    pages `tables[i]` of `arena`, row i's last `queries[i]` positions (default 1)
+    being its queries. Each query counts the positions up to its own and, with a
+    `window`, only the last `window` of them. Query slots past a row's own (the
+    forward is rectangular, L = max(queries)) count what its last query does, so no
+    slot is fully masked."""
     heads, page = arena.heads, arena.page
-    rows, pages, starts, ends, lows = [], [], [], [], []
-    for r, (table, n) in enumerate(zip(tables, lengths)):
-        low = max(0, n - window) if window else 0
+    queries = [1] * len(lengths) if queries is None else list(queries)
+    slots = max(queries)
+    rows, pages, starts, last_pos = [], [], [], []
+    for r, (table, n, q) in enumerate(zip(tables, lengths, queries)):
+        low = max(0, n - q - window + 1) if window else 0   # the first query's window start
         first, last = low // page, (n - 1) // page
         count = last - first + 1
         rows.append(np.full(count, r))
         pages.append(np.asarray(table[first:last + 1]))
         starts.append(np.arange(first, last + 1) * page)
-        ends.append(np.full(count, n))
-        lows.append(np.full(count, low))
+        # each slot's position, padding slots at the row's last query
+        own = n - q + np.minimum(np.arange(slots), q - 1)
+        last_pos.append(np.broadcast_to(own, (count, slots)))
     rows_np, pages_np = np.concatenate(rows), np.concatenate(pages)
     stride = arena.pages + 1
-    positions = np.concatenate(starts)[:, None] + np.arange(page)
-    mask = (positions < np.concatenate(ends)[:, None]) & (positions >= np.concatenate(lows)[:, None])
+    positions = (np.concatenate(starts)[:, None] + np.arange(page))[:, None, :]   # [n, 1, page]
+    at = np.concatenate(last_pos)[:, :, None]                                      # [n, L, 1]
+    mask = positions <= at
+    if window:
+        mask &= positions > at - window
+    mask = mask[:, None, None] if slots > 1 else mask[:, None]   # [n,1,1,L,page] | [n,1,1,page]
     per_head = np.arange(heads)
     return Pairs(mx.array(rows_np, mx.int32),
                  mx.array((rows_np[:, None] * heads + per_head).reshape(-1), mx.uint32),
                  mx.array((per_head * stride + pages_np[:, None]).reshape(-1), mx.uint32),
-                 mx.array(mask[:, None, None, :]))
+                 mx.array(mask), window)
 
 
 def paged_attention(queries: mx.array, keys: mx.array, values: mx.array, pairs: Pairs,
                     page: int, scale: float, sinks: mx.array | None = None) -> mx.array:
-    """Attention of one query per row `[B, Hq, 1, D]` over the pairs' pages of an
-    arena (`keys`/`values` `[Hkv, (pages + 1) * page, D]`; as `[Hkv * (pages + 1),
+    """Attention of L query positions per row `[B, Hq, L, D]` over the pairs' pages of
+    an arena (`keys`/`values` `[Hkv, (pages + 1) * page, D]`; as `[Hkv * (pages + 1),
     page, D]`, a free reshape, matrix `head * (pages + 1) + page` is one head's
-    page): `[B, Hq, 1, Dv]`."""
-    b, hq, _, d = queries.shape
+    page): `[B, Hq, L, Dv]`. A KV head's query rows are its g = Hq / Hkv query heads
+    x L positions, so each page is read once per row, whatever L is."""
+    b, hq, slots, d = queries.shape
     dv = values.shape[-1]
     heads = pairs.lhs.shape[0] // pairs.rows.shape[0]
     g, n = hq // heads, pairs.rows.shape[0]
-    q = (queries * scale).astype(keys.dtype).reshape(b * heads, g, d)
+    # [B, Hkv * g, L, D] head-major: (row, kv head) rows of g x L queries, a free reshape
+    q = (queries * scale).astype(keys.dtype).reshape(b * heads, g * slots, d)
     k = keys.reshape(-1, page, d).swapaxes(-1, -2)
     scores = mx.gather_mm(q, k, pairs.lhs, pairs.rhs).astype(mx.float32)
-    scores = mx.where(pairs.mask, scores.reshape(n, heads, g, page), -mx.inf)
+    mask = pairs.mask.reshape(n, 1, 1, -1, page)
+    scores = mx.where(mask, scores.reshape(n, heads, g, slots, page), -mx.inf)
     peak = mx.max(scores, axis=-1, keepdims=True)
     peak = mx.where(mx.isinf(peak), 0.0, peak)   # a page with no position counted
     weights = mx.exp(scores - peak)
     total = mx.sum(weights, axis=-1)
     lse = peak.squeeze(-1) + mx.log(mx.maximum(total, 1e-30))
     lse = mx.where(total > 0, lse, -mx.inf)
-    out = mx.gather_mm(weights.astype(values.dtype).reshape(n * heads, g, page),
+    out = mx.gather_mm(weights.astype(values.dtype).reshape(n * heads, g * slots, page),
                        values.reshape(-1, page, dv),
                        mx.arange(n * heads, dtype=mx.uint32), pairs.rhs)
-    out = out.astype(mx.float32).reshape(n, heads, g, dv) / mx.maximum(total, 1e-30)[..., None]
-    # each row's pairs merged by their log-sum-exp (and the sinks' logits, if any)
-    rows = pairs.rows
-    row_peak = mx.full((b, heads, g), -mx.inf).at[rows].maximum(lse)
+    out = (out.astype(mx.float32).reshape(n, heads, g, slots, dv)
+           / mx.maximum(total, 1e-30)[..., None])
+    return _merge_rows(out, lse, pairs.rows, b, sinks).reshape(b, hq, slots, dv).astype(queries.dtype)
+
+
+def _merge_rows(out: mx.array, lse: mx.array, rows: mx.array, b: int,
+                sinks: mx.array | None) -> mx.array:
+    """Each row's pairs `[n, Hkv, g, L, Dv]` merged by their log-sum-exp `[n, Hkv, g,
+    L]` (and the sinks' logits, one per query head, if any): `[B, Hkv, g, L, Dv]`."""
+    n, heads, g, slots, dv = out.shape
+    row_peak = mx.full((b, heads, g, slots), -mx.inf).at[rows].maximum(lse)
     if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, heads, g)
+        sink = sinks.astype(mx.float32).reshape(1, heads, g, 1)
         row_peak = mx.maximum(row_peak, sink)
     w = mx.exp(lse - row_peak[rows])
-    norm = mx.zeros((b, heads, g)).at[rows].add(w)
+    norm = mx.zeros((b, heads, g, slots)).at[rows].add(w)
     if sinks is not None:
         norm = norm + mx.exp(sink - row_peak)
-    merged = mx.zeros((b, heads, g, dv)).at[rows].add(w[..., None] * out)
-    return (merged / norm[..., None]).reshape(b, hq, 1, dv).astype(queries.dtype)
+    merged = mx.zeros((b, heads, g, slots, dv)).at[rows].add(w[..., None] * out)
+    return merged / norm[..., None]
+
+
+def span_mask(count: int, slots: int, window: int = 0) -> mx.array | str | None:
+    """The slice path's mask for `slots` queries, the last at the last of `count`
+    keys: None for one query (the slice is what it reads), mx.fast's lower-right
+    "causal" without a window, else `[slots, count]` bool (True: counted)."""
+    if slots == 1:
+        return None
+    if not window:
+        return "causal"
+    at = mx.arange(count - slots, count)[:, None]   # each query's own key
+    keys = mx.arange(count)[None, :]
+    return (keys <= at) & (keys > at - window)
 
 
 class PagedLayerCache:
-    """One KV leaf's cache for one decode forward, as the model sees it."""
+    """One KV leaf's cache for one decode forward, as the model sees it.
+
+    A forward gives each row L consecutive query positions (L = 1 for a decode step;
+    more for a verify forward). `write_at` is (head, arena row), each `[B * heads *
+    L]`, in (row, head, position) order: the order of `keys.reshape(-1, dim)` for the
+    `[B, heads, L, dim]` the model writes. `span` (one row whose positions are one run
+    of arena rows) is (first arena row, positions): from the window start of the
+    row's first query (0 without a window) to its last query, included."""
 
     def __init__(self, arena: PageArena, leaf: int, offset: mx.array,
                  write_at: tuple[mx.array, mx.array], pairs: Pairs,
                  span: tuple[int, int] | None = None):
         self.arena, self.leaf, self.pairs = arena, leaf, pairs
-        # one row whose positions are one run of arena rows: (first row, positions),
         # attended as a slice (no gather, no merge)
         self.span = span
-        self.offset = offset            # [B]: each row's position (RoPE)
-        self.write_at = write_at        # ([B * heads] head, [B * heads] arena row): the new position
+        self.offset = offset            # [B]: each row's first query's position (RoPE)
+        self.write_at = write_at        # ([B * heads * L] head, [B * heads * L] arena row)
         self.newest: tuple[mx.array, mx.array] | None = None
         self.attended = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the new position `[B, heads, 1, dim]` into the rows' pages."""
+        """Write the new positions `[B, heads, L, dim]` into the rows' pages."""
         self.newest = (keys, values)
-        b, h, _, _ = keys.shape
         self.arena.write(self.leaf, *self.write_at,
-                         keys.reshape(b * h, -1), values.reshape(b * h, -1))
+                         keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1]))
         return keys, values
 
     def make_mask(self, *args, **kwargs):
@@ -281,7 +324,9 @@ class PagedLayerCache:
             start, n = self.span
             k = self.arena.keys[self.leaf][None, :, start:start + n]
             v = self.arena.values[self.leaf][None, :, start:start + n]
-            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, sinks=sinks)
+            mask = span_mask(n, queries.shape[2], self.pairs.window)
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
+                                                        sinks=sinks)
         return paged_attention(queries, self.arena.keys[self.leaf], self.arena.values[self.leaf],
                                self.pairs, self.arena.page, scale, sinks)
 

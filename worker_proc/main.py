@@ -116,7 +116,8 @@ def build_runner(cfg: WorkerConfig):
         snapshot_slots=snapshot_slots,
         state_slot_bytes=geometry.bytes_per_state,
         window_sizes=[w for w in geometry.cache_layout.windows if w],
-        window_capacity=pool.window_capacity, decode_page=page)
+        window_capacity=pool.window_capacity, decode_page=page,
+        verifies_drafts=runner.verifies_drafts)
     return runner, limits
 
 

@@ -6,9 +6,10 @@ written at `new_slot_ids`, each decode step's input-token KV at
 and `decode_window_ids`). The runner never derives a slot id on its own.
 """
 
+import copy
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -22,7 +23,7 @@ from .kv_pool import KVGeometry, KVPool, write_ids
 from .penalties import RowPenalties
 from .prefill import GroupPrefill, plan_groups
 from .sampling import RowState, Sampled, sample, top_lists
-from .step_checks import check_decode, check_prefills
+from .step_checks import check_decode, check_drafts, check_prefills
 from .thinking import ThinkBudget
 
 CLOSE_TIMEOUT = 60.0   # s; a chained decode is one step of the batch
@@ -59,9 +60,10 @@ def probe_vocab_size(model) -> int:
 @dataclass
 class _Output:
     rids: list[int | None]   # per row; None: a dead decode row
-    rows: list[RowState]
-    sampled: Sampled
+    rows: list[RowState]     # per token (a row's run repeats it)
+    sampled: Sampled         # per token
     new_kv: list[tuple[mx.array, mx.array]] | None = None   # decode: per layer, the input's KV
+    runs: list[int] | None = None   # a verify: tokens per row (None: one each)
 
 
 def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: int = 0,
@@ -107,6 +109,7 @@ class ModelRunner:
         self._returned_at: float | None = None   # when the last result was handed back
         self._outputs_at = 0.0   # when the last step's outputs were evaluated
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
+        self._chain_allowed = True   # the Step's chain_next
 
     @property
     def decode_page(self) -> int:
@@ -141,8 +144,11 @@ class ModelRunner:
         """The step's result, and the next decode of the batch when it was built
         ahead (while the step's last tasks computed)."""
         self.batch.remove(set(step.releases))
+        self._chain_allowed = step.chain_next
         outputs = []
-        if step.decode_rids:   # the chained decode if there is one; its released rows drop
+        if step.has_drafts:
+            outputs.append(self._verify(step))
+        elif step.decode_rids:   # the chained decode if there is one; its released rows drop
             launched, self.chained = self.chained or self._launch_decode(), None
             outputs.append(self._commit_decode(launched, step))
         elif len(self.batch):
@@ -162,7 +168,15 @@ class ModelRunner:
     @property
     def _chains_next(self) -> bool:
         """This step ends by starting the next decode on the helper thread."""
-        return self.overlap and len(self.batch) > 0
+        return self.overlap and self._chain_allowed and len(self.batch) > 0
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Steps may carry drafts: the batch decodes in pages, and the model has no
+        recurrent state and no window pool (a rejected draft token would have
+        advanced a state, or taken a window slot)."""
+        return (self.batch.page > 0 and not self.pool.geometry.state_shapes
+                and not self.pool.uses_windows)
 
     @property
     def chain_started(self) -> bool:
@@ -271,6 +285,66 @@ class ModelRunner:
             None if s.top_ids is None else s.top_ids[keep],
             None if s.top_logprobs is None else s.top_logprobs[keep]))
 
+    # ---- verify -----------------------------------------------------------
+
+    def _verify(self, step: Step) -> _Output:
+        """Decode every row with its draft in one forward and keep, per row, the draft
+        tokens the model's own choices agree with and its choice after them.
+
+        Position j of a row is sampled as that row's next token would be were the
+        draft's first j tokens already its output: its random key's count, its
+        penalties' counts. A draft token is accepted while it equals the token so
+        chosen, so every run is what decoding one token at a time chooses, seeded or
+        not. Rows under a grammar or a live thinking budget verify no draft (their
+        masks follow one token at a time)."""
+        if self.chained is not None or not self.verifies_drafts:
+            raise ValueError(f"step {step.step_id} carries drafts, but " + (
+                "the decode after the step before was chained (chain_next)"
+                if self.chained is not None else "this worker verifies none"))
+        running = check_decode(step, self.batch.rids, self.pool)
+        check_drafts(step, self.pool, self.vocab_size)
+        draft_of = dict(zip(step.decode_rids, step.decode_drafts))
+        drafts = [draft_of[rid] if _may_draft(row) else []
+                  for rid, row in zip(running, self.batch.rows)]
+        self.batch.slots_written(step.decode_slot_ids)
+        self.batch.slots_written(s for slots in step.draft_slot_ids for s in slots)
+        logits = self.batch.forward(self.model, drafts)
+        positions = [p for row, d in zip(self.batch.rows, drafts) for p in _positions(row, d)]
+        sampled = self._sample(logits, positions)
+        self._write_verified(step, running, drafts)
+        mx.eval(sampled.tokens, sampled.logprobs)
+        chosen, runs, keep = sampled.tokens.tolist(), [], []
+        for d, at in zip(drafts, _starts(drafts)):
+            n = _agreed(d, chosen[at:at + len(d) + 1]) + 1
+            runs.append(n)
+            keep += range(at, at + n)
+        starts = _starts(drafts)
+        last = mx.array([chosen[i + n - 1] for i, n in zip(starts, runs)],
+                        dtype=sampled.tokens.dtype)
+        self.batch.accept(runs, last)
+        for row, d, n, start in zip(self.batch.rows, drafts, runs, starts):
+            if d:   # the real row takes its run (rows without a draft were sampled as such)
+                _take_run(row, chosen[start:start + n])
+        index = mx.array(keep)
+        s = sampled
+        rows = [row for row, n in zip(self.batch.rows, runs) for _ in range(n)]
+        return _Output(running, rows, Sampled(
+            s.tokens[index], s.logprobs[index],
+            None if s.top_ids is None else s.top_ids[index],
+            None if s.top_logprobs is None else s.top_logprobs[index]), runs=runs)
+
+    def _write_verified(self, step: Step, running: list[int], drafts: list[list[int]]) -> None:
+        """Every verified position's KV to the pool, at the Step's slots (the
+        scheduler frees the rejected ones' after reading the runs)."""
+        slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
+        drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
+        slots = [s for rid, d in zip(running, drafts)
+                 for s in [slot_of[rid]] + drafts_at[rid][:len(d)]]
+        ids = write_ids(slots, [])
+        for layer, (keys, values) in enumerate(self.batch.newest_kv()):
+            targets, _ = self.pool.targets(layer, ids)
+            self.pool.write(layer, targets, keys, values)
+
     # ---- prefill ----------------------------------------------------------
 
     def _prefill(self, prefills: list[PrefillInput]) -> list[_Output]:
@@ -341,6 +415,8 @@ class ModelRunner:
             result.tokens += tokens
             result.logprobs += o.sampled.logprobs.tolist()
             tops += self._top_logprobs(o)
+        if any(o.runs is not None for o in outputs):
+            result.runs = [n for o in outputs for n in (o.runs or [1] * len(o.rids))]
         if any(t is not None for t in tops):
             result.top_logprobs = tops
         return result
@@ -362,6 +438,50 @@ def _advance_rows(rows: list[RowState], tokens: list[int]) -> None:
             row.grammar.advance(token)
         if row.thinking is not None:
             row.thinking.advance(token)
+
+
+def _may_draft(row: RowState) -> bool:
+    return row.grammar is None and row.thinking is None
+
+
+def _positions(row: RowState, draft: list[int]) -> list[RowState]:
+    """The row's state at each position of its verify: at position j as if the
+    draft's first j tokens were sampled (copies; the row itself without a draft)."""
+    if not draft:
+        return [row]
+    out = []
+    for j in range(len(draft) + 1):
+        penalties = copy.copy(row.penalties)
+        if penalties is not None:
+            for token in draft[:j]:
+                penalties.record(mx.array([token], dtype=mx.int32))
+        out.append(replace(row, generated=row.generated + j, penalties=penalties))
+    return out
+
+
+def _agreed(draft: list[int], chosen: list[int]) -> int:
+    """How many of the draft's tokens the chosen ones (one per position) confirm."""
+    n = 0
+    while n < len(draft) and chosen[n] == draft[n]:
+        n += 1
+    return n
+
+
+def _starts(drafts: list[list[int]]) -> list[int]:
+    """Each row's first position among a verify's positions."""
+    starts, at = [], 0
+    for d in drafts:
+        starts.append(at)
+        at += len(d) + 1
+    return starts
+
+
+def _take_run(row: RowState, tokens: list[int]) -> None:
+    """A drafting row's state after its run: its count, its penalties' record."""
+    row.generated += len(tokens)
+    if row.penalties is not None:
+        for token in tokens:
+            row.penalties.record(mx.array([token], dtype=mx.int32))
 
 
 def _arrays(outputs: list[_Output]) -> list[mx.array]:

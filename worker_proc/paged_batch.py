@@ -37,6 +37,8 @@ class PagedDecodeBatch:
         # per state leaf, in the layout's order: [rows, ...] arrays (hybrid models)
         self.states: list[list[mx.array]] = []
         self._leaves: list[PagedLayerCache] = []   # the last forward's KV leaves
+        self._held: list[int] = []   # the rows' lengths before the last forward
+        self._positions: mx.array | None = None   # a verify's real positions of [B * L]
 
     @property
     def page(self) -> int:
@@ -163,44 +165,86 @@ class PagedDecodeBatch:
 
     # ---- decode ----------------------------------------------------------
 
-    def forward(self, model) -> mx.array:
+    def forward(self, model, drafts: list[list[int]] | None = None) -> mx.array:
         """Logits `[rows, V]` for the next token of every row (lazy). Each row's
-        input goes at its next position, in a new page when the last is full."""
+        input goes at its next position, in a new page when the last is full.
+
+        With `drafts` (one list per row, maybe empty), row i's input is its next
+        token then `drafts[i]`, at consecutive positions, all attended causally in
+        one forward (a verify): logits `[sum(1 + len(d)), V]`, each row's positions in
+        turn. The rows' lengths count every position until `accept` says how many
+        of them hold KV to keep."""
         page, heads = self.arena.page, self.arena.heads
-        for table, n in zip(self.tables, self.lengths):
-            if n // page >= len(table):
-                table += self.arena.allocate(1)
-        positions = np.array(self.lengths)
-        last_pages = np.array([t[n // page] for t, n in zip(self.tables, self.lengths)])
-        rows = last_pages * page + positions % page
-        write_at = (mx.array(np.tile(np.arange(heads), len(rows)), mx.int32),
-                    mx.array(np.repeat(rows, heads), mx.int32))
-        offset = mx.array(positions, mx.int32)
-        after = [n + 1 for n in self.lengths]
-        pairs = {w: step_pairs(self.tables, after, self.arena, w)
+        queries = [1 + len(d) for d in drafts] if drafts else [1] * len(self.tables)
+        width = max(queries)
+        for table, n, q in zip(self.tables, self.lengths, queries):
+            short = -(-(n + q) // page) - len(table)
+            if short > 0:
+                table += self.arena.allocate(short)
+        rows = np.zeros((len(self.tables), width), dtype=np.int64)   # padding: page 0
+        for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
+            at = n + np.arange(q)
+            rows[i, :q] = np.asarray(table)[at // page] * page + at % page
+        # (row, head, position) order, as update_and_fetch flattens the new KV
+        write_at = (mx.array(np.tile(np.repeat(np.arange(heads), width), len(rows)), mx.int32),
+                    mx.array(np.repeat(rows[:, None, :], heads, axis=1).reshape(-1), mx.int32))
+        offset = mx.array(np.array(self.lengths), mx.int32)
+        after = [n + q for n, q in zip(self.lengths, queries)]
+        several = queries if width > 1 else None
+        pairs = {w: step_pairs(self.tables, after, self.arena, w, several)
                  for w in set(self.layout.windows)}
-        spans = {w: self._span(after, w) for w in pairs}
+        spans = {w: self._span(after, w, queries[0]) for w in pairs}
         self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w], spans[w])
                         for i, w in enumerate(self.layout.windows)]
         caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states)
-        logits = model(self.tokens[:, None], cache=caches)[:, -1, :]
+        inputs = self.tokens[:, None]
+        if width > 1:
+            padded = [d + [0] * (width - 1 - len(d)) for d in drafts]
+            inputs = mx.concatenate([inputs, mx.array(padded, dtype=inputs.dtype)], axis=1)
+        logits = model(inputs, cache=caches)
         # the states the forward left (lazy)
         self.states = [batch_cache.state_arrays(c) for c in state_caches]
+        self._held = list(self.lengths)
         self.lengths = after
-        return logits
+        if width == 1:
+            self._positions = None
+            return logits[:, -1, :]
+        self._positions = mx.array([i * width + j for i, q in enumerate(queries)
+                                    for j in range(q)])
+        return logits.reshape(-1, logits.shape[-1])[self._positions]
 
-    def _span(self, lengths: list[int], window: int) -> tuple[int, int] | None:
-        """A lone row whose pages are one run: its positions (the window's, for a
-        windowed layer) as (first arena row, count), attended as one slice."""
+    def accept(self, kept: list[int], tokens: mx.array) -> None:
+        """After a verify: row i keeps the KV of its first `kept[i]` new positions
+        (its input and the accepted draft tokens) and its next input is `tokens[i]`;
+        pages past what it holds now go back."""
+        page = self.arena.page
+        for i, (n, k) in enumerate(zip(self._held, kept)):
+            self.lengths[i] = n + k
+            table = self.tables[i]
+            spare = len(table) - -(-(n + k) // page)
+            if spare > 0:   # fresh pages of this step's rejected positions
+                self._let_go(table[-spare:])
+                del table[-spare:]
+        self.tokens = tokens
+
+    def _span(self, lengths: list[int], window: int, queries: int = 1) -> tuple[int, int] | None:
+        """A lone row whose pages are one run: the positions its `queries` newest
+        positions attend (from the window start of the first, for a windowed layer)
+        as (first arena row, count), attended as one slice."""
         if len(self.tables) != 1 or len(_runs(self.tables[0])) != 1:
             return None
         n = lengths[0]
-        low = max(0, n - window) if window else 0
+        low = max(0, n - (queries - 1) - window) if window else 0
         return self.tables[0][0] * self.arena.page + low, n - low
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
-        """Per KV leaf, keys/values `[rows, heads, dim]` the last forward wrote."""
-        return [(c.newest[0][:, :, -1, :], c.newest[1][:, :, -1, :]) for c in self._leaves]
+        """Per KV leaf, keys/values `[positions, heads, dim]` the last forward wrote:
+        one per row, or after a verify every row's positions in turn."""
+        if self._positions is None:
+            return [(c.newest[0][:, :, -1, :], c.newest[1][:, :, -1, :]) for c in self._leaves]
+        return [(_real_positions(c.newest[0], self._positions),
+                 _real_positions(c.newest[1], self._positions))
+                for c in self._leaves]
 
     def hook_reached(self) -> bool:
         """The last forward's attention went through every KV leaf's `attend`."""
@@ -217,6 +261,12 @@ class PagedDecodeBatch:
         """The decode's reads of the pages come before the joins' writes into them,
         or the writes would copy the whole arena."""
         mx.eval(decoded, self.arrays())
+
+
+def _real_positions(a: mx.array, index: mx.array) -> mx.array:
+    """`[B, heads, L, dim]` -> the positions `index` of `[B * L, heads, dim]`."""
+    b, h, n, d = a.shape
+    return a.transpose(0, 2, 1, 3).reshape(b * n, h, d)[index]
 
 
 def _runs(table: list[int], only: list[int] | None = None) -> list[tuple[int, int, int]]:

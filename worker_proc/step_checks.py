@@ -25,6 +25,14 @@ def check_decode(step: Step, running: list[int], pool: KVPool) -> list[int]:
     return running
 
 
+def check_drafts(step: Step, pool: KVPool, vocab_size: int) -> None:
+    """Draft tokens the model can embed, at slots the pool holds."""
+    for draft, slots in zip(step.decode_drafts, step.draft_slot_ids):
+        if not _in_range(draft, vocab_size):
+            raise ValueError(f"step {step.step_id}: a draft token outside [0, {vocab_size})")
+        pool.check_slots(slots)
+
+
 def check_prefills(prefills: list[PrefillInput], running: list[int], pool: KVPool,
                    vocab_size: int) -> None:
     """Every prefill names a request not running, token ids in [0, vocab_size), and

@@ -24,23 +24,27 @@ from support import load_reference
 PAGE = 8
 
 
-def dense_reference(q, keys, values, scale, window=0, sinks=None):
-    """Per row, softmax attention over its own positions (numpy, float64)."""
-    out = []
-    for r, (k, v) in enumerate(zip(keys, values)):   # k: [Hkv, L, D]
-        hq, hkv = q.shape[1], k.shape[0]
-        g = hq // hkv
-        n = k.shape[1]
-        low = max(0, n - window) if window else 0
-        rows = []
-        for h in range(hq):
-            s = (np.asarray(q[r, h, 0], np.float64) * scale) @ np.asarray(k[h // g, low:], np.float64).T
-            logits = s if sinks is None else np.append(s, float(sinks[h]))
-            w = np.exp(logits - logits.max())
-            w = w / w.sum()
-            rows.append(w[:n - low] @ np.asarray(v[h // g, low:], np.float64))
-        out.append(rows)
-    return np.array(out)[:, :, None, :]
+def dense_reference(q, keys, values, scale, window=0, sinks=None, queries=None):
+    """Per row, softmax attention over its own positions (numpy, float64): row r's
+    last `queries[r]` positions (default 1) are its queries, in its first slots of
+    `q` `[B, Hq, L, D]`, each attending causally (within the window); `[B, Hq, L,
+    Dv]`, NaN in the slots past a row's queries."""
+    hq, slots = q.shape[1], q.shape[2]
+    queries = [1] * len(keys) if queries is None else queries
+    out = np.full((len(keys), hq, slots, values[0].shape[-1]), np.nan)
+    for r, (k, v) in enumerate(zip(keys, values)):   # k: [Hkv, n, D]
+        g, n = hq // k.shape[0], k.shape[1]
+        k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+        for j in range(queries[r]):
+            at = n - queries[r] + j
+            low = max(0, at + 1 - window) if window else 0
+            for h in range(hq):
+                s = (np.asarray(q[r, h, j], np.float64) * scale) @ k[h // g, low:at + 1].T
+                logits = s if sinks is None else np.append(s, float(sinks[h]))
+                w = np.exp(logits - logits.max())
+                w = w / w.sum()
+                out[r, h, j] = w[:at + 1 - low] @ v[h // g, low:at + 1]
+    return out
 
 
 def arena_with(rows_kv, heads, dim, rng):
@@ -239,3 +243,115 @@ def test_a_lone_row_in_one_run_is_attended_as_a_slice(window, sinks):
     want = dense_reference(q, [k], [v], 0.25, window, None if sink is None else np.asarray(sink))
     for cache in (sliced, paired):
         assert np.allclose(np.asarray(cache.attend(q, 0.25, sink)), want, atol=1e-5)
+
+
+# ---- several query positions per row (a verify forward) -------------------
+
+# (positions held, queries): several per row, crossing pages, with no context before
+# them (length == queries), and single ones, all in one rectangular batch
+MULTI = [(1, 1), (3, 2), (PAGE + 2, 5), (PAGE + 3, PAGE + 3), (5 * PAGE - 1, PAGE + 3),
+         (40, 2), (2 * PAGE, 5), (9, 1)]
+
+
+def assert_matches(got, want, queries):
+    """Every real query slot within `atol` of the reference; padding slots finite."""
+    got = np.asarray(got)
+    assert got.shape == want.shape
+    for r, q in enumerate(queries):
+        assert np.allclose(got[r, :, :q], want[r, :, :q], atol=1e-4), f"row {r}"
+        assert np.isfinite(got[r, :, q:]).all(), f"row {r} padding"
+
+
+@pytest.mark.parametrize("window", [0, 5, 13])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_several_queries_per_row_attend_causally(window, heads, sinks):
+    rng = random.Random(window * 11 + heads[1])
+    hq, hkv = heads
+    dim = 16
+    lengths, queries = [n for n, _ in MULTI], [q for _, q in MULTI]
+    rows_kv = [(mx.random.normal((hkv, n, dim)), mx.random.normal((hkv, n, dim))) for n in lengths]
+    arena, tables = arena_with(rows_kv, hkv, dim, rng)
+    q = mx.random.normal((len(lengths), hq, max(queries), dim))
+    sink = mx.random.normal((hq,)) if sinks else None
+    pairs = step_pairs(tables, lengths, arena, window, queries)
+    got = paged_attention(q, arena.keys[0], arena.values[0], pairs, PAGE, 0.25, sink)
+    want = dense_reference(q, [k for k, _ in rows_kv], [v for _, v in rows_kv], 0.25, window,
+                           None if sink is None else np.asarray(sink), queries)
+    assert_matches(got, want, queries)
+
+
+def test_several_queries_read_each_page_once_per_row():
+    """The pairs cover every page any of a row's queries reads, once; a padding slot
+    counts what the row's last query does."""
+    arena = PageArena(1, 2, 4, 4, mx.float32, 10, PAGE)
+    pairs = step_pairs([[4, 9, 2, 7], [5]], [30, 3], arena, window=6, queries=[5, 2])
+    # row 0's queries are at 25..29: windows from 20 on, in its 3rd and 4th pages
+    assert pairs.rows.tolist() == [0, 0, 1]
+    assert pairs.rhs.tolist() == [2, 11 + 2, 7, 11 + 7, 5, 11 + 5]
+    mask = np.asarray(pairs.mask)[:, 0, 0]   # [pairs, L, page]
+    assert mask.shape == (3, 5, PAGE)
+    assert mask[0, 0].tolist() == [False] * 4 + [True] * 4     # query at 25: 20..25
+    assert mask[1, 0].tolist() == [True] * 2 + [False] * 6
+    assert mask[1, 4].tolist() == [True] * 6 + [False] * 2     # query at 29: 24..29
+    assert not mask[0, 4].any()
+    # row 1's queries at 1 and 2 (0..1, then 0..2); its padding slots count as the one at 2
+    assert mask[2, 0].tolist() == [True] * 2 + [False] * 6
+    assert all(m.tolist() == [True] * 3 + [False] * 5 for m in mask[2, 1:])
+
+
+@pytest.mark.parametrize("window", [0, 5, 13])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("n, slots", [(3 * PAGE + 3, 5), (PAGE + 3, PAGE + 3), (2, 2)])
+def test_a_lone_row_with_several_queries_is_attended_as_a_slice(window, sinks, n, slots):
+    """The slice path's causal (windowed) mask, the last query at the last key: against
+    the pairs path and the dense reference."""
+    hq, hkv, dim = 8, 2, 16
+    k, v = mx.random.normal((hkv, n, dim)), mx.random.normal((hkv, n, dim))
+    arena = PageArena(1, hkv, dim, dim, mx.float32, 8, PAGE)
+    table = arena.allocate(-(-n // PAGE))
+    arena.write_run(0, table[0], k, v)
+    q = mx.random.normal((1, hq, slots, dim))
+    sink = mx.random.normal((hq,)) if sinks else None
+    pairs = step_pairs([table], [n], arena, window, [slots])
+    low = max(0, n - slots + 1 - window) if window else 0   # the first query's window start
+    sliced = PagedLayerCache(arena, 0, mx.array([n - slots]), None, pairs,
+                             (table[0] * PAGE + low, n - low))
+    paired = PagedLayerCache(arena, 0, mx.array([n - slots]), None, pairs)
+    want = dense_reference(q, [k], [v], 0.25, window, None if sink is None else np.asarray(sink),
+                           [slots])
+    for cache in (sliced, paired):
+        assert_matches(cache.attend(q, 0.25, sink), want, [slots])
+
+
+def test_the_cache_writes_every_new_position_of_every_row():
+    """B x heads x L positions, flattened (row, head, position), each to the arena row
+    `write_at` names for it; then attended, they match the dense reference."""
+    heads, dim, slots = 2, 4, 3
+    arena = PageArena(2, heads, dim, dim, mx.float32, 6, PAGE)
+    tables, lengths = [[5, 2], [3]], [PAGE + 1, slots]   # row 0's queries cross pages
+    rows = [table[p // PAGE] * PAGE + p % PAGE
+            for table, n in zip(tables, lengths) for _ in range(heads) for p in range(n - slots, n)]
+    at = (mx.array([h for _ in tables for h in range(heads) for _ in range(slots)], mx.int32),
+          mx.array(rows, mx.int32))
+    pairs = step_pairs(tables, lengths, arena, queries=[slots, slots])
+    cache = PagedLayerCache(arena, 1, mx.array([n - slots for n in lengths]), at, pairs)
+    k = mx.random.normal((2, heads, slots, dim))
+    v = mx.random.normal((2, heads, slots, dim))
+    assert cache.update_and_fetch(k, v) == (k, v)
+    keys, values = np.asarray(arena.keys[1]), np.asarray(arena.values[1])
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        for j, p in enumerate(range(n - slots, n)):
+            row = table[p // PAGE] * PAGE + p % PAGE
+            assert np.array_equal(keys[:, row], np.asarray(k[r, :, j]))
+            assert np.array_equal(values[:, row], np.asarray(v[r, :, j]))
+    assert np.count_nonzero(keys.any(-1)) == 2 * heads * slots   # nothing else written
+    assert not np.asarray(arena.keys[0]).any()                    # another layer untouched
+    # row 0's earlier positions, then attend: what was written is what is read
+    early = mx.random.normal((heads, PAGE + 1 - slots, dim))
+    arena.write_run(1, 5, early, early)
+    full = [mx.concatenate([early, k[0]], axis=1), k[1]]
+    fullv = [mx.concatenate([early, v[0]], axis=1), v[1]]
+    q = mx.random.normal((2, 2 * heads, slots, dim))
+    want = dense_reference(q, full, fullv, 0.5, queries=[slots, slots])
+    assert_matches(cache.attend(q, 0.5, None), want, [slots, slots])

@@ -1,0 +1,145 @@
+"""Speculative decoding, the scheduler's side: which rows draft, what, and how far.
+
+A decoding row may send draft tokens with its input (Step.decode_drafts): the worker
+verifies them in one forward and returns a run of the accepted ones and one token
+more. The scheduler proposes the drafts (n-gram drafts: the continuation of the
+row's longest recent n-gram match in its own prompt and output, `ngram.NgramIndex`),
+books a KV slot for each draft token beside the input's, and frees those of the
+rejected ones when the run comes back. A row's draft length follows its recent
+acceptance (`ngram.DraftLength`); a row whose drafts keep failing pauses.
+
+Drafts need a worker that verifies them (WorkerLimits.verifies_drafts) and a Step
+the worker did not start ahead: with overlap, the worker chains the next decode
+after a Step whose `chain_next` is set, and a chained decode takes no drafts. So
+a Step clears `chain_next` while any of its rows has a proposal (the next Step can
+then carry drafts), and sets it when none has, keeping the overlap where drafting
+finds nothing. No drafts while more rows decode than `max_batch`: a full batch has
+no compute to spare for verifying.
+"""
+
+from dataclasses import dataclass, field
+
+from .ngram import DraftLength, NgramIndex
+from .request import Request
+
+METHODS = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "off"       # "off" or "ngram"
+    max_draft: int = 8        # draft tokens per row and step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    max_batch: int = 8        # no drafts above this many decoding rows
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r} (off or ngram)")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("the n-gram draft lengths need 1 <= min <= max, got "
+                             f"{self.ngram_min} and {self.ngram_max}")
+
+    @property
+    def on(self) -> bool:
+        return self.method != "off"
+
+
+class Drafter:
+    """One request's drafts: its token index and its draft length."""
+
+    def __init__(self, tokens: list[int], config: SpecConfig):
+        self.index = NgramIndex(tokens, config.ngram_min, config.ngram_max)
+        self.length = DraftLength(config.max_draft)
+
+    def propose(self, tokens: list[int], most: int) -> list[int]:
+        """At most `most` tokens to follow `tokens` (the request's prompt and output
+        so far, of which the index has a prefix); counts one step of a pause."""
+        self.index.extend(tokens[len(self.index):])
+        k = min(self.length.next(), most)
+        return self.index.propose(k) if k > 0 else []
+
+
+@dataclass
+class SpecCounters:
+    """What speculation did (stats, metrics): row-steps that verified a draft, draft
+    tokens sent, draft tokens accepted."""
+
+    method: str = "off"
+    verifies: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "verifies": self.verifies,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
+
+
+@dataclass
+class Speculation:
+    """The drafts of each Step and what came of them."""
+
+    config: SpecConfig
+    verifies_drafts: bool = False   # the worker's WorkerLimits.verifies_drafts
+    counters: SpecCounters = field(default_factory=SpecCounters)
+    drafters: dict[int, Drafter] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)   # rid -> draft tokens in flight
+
+    def __post_init__(self):
+        self.counters.method = self.config.method if self.usable else "off"
+
+    @property
+    def usable(self) -> bool:
+        return self.config.on and self.verifies_drafts
+
+    def proposals(self, rows: list[Request]) -> list[list[int]]:
+        """Each row's draft now (empty: none), at most what its remaining tokens leave
+        room for after the run's last token; none above `max_batch` rows."""
+        if not self.usable or len(rows) > self.config.max_batch:
+            return [[] for _ in rows]
+        return [self._proposal(r) for r in rows]
+
+    def _proposal(self, req: Request) -> list[int]:
+        if not drafts_allowed(req):
+            return []
+        most = req.max_new_tokens - len(req.output_ids) - 1
+        if most <= 0:
+            return []
+        drafter = self.drafters.get(req.rid)
+        if drafter is None:
+            drafter = self.drafters[req.rid] = Drafter(req.all_ids, self.config)
+        return drafter.propose(req.all_ids, most)
+
+    def sending(self, req: Request, draft: list[int]) -> None:
+        self.sent[req.rid] = len(draft)
+        self.counters.verifies += 1
+        self.counters.draft_tokens += len(draft)
+
+    def ran(self, req: Request, run: int) -> int:
+        """The row's run of `run` tokens came back: its accepted draft tokens (0 for a
+        row that sent none)."""
+        sent = self.sent.pop(req.rid, 0)
+        if not sent:
+            return 0
+        accepted = min(run - 1, sent)
+        self.counters.accepted_tokens += accepted
+        drafter = self.drafters.get(req.rid)
+        if drafter is not None:
+            drafter.length.record(sent, accepted)
+        return accepted
+
+    def forget(self, rid: int) -> None:
+        """The request finished: its index goes."""
+        self.drafters.pop(rid, None)
+        self.sent.pop(rid, None)
+
+    def reset(self) -> None:
+        """Nothing is in flight (the worker dropped its state)."""
+        self.sent.clear()
+
+
+def drafts_allowed(req: Request) -> bool:
+    """Rows whose every token needs the one before read (a grammar's mask, a thinking
+    budget's count) draft nothing."""
+    s = req.sampling
+    return s.grammar is None and s.thinking_budget is None
