@@ -52,15 +52,22 @@ class NgramIndex:
         earlier occurrence. [] when no suffix of length >= min_n occurred before, or
         k <= 0. Cost O(max_n + k), never O(len).
 
-        The draft may be shorter than k where it runs into the end of the sequence, and
-        may overlap the suffix itself (a repeat such as "a b a b" continues "a b").
+        Where the continuation runs into the end of the sequence, the sequence is
+        read as repeating from there: the suffix recurs `length - start` tokens after
+        its earlier occurrence, so the draft cycles through the tokens between (a
+        loop such as "a b a b" continues "a b a b ...", not only "a b").
         """
         if k <= 0:
             return []
-        start = self._continuation(len(self._tokens))
+        length = len(self._tokens)
+        start = self._continuation(length)
         if start is None:
             return []
-        return self._tokens[start:start + k]
+        draft = self._tokens[start:start + k]
+        period = length - start
+        while len(draft) < k:
+            draft.append(self._tokens[start + len(draft) % period])
+        return draft
 
     def _continuation(self, length: int) -> int | None:
         """Where the continuation of the longest earlier-seen suffix starts, if any."""

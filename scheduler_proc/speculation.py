@@ -48,14 +48,15 @@ class SpecConfig:
 class Drafter:
     """One request's drafts: its token index and its draft length."""
 
-    def __init__(self, tokens: list[int], config: SpecConfig):
-        self.index = NgramIndex(tokens, config.ngram_min, config.ngram_max)
+    def __init__(self, req: Request, config: SpecConfig):
+        self.index = NgramIndex(req.prompt_ids, config.ngram_min, config.ngram_max)
+        self.prompt_len = len(req.prompt_ids)
         self.length = DraftLength(config.max_draft)
 
-    def propose(self, tokens: list[int], most: int) -> list[int]:
-        """At most `most` tokens to follow `tokens` (the request's prompt and output
-        so far, of which the index has a prefix); counts one step of a pause."""
-        self.index.extend(tokens[len(self.index):])
+    def propose(self, req: Request, most: int) -> list[int]:
+        """At most `most` tokens to follow the request's prompt and output so far
+        (the index takes the output it has not seen); counts one step of a pause."""
+        self.index.extend(req.output_ids[len(self.index) - self.prompt_len:])
         k = min(self.length.next(), most)
         return self.index.propose(k) if k > 0 else []
 
@@ -107,8 +108,8 @@ class Speculation:
             return []
         drafter = self.drafters.get(req.rid)
         if drafter is None:
-            drafter = self.drafters[req.rid] = Drafter(req.all_ids, self.config)
-        return drafter.propose(req.all_ids, most)
+            drafter = self.drafters[req.rid] = Drafter(req, self.config)
+        return drafter.propose(req, most)
 
     def sending(self, req: Request, draft: list[int]) -> None:
         self.sent[req.rid] = len(draft)

@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
         return full[len(prefix):]
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, decoded whole."""
+        return self._decode(token_ids)
+
     def flush(self) -> str:
         """At the end of a request: whatever is still held back, even if incomplete."""
         prefix = self._decode(self.tokens[self._prefix_offset:self._read_offset])

@@ -34,6 +34,8 @@ class RequestStream:
         self._searched = 0      # text before this was checked for stop strings
         self._sent_text = 0     # chunk cursors
         self._sent_tokens = 0
+        self._stopped_early = False   # a stop string ended it before the scheduler did
+        self._stop_end = 0            # where the stop string that cut the text ended
 
     @property
     def finished(self) -> bool:
@@ -42,7 +44,9 @@ class RequestStream:
     def on_entry(self, entry: TokenEntry) -> StreamChunk | None:
         """Take the scheduler's new tokens; return a chunk to send, if any.
         After a stop-string hit `finish_reason` is "stop" and the scheduler
-        still has to be told to abort the request."""
+        still has to be told to abort the request; of an entry of several tokens
+        (a verified draft's run), those after the one that completes the stop
+        string are dropped, and not counted, as one token per entry would have."""
         if entry.usage is not None:
             self.usage = entry.usage
         self.token_ids += entry.token_ids
@@ -53,19 +57,36 @@ class RequestStream:
             self.text += self.detokenizer.flush()
         if self._cut_at_stop_string():
             self.finish_reason = "stop"
+            self._stopped_early = self._drop_tokens_past_stop(len(entry.token_ids)) or \
+                not entry.finish_reason
         elif entry.finish_reason:
             self.finish_reason = entry.finish_reason
         return self._chunk(entry)
+
+    def _drop_tokens_past_stop(self, new: int) -> bool:
+        """Keep, of the `new` tokens just taken, the fewest whose text holds the whole
+        stop string; whether any were dropped."""
+        tokens = self.detokenizer.tokens
+        base = len(self.token_ids) - new
+        keep = next((m for m in range(1, new)
+                     if len(self.detokenizer.decode(tokens[:base + m])) >= self._stop_end), new)
+        if keep == new:
+            return False
+        del self.token_ids[base + keep:], self.logprobs[base + keep:]
+        del self.top_logprobs[base + keep:]
+        return True
 
     def _cut_at_stop_string(self) -> bool:
         if not self.stop:
             return False
         start = max(0, self._searched - self._holdback)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop)
+                if i >= 0]
         self._searched = len(self.text)
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        cut, self._stop_end = min(hits)
+        self.text = self.text[:cut]
         return True
 
     def _chunk(self, entry: TokenEntry) -> StreamChunk | None:
@@ -110,7 +131,7 @@ class RequestStream:
     def _final_usage(self, entry: TokenEntry) -> Usage | None:
         """The scheduler's, when it finished the request; after a stop string, its
         latest with the tokens passed on here."""
-        if entry.finish_reason:
+        if entry.finish_reason and not self._stopped_early:
             return entry.usage
         if self.usage is None:
             return None

@@ -10,7 +10,8 @@ from mlxd.scheduler_proc.ngram import DraftLength, NgramIndex
 
 def reference_propose(s: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The contract, by exhaustive search: the longest suffix with an earlier
-    occurrence, continued from its most recent one."""
+    occurrence, continued from its most recent one, and read as a loop where the
+    continuation reaches the end."""
     if k <= 0:
         return []
     length = len(s)
@@ -18,7 +19,8 @@ def reference_propose(s: list[int], k: int, min_n: int, max_n: int) -> list[int]
         key = s[length - n:]
         for p in range(length - n - 1, -1, -1):   # p < length - n: strictly earlier
             if s[p:p + n] == key:
-                return s[p + n:p + n + k]
+                loop = s[p + n:]
+                return [loop[i % len(loop)] for i in range(k)]
     return []
 
 
@@ -60,7 +62,7 @@ def test_empty_and_short_sequences_propose_nothing():
     assert NgramIndex([]).propose(4) == []
     assert NgramIndex([7]).propose(4) == []
     assert NgramIndex([7, 7]).propose(4) == []        # the only bigram is the suffix itself
-    assert NgramIndex([7, 7], min_n=1).propose(4) == [7]
+    assert NgramIndex([7, 7], min_n=1).propose(4) == [7, 7, 7, 7]   # a loop of one token
 
 
 def test_no_earlier_occurrence_proposes_nothing():
@@ -75,17 +77,19 @@ def test_k_zero_or_negative_proposes_nothing():
 
 def test_a_repeated_token_continues_itself():
     index = NgramIndex([5, 5, 5, 5])
-    # the 4-gram has no earlier occurrence; "5 5 5" at 0 continues with the last 5
-    assert index.propose(3) == [5]
+    # the 4-gram has no earlier occurrence; "5 5 5" at 0 continues with the last 5,
+    # and the loop it ends in with more of it
+    assert index.propose(3) == [5, 5, 5]
     index.extend([5] * 6)
     # the most recent earlier "5 5 5 5" ends one token before the end
-    assert index.propose(3) == [5]
+    assert index.propose(3) == [5, 5, 5]
 
 
 def test_the_continuation_may_overlap_the_suffix():
     index = NgramIndex([1, 2, 1, 2, 1, 2])
-    # "1 2 1 2" occurred at 0: followed by s[4:] = "1 2", the suffix's own tokens
-    assert index.propose(5) == [1, 2]
+    # "1 2 1 2" occurred at 0: followed by s[4:] = "1 2", the suffix's own tokens,
+    # then the loop again
+    assert index.propose(5) == [1, 2, 1, 2, 1]
     assert index.propose(1) == [1]
 
 
@@ -106,9 +110,11 @@ def test_the_most_recent_occurrence_wins():
     assert index.propose(2) == [40, 1]
 
 
-def test_a_draft_stops_at_the_end_of_the_sequence():
+def test_a_draft_reaching_the_end_of_the_sequence_loops():
     index = NgramIndex([4, 5, 6, 4, 5])
-    assert index.propose(10) == [6, 4, 5]
+    # "4 5" recurs 3 tokens after its earlier occurrence: the draft repeats those 3
+    assert index.propose(7) == [6, 4, 5, 6, 4, 5, 6]
+    assert NgramIndex([1, 2, 3, 4, 5, 9, 1, 2]).propose(3) == [3, 4, 5]   # no loop needed
 
 
 @pytest.mark.parametrize("min_n,max_n", [(0, 2), (3, 2), (-1, 4)])

@@ -104,7 +104,7 @@ def test_non_stream_sends_exactly_one_chunk_at_the_end(decode, encode):
     assert chunk.logprobs == [-0.5 - j for j in range(len(ids))]
     assert chunk.finish_reason == "length" and chunk.error is None
     assert chunk.usage == {"prompt_tokens": 5, "completion_tokens": len(ids),
-                           "cached_tokens": 0, "pinned_tokens": 0}
+                           "cached_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
 
 
 def test_entry_without_tokens_sends_nothing(decode, encode):
@@ -145,7 +145,7 @@ def test_abort_without_tokens(decode):
     assert rs.finished and chunk.finish_reason == "abort"
     assert chunk.text == "" and chunk.token_ids == []
     assert chunk.usage == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0,
-                           "pinned_tokens": 0}
+                           "pinned_tokens": 0, "accepted_tokens": 0}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -164,7 +164,7 @@ def test_usage(decode, encode):
     rs = make_stream(decode)
     chunks = feed(rs, entries_for(ids, prompt_tokens=11, cached=4))
     assert chunks[-1].usage == {"prompt_tokens": 11, "completion_tokens": len(ids),
-                                "cached_tokens": 4, "pinned_tokens": 0}
+                                "cached_tokens": 4, "pinned_tokens": 0, "accepted_tokens": 0}
     assert rs.usage == Usage(prompt_tokens=11, completion_tokens=len(ids),
                              cached_tokens=4)   # remembered from the scheduler's usage
 
@@ -239,7 +239,7 @@ def test_stop_string_usage_is_the_schedulers_latest_with_the_tokens_passed_on(de
     chunks = feed(rs, entries_for(ids, finish=None, prompt_tokens=9, cached=8))
     assert rs.finish_reason == "stop" and 1 < len(rs.token_ids) < len(ids)
     assert chunks[-1].usage == {"prompt_tokens": 9, "completion_tokens": len(rs.token_ids),
-                                "cached_tokens": 8, "pinned_tokens": 0}
+                                "cached_tokens": 8, "pinned_tokens": 0, "accepted_tokens": 0}
 
 
 def test_stop_string_spanning_several_tokens(decode, encode):
@@ -379,3 +379,27 @@ def test_random_single_stop_string_cuts_at_its_first_occurrence(decode, encode, 
         chunks = feed(rs, entries_for(ids, finish="length"))
         assert rs.finish_reason == "stop"
         assert joined(chunks) == line[:line.index(stop)]
+
+
+@pytest.mark.parametrize("finish", [None, "length"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_string_inside_a_run_of_tokens_keeps_only_the_tokens_up_to_it(
+        decode, encode, finish, stream):
+    """A verified draft brings several tokens in one entry: the stop string's cut
+    counts only the tokens whose text reaches it (usage and token ids alike), as
+    one token per entry would have."""
+    ids = encode("alpha beta gamma delta epsilon zeta eta theta")
+    stop = "delta"
+    one_by_one = make_stream(decode, stop=[stop], stream=stream, logprobs=True)
+    ones = feed(one_by_one, entries_for(ids, finish="length"))
+    run = make_stream(decode, stop=[stop], stream=stream, logprobs=True)
+    entries = entries_for(ids, finish=finish or "length", sizes=[2, len(ids) - 2])
+    if finish is None:   # the run is not the request's last entry
+        entries[-1].finish_reason, entries[-1].usage = None, None
+    whole = feed(run, entries)
+    assert run.finish_reason == one_by_one.finish_reason == "stop"
+    assert joined(whole) == joined(ones) == "alpha beta gamma "
+    assert run.token_ids == one_by_one.token_ids and len(run.token_ids) < len(ids)
+    assert run.logprobs == one_by_one.logprobs
+    assert whole[-1].usage["completion_tokens"] == len(run.token_ids)
+    assert sum((c.token_ids for c in whole), []) == run.token_ids
