@@ -2,10 +2,11 @@
 in a registry of the front end's own.
 
 Counters and histograms are fed as requests run; the scheduler's counters (running,
-waiting, KV slots, pinned slots and refused pins, retractions, step time) are read
-from its stats at each scrape."""
+waiting, KV slots, pinned slots and refused pins, retractions, step time, and the
+speculative-decoding counters) are read from its stats at each scrape."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from mlxd.protocol import StreamChunk
 
@@ -25,6 +26,30 @@ STATS_GAUGES = {
     "pins_refused": ("mlxd_kv_pins_refused", "cache_control pins not taken so far: they "
                      "would have passed --max-pinned-tokens"),
 }
+
+
+# the scheduler's stats["speculative"] key -> counter name (`_total` added), help
+SPEC_COUNTERS = {
+    "verifies": ("mlxd_spec_verifies", "request-steps that verified a draft"),
+    "draft_tokens": ("mlxd_spec_draft_tokens", "draft tokens proposed and verified"),
+    "accepted_tokens": ("mlxd_spec_accepted_tokens", "draft tokens accepted"),
+}
+
+
+class _SpecCounters:
+    """The scheduler's speculation counters as Prometheus counters, labelled by the
+    drafting method, as of the latest stats."""
+
+    def __init__(self):
+        self.latest: dict = {}
+
+    def collect(self):
+        method = str(self.latest.get("method", "off"))
+        for key, (name, text) in SPEC_COUNTERS.items():
+            family = CounterMetricFamily(name, text, labels=["method"])
+            value = self.latest.get(key, 0)
+            family.add_metric([method], value if isinstance(value, (int, float)) else 0)
+            yield family
 
 
 class Metrics:
@@ -53,6 +78,8 @@ class Metrics:
                        for key, (name, text) in STATS_GAUGES.items()}
         self.step_ms = Gauge("mlxd_worker_step_ms", "worker compute time per step "
                              "(mean over recent steps)", registry=r)
+        self.spec = _SpecCounters()
+        r.register(self.spec)
 
     def finished(self, chunk: StreamChunk, seconds: float) -> None:
         self.finish.labels(chunk.finish_reason).inc()
@@ -68,6 +95,9 @@ class Metrics:
         for key, gauge in self.gauges.items():
             if isinstance((stats or {}).get(key), (int, float)):
                 gauge.set(stats[key])
+        spec = (stats or {}).get("speculative")
+        if isinstance(spec, dict):
+            self.spec.latest = spec
         compute = ((stats or {}).get("timing") or {}).get("compute_ms")
         if isinstance(compute, dict) and isinstance(compute.get("mean"), (int, float)):
             self.step_ms.set(compute["mean"])

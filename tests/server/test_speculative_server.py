@@ -1,0 +1,98 @@
+"""Speculative decoding through the real server and the clients users run: the same
+tokens with drafts as without (greedy, seeded), the accepted count in the SDK's usage,
+the counters in stats and /metrics."""
+
+import asyncio
+import random
+import urllib.request
+
+import openai
+
+from mlxd.client import AsyncClient
+from support import Server, reference_tokens
+
+MAX_TOKENS = 60
+
+
+def repetitive_ids(seed: int, block: int = 12, times: int = 4) -> list[int]:
+    """A prompt that repeats itself: n-gram drafts find their continuation in it."""
+    rng = random.Random(seed)
+    unit = [rng.randrange(10, 500) for _ in range(block)]
+    return unit * times + unit[:3]
+
+
+REQUESTS = [({}, repetitive_ids(1)), ({}, repetitive_ids(2, block=7)),
+            ({"temperature": 1.0, "seed": 11}, repetitive_ids(3)),
+            ({"temperature": 0.8, "top_p": 0.9, "seed": 5, "presence_penalty": 0.5},
+             repetitive_ids(4, block=9)),
+            ({}, [random.Random(9).randrange(10, 500) for _ in range(40)])]
+
+
+def run_all(server: Server) -> tuple[list, dict]:
+    async def go():
+        async with AsyncClient(server.address, timeout=300) as c:
+            results = await asyncio.gather(*(
+                c.generate(input_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True,
+                           **params) for params, ids in REQUESTS))
+            return results, await c.stats()
+    return asyncio.run(go())
+
+
+def test_drafts_change_no_token_and_are_counted(llama_model):
+    on = Server(llama_model, "--speculative", "ngram", "--log-level", "warning")
+    try:
+        with_drafts, stats = run_all(on)
+        with urllib.request.urlopen(on.http_url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+    finally:
+        on.stop()
+    off = Server(llama_model, "--speculative", "off", "--log-level", "warning")
+    try:
+        without, off_stats = run_all(off)
+    finally:
+        off.stop()
+    spec = stats["speculative"]
+    assert spec["method"] == "ngram" and spec["verifies"] > 0
+    assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert off_stats["speculative"] == {"method": "off", "verifies": 0, "draft_tokens": 0,
+                                        "accepted_tokens": 0}
+    for a, b in zip(with_drafts, without):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+        assert a.usage["completion_tokens"] == b.usage["completion_tokens"] == MAX_TOKENS
+        assert b.usage["accepted_tokens"] == 0
+    greedy_ids = REQUESTS[0][1]
+    want = [t for t, _ in reference_tokens(llama_model, greedy_ids, MAX_TOKENS, ignore_eos=True)]
+    assert with_drafts[0].token_ids == want
+    assert sum(r.usage["accepted_tokens"] for r in with_drafts) == spec["accepted_tokens"]
+    counted = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("mlxd_spec_") and 'method="ngram"' in line}
+    assert counted["mlxd_spec_accepted_tokens_total"] == spec["accepted_tokens"]
+    assert counted["mlxd_spec_verifies_total"] == spec["verifies"]
+    assert stats["used_slots"] == 0
+
+
+def test_openai_client_text_and_stop_strings_are_the_same_with_drafts(llama_model):
+    """Through the OpenAI client, streamed and not: the text, a stop string's cut
+    (which may fall inside a verified run) and the usage it counts, with drafts as
+    without."""
+    def ask(server, stop):
+        c = openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0)
+        text = "".join(chunk.choices[0].text for chunk in c.completions.create(
+            model=c.models.list().data[0].id, prompt="one two three " * 8, max_tokens=48,
+            temperature=0, stream=True, stop=stop) if chunk.choices)
+        whole = c.completions.create(model=c.models.list().data[0].id,
+                                     prompt="one two three " * 8, max_tokens=48,
+                                     temperature=0, stop=stop)
+        return text, whole.choices[0].text, whole.usage.completion_tokens
+
+    outputs = {}
+    for mode in ("ngram", "off"):
+        server = Server(llama_model, "--speculative", mode, "--log-level", "warning")
+        try:
+            free = ask(server, None)[1]
+            stop = free[len(free) // 2:len(free) // 2 + 3] if len(free) > 8 else None
+            outputs[mode] = (free, ask(server, [stop] if stop else None))
+        finally:
+            server.stop()
+    assert outputs["ngram"] == outputs["off"]
