@@ -142,6 +142,9 @@ class WorkerLimits:
     # the worker verifies draft tokens (Step.decode_drafts): decodes in pages, and the
     # model has no recurrent state and no window pool
     verifies_drafts: bool = wire(Bool(), default=False)
+    # what one forward of n positions costs next to one, n = 1, 2, ... (measured at
+    # startup, worker_proc/verify_cost.py; empty: not measured): drafts are sized by it
+    verify_costs: list[float] = wire(List(Float()), default_factory=list)
 
 
 @message

@@ -133,8 +133,14 @@ class ServerFlags:
         "its own prompt and output (the continuation of its longest recent n-gram "
         "match), verified for every row in one forward, exact for greedy and sampled "
         "requests alike; each request's draft length follows its acceptance, and a "
-        "request whose drafts are refused stops drafting for a while; `off`",
-        (SCHEDULER,), choices=("off", "ngram"))
+        "request whose drafts are refused stops drafting for a while, and drafts are "
+        "sized by what verifying costs on this machine (measured at startup); `off`",
+        (WORKER, SCHEDULER), choices=("off", "ngram"))
+    spec_cost: str = flag(
+        "measured", "what sizes drafts: `measured` (the worker times forwards of 1 to "
+        "32 positions at startup, and drafts go out where the expected tokens per unit "
+        "of that cost beat decoding without them), or `none` (every proposal goes out, "
+        "at the row's draft length)", (WORKER,), choices=("measured", "none"))
     spec_max_draft: int = flag(
         8, "the most draft tokens one request verifies in a step", (SCHEDULER,), minimum=1)
     spec_ngram_min: int = flag(

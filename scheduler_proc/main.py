@@ -272,7 +272,8 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         pin_ttl_scale=pin_ttl_scale(),
         speculative=SpecConfig(flags.speculative, flags.spec_max_draft, flags.spec_ngram_min,
                                flags.spec_ngram_max, flags.spec_max_batch),
-        verifies_drafts=worker.verifies_drafts, worker_overlaps=worker.overlap)
+        verifies_drafts=worker.verifies_drafts, worker_overlaps=worker.overlap,
+        verify_costs=tuple(worker.verify_costs))
 
 
 def pin_ttl_scale() -> float:

@@ -54,6 +54,7 @@ class SchedulerLimits:
     speculative: SpecConfig = SpecConfig()   # drafts (speculation.py); off by default here
     verifies_drafts: bool = False   # the worker verifies drafts (WorkerLimits)
     worker_overlaps: bool = False   # the worker chains decodes (WorkerLimits.overlap)
+    verify_costs: tuple[float, ...] = ()   # the worker's (WorkerLimits; empty: drafts free)
 
 
 class Scheduler:
@@ -74,7 +75,8 @@ class Scheduler:
         self._outbox: list[TokenEntry] = []
         self._step_id = 0
         self.num_retractions = 0
-        self.spec = Speculation(limits.speculative, limits.verifies_drafts)
+        self.spec = Speculation(limits.speculative, limits.verifies_drafts,
+                                list(limits.verify_costs))
         self._chained = False   # the worker may have started the next decode already
 
     # ---- inputs -------------------------------------------------------------

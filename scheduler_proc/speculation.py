@@ -13,11 +13,19 @@ the worker did not start ahead: with overlap, the worker chains the next decode
 after a Step whose `chain_next` is set, and a chained decode takes no drafts. So
 a Step clears `chain_next` while any of its rows has a proposal (the next Step can
 then carry drafts), and sets it when none has, keeping the overlap where drafting
-finds nothing. No drafts while more rows decode than `max_batch`: a full batch has
-no compute to spare for verifying.
+finds nothing. No drafts while more rows decode than `max_batch`.
+
+Drafts are sized by what they cost (`plan_lengths`): the worker measures, at startup,
+what one forward of n positions costs next to one (WorkerLimits.verify_costs), and
+each row has an estimate of how likely its next draft token is accepted
+(`Acceptance`); the Step's drafts are the lengths that give the most expected tokens
+per unit of forward cost, and none unless that beats decoding without them. Where
+verifying is nearly free (a GPU, a memory-bound CPU) long drafts go out; where it is
+compute-bound only rows whose drafts are reliably accepted draft at all.
 """
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .ngram import DraftLength, NgramIndex
 from .request import Request
@@ -45,13 +53,75 @@ class SpecConfig:
         return self.method != "off"
 
 
+MARGIN = 0.03   # drafts go out only for an expected gain above this
+
+
+class Acceptance:
+    """How likely a row's next draft token is accepted (given the ones before it):
+    accepted positions over tried ones, recent verifies weighing most, from a prior
+    of PRIOR worth STRENGTH positions (optimistic: a row's first drafts go out)."""
+
+    PRIOR, STRENGTH, DECAY = 0.9, 2.0, 0.7
+
+    def __init__(self):
+        self.hits = 0.0     # draft tokens accepted (decayed)
+        self.misses = 0.0   # draft tokens refused, one per verify at most (decayed)
+
+    @property
+    def rate(self) -> float:
+        return (self.hits + self.PRIOR * self.STRENGTH) / (
+            self.hits + self.misses + self.STRENGTH)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.hits = self.hits * self.DECAY + accepted
+        self.misses = self.misses * self.DECAY + (1 if accepted < proposed else 0)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a verify of k draft tokens gives, each accepted with probability `rate`
+    after the ones before it: 1 + rate + ... + rate^k."""
+    return float(k + 1) if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def cost_of(curve: list[float]) -> Callable[[int], float]:
+    """The cost of a forward of n positions from the worker's curve (`curve[n - 1]`),
+    linear beyond its end."""
+    def cost(n: int) -> float:
+        if n <= len(curve):
+            return curve[n - 1]
+        slope = curve[-1] - curve[-2] if len(curve) > 1 else 1.0
+        return curve[-1] + slope * (n - len(curve))
+    return cost
+
+
+def plan_lengths(most: list[int], rates: list[float], rows: int,
+                 cost: Callable[[int], float]) -> list[int]:
+    """Draft lengths (each at most `most[i]`) for a decode of `rows` rows that
+    maximise expected tokens per unit of forward cost; all 0 unless that beats no
+    drafts by MARGIN. Rows are tried most reliable first, twice round."""
+    ks = [0] * len(most)
+    tokens, positions = float(rows), rows
+    order = sorted((i for i, m in enumerate(most) if m > 0), key=lambda i: -rates[i])
+    for _ in range(2):
+        for i in order:
+            other_tokens = tokens - expected_tokens(rates[i], ks[i])
+            other_positions = positions - ks[i]
+            ks[i] = max(range(most[i] + 1), key=lambda k: (
+                other_tokens + expected_tokens(rates[i], k)) / cost(other_positions + k))
+            tokens = other_tokens + expected_tokens(rates[i], ks[i])
+            positions = other_positions + ks[i]
+    gain = (tokens / cost(positions)) / (rows / cost(rows))
+    return ks if gain > 1.0 + MARGIN else [0] * len(most)
+
+
 class Drafter:
-    """One request's drafts: its token index and its draft length."""
+    """One request's drafts: its token index, its draft length, its acceptance."""
 
     def __init__(self, req: Request, config: SpecConfig):
         self.index = NgramIndex(req.prompt_ids, config.ngram_min, config.ngram_max)
         self.prompt_len = len(req.prompt_ids)
         self.length = DraftLength(config.max_draft)
+        self.acceptance = Acceptance()
 
     def propose(self, req: Request, most: int) -> list[int]:
         """At most `most` tokens to follow the request's prompt and output so far
@@ -82,6 +152,7 @@ class Speculation:
 
     config: SpecConfig
     verifies_drafts: bool = False   # the worker's WorkerLimits.verifies_drafts
+    verify_costs: list[float] = field(default_factory=list)   # WorkerLimits' (empty: free)
     counters: SpecCounters = field(default_factory=SpecCounters)
     drafters: dict[int, Drafter] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)   # rid -> draft tokens in flight
@@ -98,7 +169,14 @@ class Speculation:
         room for after the run's last token; none above `max_batch` rows."""
         if not self.usable or len(rows) > self.config.max_batch:
             return [[] for _ in rows]
-        return [self._proposal(r) for r in rows]
+        proposals = [self._proposal(r) for r in rows]
+        if not self.verify_costs or not any(proposals):
+            return proposals
+        rates = [self.drafters[r.rid].acceptance.rate if p else 0.0
+                 for r, p in zip(rows, proposals)]
+        ks = plan_lengths([len(p) for p in proposals], rates, len(rows),
+                          cost_of(self.verify_costs))
+        return [p[:k] for p, k in zip(proposals, ks)]
 
     def _proposal(self, req: Request) -> list[int]:
         if not drafts_allowed(req):
@@ -127,6 +205,7 @@ class Speculation:
         drafter = self.drafters.get(req.rid)
         if drafter is not None:
             drafter.length.record(sent, accepted)
+            drafter.acceptance.record(sent, accepted)
         return accepted
 
     def forget(self, rid: int) -> None:

@@ -73,6 +73,7 @@ def build_runner(cfg: WorkerConfig):
     from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
     from .decode import decode_page_for, decode_rows
     from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
+    from .verify_cost import measure_verify_costs
 
     flags = cfg.flags
     model, tokenizer, dequantize = load_for_serving(
@@ -117,7 +118,9 @@ def build_runner(cfg: WorkerConfig):
         state_slot_bytes=geometry.bytes_per_state,
         window_sizes=[w for w in geometry.cache_layout.windows if w],
         window_capacity=pool.window_capacity, decode_page=page,
-        verifies_drafts=runner.verifies_drafts)
+        verifies_drafts=runner.verifies_drafts,
+        verify_costs=measure_verify_costs(model) if runner.verifies_drafts and
+        flags.speculative != "off" and flags.spec_cost == "measured" else [])
     return runner, limits
 
 
