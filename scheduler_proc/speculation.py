@@ -98,20 +98,18 @@ def plan_lengths(most: list[int], rates: list[float], rows: int,
                  cost: Callable[[int], float]) -> list[int]:
     """Draft lengths (each at most `most[i]`) for a decode of `rows` rows that
     maximise expected tokens per unit of forward cost; all 0 unless that beats no
-    drafts by MARGIN. Rows are tried most reliable first, twice round."""
-    ks = [0] * len(most)
-    tokens, positions = float(rows), rows
-    order = sorted((i for i, m in enumerate(most) if m > 0), key=lambda i: -rates[i])
-    for _ in range(2):
-        for i in order:
-            other_tokens = tokens - expected_tokens(rates[i], ks[i])
-            other_positions = positions - ks[i]
-            ks[i] = max(range(most[i] + 1), key=lambda k: (
-                other_tokens + expected_tokens(rates[i], k)) / cost(other_positions + k))
-            tokens = other_tokens + expected_tokens(rates[i], ks[i])
-            positions = other_positions + ks[i]
-    gain = (tokens / cost(positions)) / (rows / cost(rows))
-    return ks if gain > 1.0 + MARGIN else [0] * len(most)
+    drafts by MARGIN. The verify's forward is rectangular, every row as wide as the
+    longest draft plus one, so its cost is set by that width w: `cost(rows * (1 + w))`,
+    and at a given width every row does best drafting all it may up to w (a longer
+    draft never gives fewer expected tokens). So the best plan is the best width."""
+    def value(w: int) -> float:
+        tokens = rows + sum(expected_tokens(a, min(m, w)) - 1.0 for m, a in zip(most, rates))
+        return tokens / cost(rows * (1 + w))
+
+    width = max(range(max(most, default=0) + 1), key=value)
+    if value(width) <= value(0) * (1.0 + MARGIN):
+        return [0] * len(most)
+    return [min(m, width) for m in most]
 
 
 class Drafter:

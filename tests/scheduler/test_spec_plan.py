@@ -16,7 +16,9 @@ FLAT = cost_of(cost_curve({1: 1.0, 8: 1.1, 32: 1.6}))
 
 
 def value(ks, rates, rows, cost):
-    return (rows + sum(expected_tokens(a, k) - 1 for a, k in zip(rates, ks))) / cost(rows + sum(ks))
+    """Expected tokens per unit of cost of the rectangular verify forward."""
+    return (rows + sum(expected_tokens(a, k) - 1 for a, k in zip(rates, ks))) / cost(
+        rows * (1 + max(ks, default=0)))
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -57,14 +59,14 @@ def test_verifying_is_worth_more_where_it_costs_less():
 def test_a_batch_plan_is_never_worse_than_no_drafts_and_near_the_best():
     rng = random.Random(3)
     for _ in range(60):
-        rows = rng.randint(1, 4)
-        most = [rng.choice([0, 2, 4]) for _ in range(rows)]
+        rows = rng.randint(1, 5)
+        most = [rng.choice([0, 2, 4]) for _ in range(rng.randint(1, min(rows, 4)))]
         rates = [rng.random() for _ in range(rows)]
         cost = rng.choice([STEEP, FLAT])
         ks = plan_lengths(most, rates, rows, cost)
         assert all(0 <= k <= m for k, m in zip(ks, most))
         got = value(ks, rates, rows, cost)
-        assert got >= value([0] * rows, rates, rows, cost)
+        assert got >= value([0] * len(most), rates, rows, cost)
         best = max(value(list(c), rates, rows, cost)
                    for c in itertools.product(*(range(m + 1) for m in most)))
         assert got >= 0.97 * best
@@ -73,6 +75,14 @@ def test_a_batch_plan_is_never_worse_than_no_drafts_and_near_the_best():
 def test_a_full_batch_on_a_steep_curve_drafts_nothing_unless_nearly_sure():
     assert plan_lengths([8] * 32, [0.8] * 32, 32, STEEP) == [0] * 32
     assert plan_lengths([8] * 2, [0.9] * 2, 2, FLAT) != [0, 0]
+
+
+def test_one_drafting_row_pays_for_the_whole_batch_width():
+    """Its draft widens every row's forward: alone it drafts long, among many rows
+    that do not it drafts less or not at all."""
+    (alone,) = plan_lengths([8], [0.9], 1, STEEP)
+    among = plan_lengths([8] + [0] * 7, [0.9] + [0.0] * 7, 8, STEEP)
+    assert alone > 0 and among[0] < alone and among[1:] == [0] * 7
 
 
 def test_acceptance_starts_optimistic_and_follows_recent_verifies():
