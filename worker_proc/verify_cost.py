@@ -15,30 +15,37 @@ import mlx.core as mx
 
 PROBE_SIZES = (1, 8, 2, 4, 16, 32)   # the first two always, the rest while time lasts
 MOST_POSITIONS = 64     # the curve's length: costs of 1..64 positions
-REPEATS = 3             # 1 where one forward takes more than a tenth of the budget
+ROUNDS = 3              # each size timed once a round; its fastest time counts
 
 
 def measure_verify_costs(model, budget_s: float = 3.0) -> list[float]:
     """Relative costs `c[n - 1]` of one forward of n positions, n = 1..MOST_POSITIONS,
-    c[0] = 1: measured at PROBE_SIZES (the median of REPEATS after a warm-up; the
-    first two sizes always, the others while `budget_s` lasts), made non-decreasing,
-    linear between measured sizes and beyond the last two."""
+    c[0] = 1. Each of PROBE_SIZES is warmed up once (the first two always, the others
+    while `budget_s` lasts), then timed once a round for up to ROUNDS rounds (the
+    second and third while time lasts); a size's fastest time counts, so a machine
+    busy with other work skews the curve less than it slows it. Then the curve is made
+    non-decreasing, linear between measured sizes and beyond the last two."""
     start = time.perf_counter()
-    measured: dict[int, float] = {}
-    for i, n in enumerate(PROBE_SIZES):
-        if i >= 2 and time.perf_counter() - start > budget_s:
-            break
+
+    def forward(n: int) -> float:
         tokens = mx.zeros((1, n), dtype=mx.int32)
         t = time.perf_counter()
-        mx.eval(model(tokens))   # warm-up: this shape's kernels, the buffer cache
-        repeats = REPEATS if time.perf_counter() - t < budget_s / 10 else 1
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            mx.eval(model(tokens))
-            times.append(time.perf_counter() - t)
-        measured[n] = sorted(times)[repeats // 2]
-    return cost_curve(measured)
+        mx.eval(model(tokens))
+        return time.perf_counter() - t
+
+    sizes = []
+    for i, n in enumerate(PROBE_SIZES):
+        if i >= 2 and time.perf_counter() - start > budget_s / 2:
+            break
+        forward(n)   # warm-up: this shape's kernels, the buffer cache
+        sizes.append(n)
+    best = {n: forward(n) for n in sizes}
+    for _ in range(ROUNDS - 1):
+        if time.perf_counter() - start > budget_s:
+            break
+        for n in sizes:
+            best[n] = min(best[n], forward(n))
+    return cost_curve(best)
 
 
 def cost_curve(measured: dict[int, float]) -> list[float]:
