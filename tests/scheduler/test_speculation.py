@@ -331,3 +331,38 @@ def test_usage_and_stats_counters_add_up():
     assert sum(f.usage.accepted_tokens for f in finals.values()) == c["accepted_tokens"]
     assert all(f.usage.completion_tokens == 30 for f in finals.values())
     assert_whole(s)
+
+
+# ---- drafts sized by the worker's measured cost ----------------------------------------
+
+STEEP_COSTS = tuple(float(n) ** 0.8 for n in range(1, 65))   # verifying 8 costs 5.3x one
+
+
+def drafts_of(s: Scheduler, accept: int | None = None, steps: int = 12) -> list[int]:
+    """Draft lengths of the rows' Steps, answered accepting `accept` tokens (None: all)."""
+    lengths = []
+    for _ in range(steps):
+        step = s.schedule()
+        if step is None:
+            break
+        lengths.append(sum(len(d) for d in step.decode_drafts))
+        answer(s, step, None if accept is None else {r: accept for r in step.decode_rids})
+        s.take_outputs()
+        s.check_integrity()
+    return lengths
+
+
+def test_a_steep_cost_curve_sends_drafts_only_while_they_are_accepted():
+    s = make(verify_costs=STEEP_COSTS)
+    add(s, 1, max_new=200)
+    assert max(drafts_of(s)) > 0                       # accepted: drafts go out
+    refused = drafts_of(s, accept=0, steps=30)
+    assert refused[-10:] == [0] * 10                   # refused: they stop
+
+
+def test_a_free_curve_keeps_drafting_what_the_row_proposes():
+    flat = make(verify_costs=tuple(1.0 for _ in range(64)))
+    add(flat, 1, max_new=200)
+    steep = make(verify_costs=STEEP_COSTS)
+    add(steep, 1, max_new=200)
+    assert sum(drafts_of(flat, accept=2)) > sum(drafts_of(steep, accept=2))
