@@ -78,6 +78,8 @@ class Step:
     decode_drafts: list[list[int]] = wire(List(List(Int())), default_factory=list)
     draft_slot_ids: list[list[int]] = wire(List(List(Int())), default_factory=list)
     chain_next: bool = wire(Bool(), default=True)
+    # with a window pool: the window slot of each draft token (as draft_slot_ids)
+    draft_window_ids: list[list[int]] = wire(List(List(Int(minimum=0))), default_factory=list)
 
     def check(self):
         if len(self.decode_rids) != len(self.decode_slot_ids):
@@ -90,6 +92,9 @@ class Step:
                                     "decode_rids")
             if any(len(d) != len(s) for d, s in zip(self.decode_drafts, self.draft_slot_ids)):
                 raise ProtocolError("each row's draft and draft slots differ in length")
+        if self.draft_window_ids and [len(w) for w in self.draft_window_ids] != \
+                [len(s) for s in self.draft_slot_ids]:
+            raise ProtocolError("draft_window_ids must align with draft_slot_ids")
 
     @property
     def has_drafts(self) -> bool:

@@ -124,13 +124,17 @@ class KVBook:
         return slots
 
     def drop_tail(self, req: Request, keep: int) -> None:
-        """The request keeps its first `keep` slots; private ones after them (a
-        draft's rejected tokens') go back. Not for a window pool (drafts need none)."""
-        tail = req.slot_ids[max(keep, req.prefix_len):]
-        if tail:
-            assert not self.window, "drafts take no window slots"
-            self.allocator.free(tail)
-            del req.slot_ids[max(keep, req.prefix_len):]
+        """The request keeps its first `keep` positions; the private slots (and window
+        slots) of those after them (a draft's rejected tokens') go back."""
+        cut = max(keep, req.prefix_len)
+        tail = req.slot_ids[cut:]
+        if not tail:
+            return
+        self.allocator.free(tail)
+        del req.slot_ids[cut:]
+        if self.window:
+            self.windows.free([w for w in req.window_ids[cut:] if w])
+            del req.window_ids[cut:]
 
     def extend_each(self, reqs: list[Request]) -> list[int]:
         """One new private slot for each request's next token (a decode step).

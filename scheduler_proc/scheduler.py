@@ -170,7 +170,7 @@ class Scheduler:
         decode_slots = self.kv.extend_each(decoding)
         decode_windows = [r.window_ids[-1] for r in decoding] if self.kv.window else []
         proposals = self.spec.proposals(decoding)
-        drafts, draft_slots = self._book_drafts(decoding, proposals)
+        drafts, draft_slots, draft_windows = self._book_drafts(decoding, proposals)
         prefills = self._schedule_prefills(decoding)
         if not (decoding or prefills or self._releases):
             return None
@@ -180,25 +180,28 @@ class Scheduler:
         chain_next = not any(proposals)
         self._chained = chain_next and self.limits.worker_overlaps
         return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases,
-                    decode_windows, drafts, draft_slots, chain_next)
+                    decode_windows, drafts, draft_slots, chain_next, draft_windows)
 
-    def _book_drafts(self, rows: list[Request],
-                     proposals: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
-        """The Step's drafts and their slots: none after a Step the worker may have
-        chained on, none that would take slots not free now (drafts evict no cached
-        prefix) or stretch the decode caches past their budget."""
+    def _book_drafts(self, rows: list[Request], proposals: list[list[int]]) -> tuple:
+        """The Step's drafts, their slots and (with a window pool) their window slots:
+        none after a Step the worker may have chained on, none that would take slots
+        not free now (drafts evict no cached prefix) or stretch the decode caches past
+        their budget."""
         total = sum(len(p) for p in proposals)
-        if self._chained or not total or total > self.kv.allocator.num_free:
-            return [], []
+        if self._chained or not total or total > self.kv.allocator.num_free or (
+                self.kv.window and total > self.kv.windows.num_free):
+            return [], [], []
         lengths = [len(r.slot_ids) + len(p) for r, p in zip(rows, proposals)]
         if batch_tokens(lengths, self.limits.decode_page) > self.decode_cache_tokens:
-            return [], []
-        slots = []
+            return [], [], []
+        slots, windows = [], []
         for req, draft in zip(rows, proposals):
             slots.append(self.kv.extend(req, len(draft)) if draft else [])
+            if self.kv.window:
+                windows.append(req.window_ids[len(req.window_ids) - len(draft):])
             if draft:
                 self.spec.sending(req, draft)
-        return proposals, slots
+        return proposals, slots, windows
 
     def take_outputs(self) -> list[TokenEntry]:
         out, self._outbox = self._outbox, []

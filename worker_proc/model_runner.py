@@ -173,10 +173,8 @@ class ModelRunner:
     @property
     def verifies_drafts(self) -> bool:
         """Steps may carry drafts: the batch decodes in pages, and the model has no
-        recurrent state and no window pool (a rejected draft token would have
-        advanced a state, or taken a window slot)."""
-        return (self.batch.page > 0 and not self.pool.geometry.state_shapes
-                and not self.pool.uses_windows)
+        recurrent state (a rejected draft token would have advanced it)."""
+        return self.batch.page > 0 and not self.pool.geometry.state_shapes
 
     @property
     def chain_started(self) -> bool:
@@ -340,10 +338,19 @@ class ModelRunner:
         drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
         slots = [s for rid, d in zip(running, drafts)
                  for s in [slot_of[rid]] + drafts_at[rid][:len(d)]]
-        ids = write_ids(slots, [])
+        windows = []
+        if self.pool.uses_windows:   # the windowed layers' KV goes to the window pool
+            window_of = dict(zip(step.decode_rids, step.decode_window_ids))
+            draft_windows = dict(zip(step.decode_rids, step.draft_window_ids))
+            windows = [w for rid, d in zip(running, drafts)
+                       for w in [window_of[rid]] + draft_windows[rid][:len(d)]]
+        ids = write_ids(slots, windows)
         for layer, (keys, values) in enumerate(self.batch.newest_kv()):
-            targets, _ = self.pool.targets(layer, ids)
-            self.pool.write(layer, targets, keys, values)
+            targets, subset = self.pool.targets(layer, ids)
+            if subset is not None:
+                keys, values = keys[subset], values[subset]
+            if targets.size:
+                self.pool.write(layer, targets, keys, values)
 
     # ---- prefill ----------------------------------------------------------
 

@@ -26,11 +26,16 @@ def check_decode(step: Step, running: list[int], pool: KVPool) -> list[int]:
 
 
 def check_drafts(step: Step, pool: KVPool, vocab_size: int) -> None:
-    """Draft tokens the model can embed, at slots the pool holds."""
+    """Draft tokens the model can embed, at slots (and, with a window pool, window
+    slots, one per draft token) the pool holds."""
     for draft, slots in zip(step.decode_drafts, step.draft_slot_ids):
         if not _in_range(draft, vocab_size):
             raise ValueError(f"step {step.step_id}: a draft token outside [0, {vocab_size})")
         pool.check_slots(slots)
+    if pool.uses_windows and len(step.draft_window_ids) != len(step.decode_rids):
+        raise ValueError("draft_window_ids must name the window slots of every draft")
+    for windows in step.draft_window_ids:
+        pool.check_window_ids(windows)
 
 
 def check_prefills(prefills: list[PrefillInput], running: list[int], pool: KVPool,

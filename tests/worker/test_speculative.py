@@ -17,6 +17,7 @@ from mlxd.scheduler_proc.speculation import SpecConfig
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 from support import PROMPTS, encode, load_reference, reference_tokens
+from test_hybrid_runner import WINDOWED
 
 NGRAM = SpecConfig("ngram")
 OFF = SpecConfig("off")
@@ -349,11 +350,12 @@ def test_max_tokens_inside_a_run_ends_the_row_there(llama_model):
     e.assert_idle_and_whole()
 
 
-# ---- models that cannot verify drafts -----------------------------------------------
+# ---- recurrent-state and sliding-window models --------------------------------------
 
-@pytest.mark.parametrize("arch", ["lfm2", "gemma3_text"])
-def test_models_with_state_or_windows_get_no_drafts(arch, hybrid_model):
-    path = hybrid_model(arch)
+def test_models_with_recurrent_state_get_no_drafts(hybrid_model):
+    """A rejected draft token would have advanced the row's state: such a model
+    decodes one token a step, exactly as without speculation."""
+    path = hybrid_model("lfm2")
     requests = {0: (repeated(0), 20), 1: (repeated(1, times=3), 16)}
     e = Engine(path, overlap=True)
     assert not e.runner.verifies_drafts
@@ -362,6 +364,23 @@ def test_models_with_state_or_windows_get_no_drafts(arch, hybrid_model):
                           "accepted_tokens": 0}
     assert not any(step.has_drafts for step in e.steps)
     assert_matches_mlx_lm(path, e, requests)
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sliding_window_models_verify_drafts_exactly(arch, overlap, hybrid_model):
+    """Windowed layers attend their window of every draft position, their KV goes
+    to the window pool at the draft's window slots, and the rejected ones' window
+    slots go back: tokens and logprobs as mlx_lm's, nothing leaked."""
+    path = hybrid_model(arch)
+    requests = {0: (repeated(0, times=5), 40), 1: (repeated(1, block=9, times=4), 30),
+                2: (looping_prompt(path), 24)}
+    e = Engine(path, overlap=overlap)
+    assert e.runner.verifies_drafts and e.runner.pool.uses_windows
+    e.run({0: [(0, *requests[0])], 3: [(1, *requests[1])], 6: [(2, *requests[2])]})
+    assert e.counters["verifies"] > 0 and e.counters["accepted_tokens"] > 0
+    assert_matches_mlx_lm(path, e, requests)
+    e.assert_idle_and_whole()
 
 
 # ---- refusals -----------------------------------------------------------------------
