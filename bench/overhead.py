@@ -203,7 +203,8 @@ def main() -> None:
         serve_in_process(args.model, args.prompt_len, args.gen_len)
         return
     vocab = tokenizer_vocab(args.model)
-    extra = args.server_args.split()
+    # the serving overhead of one token a step: speculation is bench.spec's subject
+    extra = ["--speculative", "off", *args.server_args.split()]
     reference = InProcess(args)
     servers = {"overlap_on": MlxdServer(args.model, *extra),
                "overlap_off": MlxdServer(args.model, "--disable-overlap", *extra)}
