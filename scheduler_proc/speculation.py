@@ -54,14 +54,20 @@ class SpecConfig:
 
 
 MARGIN = 0.03   # drafts go out only for an expected gain above this
+# A Step with drafts is not chained (nor is the one before it): on a worker that
+# overlaps, its forward costs this much more than the curve says (what overlap saves
+# a step, bench/overhead.py: ~0.93 vs ~0.85 of in-process decode on the default model)
+UNCHAINED_COST = 0.1
 
 
 class Acceptance:
     """How likely a row's next draft token is accepted (given the ones before it):
     accepted positions over tried ones, recent verifies weighing most, from a prior
-    of PRIOR worth STRENGTH positions (optimistic: a row's first drafts go out)."""
+    of PRIOR worth STRENGTH positions (optimistic: a row's first drafts go out). A
+    step whose proposal is held back (`held`) fades the misses a little, so a row that
+    stopped drafting tries again now and then (its text may have turned repetitive)."""
 
-    PRIOR, STRENGTH, DECAY = 0.9, 2.0, 0.7
+    PRIOR, STRENGTH, DECAY, FADE = 0.9, 2.0, 0.7, 0.97
 
     def __init__(self):
         self.hits = 0.0     # draft tokens accepted (decayed)
@@ -75,6 +81,9 @@ class Acceptance:
     def record(self, proposed: int, accepted: int) -> None:
         self.hits = self.hits * self.DECAY + accepted
         self.misses = self.misses * self.DECAY + (1 if accepted < proposed else 0)
+
+    def held(self) -> None:
+        self.misses *= self.FADE
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -95,16 +104,18 @@ def cost_of(curve: list[float]) -> Callable[[int], float]:
 
 
 def plan_lengths(most: list[int], rates: list[float], rows: int,
-                 cost: Callable[[int], float]) -> list[int]:
+                 cost: Callable[[int], float], unchained: float = 0.0) -> list[int]:
     """Draft lengths (each at most `most[i]`) for a decode of `rows` rows that
     maximise expected tokens per unit of forward cost; all 0 unless that beats no
     drafts by MARGIN. The verify's forward is rectangular, every row as wide as the
     longest draft plus one, so its cost is set by that width w: `cost(rows * (1 + w))`,
     and at a given width every row does best drafting all it may up to w (a longer
-    draft never gives fewer expected tokens). So the best plan is the best width."""
+    draft never gives fewer expected tokens). So the best plan is the best width.
+    `unchained`: what a Step with drafts costs beyond that, as a share (it loses the
+    overlap of a chained decode)."""
     def value(w: int) -> float:
         tokens = rows + sum(expected_tokens(a, min(m, w)) - 1.0 for m, a in zip(most, rates))
-        return tokens / cost(rows * (1 + w))
+        return tokens / (cost(rows * (1 + w)) * (1.0 + unchained if w else 1.0))
 
     width = max(range(max(most, default=0) + 1), key=value)
     if value(width) <= value(0) * (1.0 + MARGIN):
@@ -151,6 +162,7 @@ class Speculation:
     config: SpecConfig
     verifies_drafts: bool = False   # the worker's WorkerLimits.verifies_drafts
     verify_costs: list[float] = field(default_factory=list)   # WorkerLimits' (empty: free)
+    worker_overlaps: bool = False   # drafts then cost the chained decode's overlap
     counters: SpecCounters = field(default_factory=SpecCounters)
     drafters: dict[int, Drafter] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)   # rid -> draft tokens in flight
@@ -173,7 +185,11 @@ class Speculation:
         rates = [self.drafters[r.rid].acceptance.rate if p else 0.0
                  for r, p in zip(rows, proposals)]
         ks = plan_lengths([len(p) for p in proposals], rates, len(rows),
-                          cost_of(self.verify_costs))
+                          cost_of(self.verify_costs),
+                          UNCHAINED_COST if self.worker_overlaps else 0.0)
+        for r, p, k in zip(rows, proposals, ks):
+            if p and not k:
+                self.drafters[r.rid].acceptance.held()
         return [p[:k] for p, k in zip(proposals, ks)]
 
     def _proposal(self, req: Request) -> list[int]:

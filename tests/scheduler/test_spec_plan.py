@@ -85,6 +85,15 @@ def test_one_drafting_row_pays_for_the_whole_batch_width():
     assert alone > 0 and among[0] < alone and among[1:] == [0] * 7
 
 
+def test_losing_the_chained_decode_raises_the_bar():
+    """A drafting Step is not chained: on a worker that overlaps, a draft must pay for
+    the overlap too."""
+    cheap = cost_of(cost_curve({1: 1.0, 2: 1.27, 8: 2.8}))
+    assert plan_lengths([1], [0.4], 1, cheap) == [1]
+    assert plan_lengths([1], [0.4], 1, cheap, unchained=0.1) == [0]
+    assert plan_lengths([8], [0.95], 1, cheap, unchained=0.1) == [8]
+
+
 def test_acceptance_starts_optimistic_and_follows_recent_verifies():
     a = Acceptance()
     assert a.rate == pytest.approx(Acceptance.PRIOR)
@@ -97,3 +106,7 @@ def test_acceptance_starts_optimistic_and_follows_recent_verifies():
     for _ in range(5):   # one refused token a verify: the recent ones weigh most
         a.record(8, 0)
     assert a.rate < 0.7
+    stopped = a.rate
+    for _ in range(30):   # proposals held back: the misses fade, drafts are tried again
+        a.held()
+    assert a.rate > stopped + 0.05

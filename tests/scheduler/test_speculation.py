@@ -356,8 +356,9 @@ def test_a_steep_cost_curve_sends_drafts_only_while_they_are_accepted():
     s = make(verify_costs=STEEP_COSTS)
     add(s, 1, max_new=200)
     assert max(drafts_of(s)) > 0                       # accepted: drafts go out
-    refused = drafts_of(s, accept=0, steps=30)
-    assert refused[-10:] == [0] * 10                   # refused: they stop
+    refused = drafts_of(s, accept=0, steps=60)
+    tail = refused[-40:]                               # refused: they stop, but for
+    assert sum(1 for n in tail if n) <= 4 and max(tail) <= 2   # a short try now and then
 
 
 def test_a_free_curve_keeps_drafting_what_the_row_proposes():
