@@ -233,7 +233,7 @@ class Speculation:
 
 
 def drafts_allowed(req: Request) -> bool:
-    """Rows whose every token needs the one before read (a grammar's mask, a thinking
-    budget's count) draft nothing."""
-    s = req.sampling
-    return s.grammar is None and s.thinking_budget is None
+    """Rows under a thinking budget draft nothing (its count follows one token at a
+    time). A constrained row drafts: the worker masks each draft position as the
+    row's grammar would be there, and cuts the draft at a token the grammar refuses."""
+    return req.sampling.thinking_budget is None

@@ -4,7 +4,9 @@ token masks the matchers allow.
 A row's matcher advances on each token the row keeps (`RowGrammar.advance`, once the
 step's tokens are read); the mask for its next position is computed from it on a
 thread while the model computes that position's logits (`Grammars.start_masks`), and
-applied to the logits in the batch's one sampling (sampling.py). Unconstrained rows
+applied to the logits in the batch's one sampling (sampling.py); a verify's draft positions
+are masked as the matcher would be after the draft's tokens before each (llguidance
+advances and rolls back a matcher through them). Unconstrained rows
 get an all-ones mask row, or no mask at all when no row is constrained. A matcher
 that stopped (the grammar is complete) or failed allows only EOS, so the row ends
 with finish_reason "stop".
@@ -28,6 +30,12 @@ class RowGrammar:
     def __init__(self, matcher):
         self.matcher = matcher
         self._reported = False   # a refused token is logged once per row
+
+    def valid_draft(self, draft: list[int]) -> list[int]:
+        """The draft up to its first token the grammar refuses there: the row's own
+        choice at that position is masked to the tokens the grammar takes, so it
+        could never equal the refused one (nor the tokens after it count)."""
+        return draft[:self.matcher.validate_tokens(draft)] if draft else draft
 
     def advance(self, token: int) -> None:
         """Consume a token the row keeps. A token the grammar refuses (none should
@@ -91,10 +99,34 @@ class Grammars:
             return None
         return self._thread.submit(self._fill, constrained, len(rows))
 
+    def start_draft_masks(self, rows: list, drafts: list[list[int]]) -> Future | None:
+        """Like `start_masks` for a verify: row i's positions are its next one and
+        one after each token of `drafts[i]` (rows' positions in turn), each masked
+        as the row's matcher would be with the draft's tokens before it consumed.
+        The drafts must be ones the matchers take whole (`valid_draft`)."""
+        constrained, at = [], 0
+        for r, d in zip(rows, drafts):
+            if r.grammar is not None:
+                constrained.append((r.grammar.matcher, at, list(d)))
+            at += 1 + len(d)
+        if not constrained:
+            return None
+        return self._thread.submit(self._fill_drafts, constrained, at)
+
     def _fill(self, constrained: list, n: int) -> np.ndarray:
         bitmask = np.full((n, self.words), -1, dtype=np.int32)   # all allowed
         self._executor.unsafe_compute_mask_ptr(constrained, bitmask.ctypes.data,
                                                self.words * 4, n)
+        return bitmask
+
+    def _fill_drafts(self, constrained: list, n: int) -> np.ndarray:
+        bitmask = np.full((n, self.words), -1, dtype=np.int32)
+        one = [(m, at) for m, at, d in constrained if not d]   # llguidance wants drafts
+        drafting = [c for c in constrained if c[2]]
+        for compute, rows in ((self._executor.unsafe_compute_mask_ptr, one),
+                              (self._executor.unsafe_compute_mask_ptr_with_draft_token, drafting)):
+            if rows:
+                compute(rows, bitmask.ctypes.data, self.words * 4, n)
         return bitmask
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ and `decode_window_ids`). The runner never derives a slot id on its own.
 import copy
 import random
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -225,11 +226,13 @@ class ModelRunner:
         return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled,
                        self.batch.newest_kv())
 
-    def _sample(self, logits: mx.array, rows: list[RowState], live=None) -> Sampled:
+    def _sample(self, logits: mx.array, rows: list[RowState], live=None,
+                masks: Future | None = None) -> Sampled:
         """`sample`, with the constrained rows' masks (computed on the mask thread
-        while this one evaluates the logits, the forward, then applied) and the
-        tokens thinking budgets force."""
-        masks = self.grammars.start_masks(rows, live) if self.grammars else None
+        while this one evaluates the logits, the forward, then applied; `masks`:
+        started already) and the tokens thinking budgets force."""
+        if masks is None and self.grammars:
+            masks = self.grammars.start_masks(rows, live)
         forced = thinking.forced_tokens([r.thinking for r in rows])
         if masks is None and forced is None:
             return sample(logits, rows)
@@ -293,8 +296,9 @@ class ModelRunner:
         draft's first j tokens already its output: its random key's count, its
         penalties' counts. A draft token is accepted while it equals the token so
         chosen, so every run is what decoding one token at a time chooses, seeded or
-        not. Rows under a grammar or a live thinking budget verify no draft (their
-        masks follow one token at a time)."""
+        not. A constrained row's positions are masked as its matcher would be
+        after the draft tokens before each, its draft cut at the first token the
+        grammar refuses; rows under a thinking budget verify no draft."""
         if self.chained is not None or not self.verifies_drafts:
             raise ValueError(f"step {step.step_id} carries drafts, but " + (
                 "the decode after the step before was chained (chain_next)"
@@ -302,13 +306,14 @@ class ModelRunner:
         running = check_decode(step, self.batch.rids, self.pool)
         check_drafts(step, self.pool, self.vocab_size)
         draft_of = dict(zip(step.decode_rids, step.decode_drafts))
-        drafts = [draft_of[rid] if _may_draft(row) else []
-                  for rid, row in zip(running, self.batch.rows)]
+        drafts = [_draft_for(row, draft_of[rid]) for rid, row in zip(running, self.batch.rows)]
+        masks = (self.grammars.start_draft_masks(self.batch.rows, drafts)
+                 if self.grammars else None)
         self.batch.slots_written(step.decode_slot_ids)
         self.batch.slots_written(s for slots in step.draft_slot_ids for s in slots)
         logits = self.batch.forward(self.model, drafts)
         positions = [p for row, d in zip(self.batch.rows, drafts) for p in _positions(row, d)]
-        sampled = self._sample(logits, positions)
+        sampled = self._sample(logits, positions, masks=masks)
         self._write_verified(step, running, drafts)
         mx.eval(sampled.tokens, sampled.logprobs)
         chosen, runs, keep = sampled.tokens.tolist(), [], []
@@ -447,8 +452,12 @@ def _advance_rows(rows: list[RowState], tokens: list[int]) -> None:
             row.thinking.advance(token)
 
 
-def _may_draft(row: RowState) -> bool:
-    return row.grammar is None and row.thinking is None
+def _draft_for(row: RowState, draft: list[int]) -> list[int]:
+    """What of a row's draft is verified: none under a thinking budget (its count
+    follows one token at a time); under a grammar, up to its first refused token."""
+    if row.thinking is not None:
+        return []
+    return row.grammar.valid_draft(draft) if row.grammar is not None else draft
 
 
 def _positions(row: RowState, draft: list[int]) -> list[RowState]:

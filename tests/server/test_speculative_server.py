@@ -99,3 +99,46 @@ def test_openai_client_text_and_stop_strings_are_the_same_with_drafts(llama_mode
         finally:
             server.stop()
     assert outputs["ngram"] == outputs["off"]
+
+
+def test_structured_output_and_forced_calls_are_the_same_with_drafts(llama_model):
+    """Constrained requests draft too (each draft position masked by the grammar):
+    through the OpenAI client, a json_schema reply and a forced tool call, greedy
+    and seeded, are what they are with speculation off."""
+    from structured_support import response_formats
+
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": "one two three four " * 10}]
+
+    def ask(server) -> tuple[list, dict]:
+        c = openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0)
+        model = c.models.list().data[0].id
+        out = []
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+            reply = c.chat.completions.create(
+                model=model, messages=messages, max_tokens=48,
+                response_format=response_formats()["json_schema"], **sampling)
+            out.append(reply.choices[0].message.content)
+            call = c.chat.completions.create(
+                model=model, messages=messages, max_tokens=64, tools=[tool],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                **sampling)
+            calls = call.choices[0].message.tool_calls or []
+            out.append([(t.function.name, t.function.arguments) for t in calls])
+        async def stats():
+            async with AsyncClient(server.address, timeout=60) as a:
+                return await a.stats()
+        return out, asyncio.run(stats())["speculative"]
+
+    got = {}
+    for mode, extra in (("ngram", ("--spec-cost", "none")), ("off", ())):
+        server = Server(llama_model, "--speculative", mode, *extra, "--log-level", "warning")
+        try:
+            got[mode] = ask(server)
+        finally:
+            server.stop()
+    assert got["ngram"][0] == got["off"][0]
+    assert all(len(calls) == 1 for calls in got["ngram"][0][1::2])
+    assert got["ngram"][1]["verifies"] > 0   # only constrained requests ran: they drafted

@@ -136,3 +136,36 @@ def test_a_worker_without_grammars_refuses_a_constrained_prefill(llama_model, gr
     d = Driver(llama_model)
     with pytest.raises(ValueError, match="constrained"):
         d.step([constrained(d, 1, [1, 5], grammars["regex"], seed=1)])
+
+
+# ---- a verify's draft positions ----------------------------------------------------
+
+def test_draft_masks_are_the_masks_after_each_draft_token_and_leave_the_matcher_as_it_was(
+        llama_model, grammars):
+    """`start_draft_masks` gives row i's positions the masks its matcher computes one
+    token at a time with the draft's tokens before each; `valid_draft` cuts a draft
+    at the first token the grammar refuses; neither moves the matcher."""
+    _, tokenizer = load_reference(llama_model)
+    g = Grammars.for_model(tokenizer, 512)
+    try:
+        row = g.row(grammars["regex"])   # (cat|dog)-[0-9]{2,4}
+        take = list(tokenizer.encode("dog-12", add_special_tokens=False))
+        draft = take + list(tokenizer.encode("x", add_special_tokens=False))
+        valid = row.valid_draft(draft)
+        assert valid == take   # "x" after "dog-12" is refused: the draft stops before it
+        assert row.valid_draft([]) == []
+        free = RowState(SamplingParams(), seed=0)
+        constrained = RowState(SamplingParams(), seed=0, grammar=row)
+        got = g.start_draft_masks([free, constrained], [[7], valid]).result()
+        assert got.shape[0] == 2 + 1 + len(valid)
+        assert (got[:2] == -1).all()   # the free row's positions: everything allowed
+        want = []
+        for j in range(len(valid) + 1):   # one token at a time, on a copy
+            copy = g.row(grammars["regex"], valid[:j])
+            want.append(g.start_masks([RowState(SamplingParams(), 0, grammar=copy)]).result()[0])
+        assert (got[2:] == np.stack(want)).all()
+        # the matcher did not move: its mask is the first position's
+        again = g.start_masks([constrained]).result()[0]
+        assert (again == want[0]).all()
+    finally:
+        g.close()
