@@ -76,7 +76,8 @@ class Scheduler:
         self._step_id = 0
         self.num_retractions = 0
         self.spec = Speculation(limits.speculative, limits.verifies_drafts,
-                                list(limits.verify_costs), limits.worker_overlaps)
+                                list(limits.verify_costs), limits.worker_overlaps,
+                                replays=limits.state_slots > 0)
         self._chained = False   # the worker may have started the next decode already
 
     # ---- inputs -------------------------------------------------------------

@@ -104,7 +104,8 @@ def cost_of(curve: list[float]) -> Callable[[int], float]:
 
 
 def plan_lengths(most: list[int], rates: list[float], rows: int,
-                 cost: Callable[[int], float], unchained: float = 0.0) -> list[int]:
+                 cost: Callable[[int], float], unchained: float = 0.0,
+                 replays: bool = False) -> list[int]:
     """Draft lengths (each at most `most[i]`) for a decode of `rows` rows that
     maximise expected tokens per unit of forward cost; all 0 unless that beats no
     drafts by MARGIN. The verify's forward is rectangular, every row as wide as the
@@ -112,10 +113,15 @@ def plan_lengths(most: list[int], rates: list[float], rows: int,
     and at a given width every row does best drafting all it may up to w (a longer
     draft never gives fewer expected tokens). So the best plan is the best width.
     `unchained`: what a Step with drafts costs beyond that, as a share (it loses the
-    overlap of a chained decode)."""
+    overlap of a chained decode). `replays`: the model has recurrent state, and a
+    verify whose rows drop positions runs a second forward of at most that width to
+    recompute the states of the kept ones (counted at its most)."""
     def value(w: int) -> float:
         tokens = rows + sum(expected_tokens(a, min(m, w)) - 1.0 for m, a in zip(most, rates))
-        return tokens / (cost(rows * (1 + w)) * (1.0 + unchained if w else 1.0))
+        if not w:
+            return tokens / cost(rows)
+        forward = cost(rows * (1 + w))
+        return tokens / (forward * (1.0 + unchained) + (forward if replays else 0.0))
 
     width = max(range(max(most, default=0) + 1), key=value)
     if value(width) <= value(0) * (1.0 + MARGIN):
@@ -163,6 +169,7 @@ class Speculation:
     verifies_drafts: bool = False   # the worker's WorkerLimits.verifies_drafts
     verify_costs: list[float] = field(default_factory=list)   # WorkerLimits' (empty: free)
     worker_overlaps: bool = False   # drafts then cost the chained decode's overlap
+    replays: bool = False   # recurrent states: a verify that drops positions replays them
     counters: SpecCounters = field(default_factory=SpecCounters)
     drafters: dict[int, Drafter] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)   # rid -> draft tokens in flight
@@ -186,7 +193,7 @@ class Speculation:
                  for r, p in zip(rows, proposals)]
         ks = plan_lengths([len(p) for p in proposals], rates, len(rows),
                           cost_of(self.verify_costs),
-                          UNCHAINED_COST if self.worker_overlaps else 0.0)
+                          UNCHAINED_COST if self.worker_overlaps else 0.0, self.replays)
         for r, p, k in zip(rows, proposals, ks):
             if p and not k:
                 self.drafters[r.rid].acceptance.held()

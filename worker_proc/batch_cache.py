@@ -301,10 +301,13 @@ def row_columns(cache: LayerCache, row: int, start: int, stop: int) -> tuple[mx.
     return cache.keys[row, :, start:stop], cache.values[row, :, start:stop]
 
 
-def assemble(layout: CacheLayout, kv: list, states: list[list[mx.array]]) -> tuple[list, list]:
+def assemble(layout: CacheLayout, kv: list, states: list[list[mx.array]],
+             lengths: list[int] | None = None) -> tuple[list, list]:
     """The model's caches in its own structure from given KV leaves (in pool order)
     and per state leaf its rows' arrays: (caches, the state caches made, in state
-    order; a forward updates their arrays)."""
+    order; a forward updates their arrays). `lengths`: each row's real inputs, the
+    rest right padding the recurrent layers leave out of their states (mlx_lm's
+    batch `lengths`)."""
     kv_iter, state_iter, made = iter(kv), iter(states), []
 
     def build(kind):
@@ -313,6 +316,8 @@ def assemble(layout: CacheLayout, kv: list, states: list[list[mx.array]]) -> tup
         if kind[0] == STATE:
             cache = ArraysCache(kind[1])
             load_state(cache, next(state_iter))
+            if lengths is not None:
+                cache.prepare(lengths=lengths)
             made.append(cache)
             return cache
         return CacheList(*(build(k) for k in kind))

@@ -173,9 +173,10 @@ class ModelRunner:
 
     @property
     def verifies_drafts(self) -> bool:
-        """Steps may carry drafts: the batch decodes in pages, and the model has no
-        recurrent state (a rejected draft token would have advanced it)."""
-        return self.batch.page > 0 and not self.pool.geometry.state_shapes
+        """Steps may carry drafts: the batch decodes in pages (recurrent states too:
+        a verify whose rows drop positions replays the kept ones from the states
+        before it, `PagedDecodeBatch.replay`)."""
+        return self.batch.page > 0
 
     @property
     def chain_started(self) -> bool:
@@ -324,6 +325,8 @@ class ModelRunner:
         starts = _starts(drafts)
         last = mx.array([chosen[i + n - 1] for i, n in zip(starts, runs)],
                         dtype=sampled.tokens.dtype)
+        if self.batch.needs_replay(runs, drafts):   # recurrent states counted rejected tokens
+            self.batch.replay(self.model, runs)
         self.batch.accept(runs, last)
         for row, d, n, start in zip(self.batch.rows, drafts, runs, starts):
             if d:   # the real row takes its run (rows without a draft were sampled as such)

@@ -39,6 +39,7 @@ class PagedDecodeBatch:
         self._leaves: list[PagedLayerCache] = []   # the last forward's KV leaves
         self._held: list[int] = []   # the rows' lengths before the last forward
         self._positions: mx.array | None = None   # a verify's real positions of [B * L]
+        self._verified = None   # a verify's (inputs, states before it), with states
 
     @property
     def page(self) -> int:
@@ -162,6 +163,7 @@ class PagedDecodeBatch:
             self.shared = SharedPages(self.arena.page)
         self.row_rids, self.rows, self.tables, self.lengths = [], [], [], []
         self.tokens, self.states, self._leaves = None, [], []
+        self._verified = None
 
     # ---- decode ----------------------------------------------------------
 
@@ -173,14 +175,36 @@ class PagedDecodeBatch:
         token then `drafts[i]`, at consecutive positions, all attended causally in
         one forward (a verify): logits `[sum(1 + len(d)), V]`, each row's positions in
         turn. The rows' lengths count every position until `accept` says how many
-        of them hold KV to keep."""
-        page, heads = self.arena.page, self.arena.heads
+        of them hold KV to keep. Recurrent states see only each row's own positions
+        (the padding of shorter drafts is masked out of them), and a verify's
+        states count all of them: `replay` gives the states of the kept ones."""
+        page = self.arena.page
         queries = [1 + len(d) for d in drafts] if drafts else [1] * len(self.tables)
         width = max(queries)
         for table, n, q in zip(self.tables, self.lengths, queries):
             short = -(-(n + q) // page) - len(table)
             if short > 0:
                 table += self.arena.allocate(short)
+        inputs = self.tokens[:, None]
+        if width > 1:
+            padded = [d + [0] * (width - 1 - len(d)) for d in drafts]
+            inputs = mx.concatenate([inputs, mx.array(padded, dtype=inputs.dtype)], axis=1)
+        self._verified = (inputs, self.states) if width > 1 and self.states else None
+        logits = self._run(model, inputs, queries)
+        if width == 1:
+            self._positions = None
+            return logits[:, -1, :]
+        self._positions = mx.array([i * width + j for i, q in enumerate(queries)
+                                    for j in range(q)])
+        return logits.reshape(-1, logits.shape[-1])[self._positions]
+
+    def _run(self, model, inputs: mx.array, queries: list[int]) -> mx.array:
+        """The model over `inputs` `[rows, width]`, row i's first `queries[i]` of them
+        at its next positions (the rest padding: written to page 0, masked out of
+        the attention and of recurrent states); the rows' lengths advance by their
+        queries. Logits `[rows, width, V]` (lazy)."""
+        page, heads = self.arena.page, self.arena.heads
+        width = inputs.shape[1]
         rows = np.zeros((len(self.tables), width), dtype=np.int64)   # padding: page 0
         for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
             at = n + np.arange(q)
@@ -196,22 +220,30 @@ class PagedDecodeBatch:
         spans = {w: self._span(after, w, queries[0]) for w in pairs}
         self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w], spans[w])
                         for i, w in enumerate(self.layout.windows)]
-        caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states)
-        inputs = self.tokens[:, None]
-        if width > 1:
-            padded = [d + [0] * (width - 1 - len(d)) for d in drafts]
-            inputs = mx.concatenate([inputs, mx.array(padded, dtype=inputs.dtype)], axis=1)
+        caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states,
+                                                    queries if width > 1 else None)
         logits = model(inputs, cache=caches)
         # the states the forward left (lazy)
         self.states = [batch_cache.state_arrays(c) for c in state_caches]
         self._held = list(self.lengths)
         self.lengths = after
-        if width == 1:
-            self._positions = None
-            return logits[:, -1, :]
-        self._positions = mx.array([i * width + j for i, q in enumerate(queries)
-                                    for j in range(q)])
-        return logits.reshape(-1, logits.shape[-1])[self._positions]
+        return logits
+
+    def needs_replay(self, kept: list[int], drafts: list[list[int]]) -> bool:
+        """After a verify: whether a row keeps fewer positions than it verified while
+        the rows have recurrent states (which then counted positions it drops)."""
+        return self._verified is not None and any(
+            k < 1 + len(d) for k, d in zip(kept, drafts))
+
+    def replay(self, model, kept: list[int]) -> None:
+        """After a verify, before `accept`: every row's recurrent states after its
+        first `kept[i]` positions, recomputed from the states before the verify
+        (the verify's count every position it checked). The forward writes those
+        positions' KV again, as the verify did; its logits are never computed."""
+        inputs, before = self._verified
+        self.lengths, self.states = self._held, before
+        self._run(model, inputs[:, :max(kept)], kept)
+        self._verified = None
 
     def accept(self, kept: list[int], tokens: mx.array) -> None:
         """After a verify: row i keeps the KV of its first `kept[i]` new positions

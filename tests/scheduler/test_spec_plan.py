@@ -94,6 +94,17 @@ def test_losing_the_chained_decode_raises_the_bar():
     assert plan_lengths([8], [0.95], 1, cheap, unchained=0.1) == [8]
 
 
+def test_a_replaying_model_pays_for_its_second_forward():
+    """A model with recurrent state replays a verify whose rows drop positions: a
+    draft must pay for that forward too, which twice a steep curve's verify never
+    does; where verifying is nearly free, drafts still pay."""
+    assert plan_lengths([4], [0.7], 1, STEEP) == [4]
+    for rate in (0.7, 0.99):
+        assert plan_lengths([4], [rate], 1, STEEP, replays=True) == [0]
+    assert plan_lengths([8], [0.9], 1, FLAT, replays=True) == [8]
+    assert plan_lengths([4], [0.0], 1, FLAT, replays=True) == [0]
+
+
 def test_acceptance_starts_optimistic_and_follows_recent_verifies():
     a = Acceptance()
     assert a.rate == pytest.approx(Acceptance.PRIOR)

@@ -142,3 +142,25 @@ def test_structured_output_and_forced_calls_are_the_same_with_drafts(llama_model
     assert got["ngram"][0] == got["off"][0]
     assert all(len(calls) == 1 for calls in got["ngram"][0][1::2])
     assert got["ngram"][1]["verifies"] > 0   # only constrained requests ran: they drafted
+
+
+def test_a_hybrid_model_drafts_and_changes_no_token(hybrid_model):
+    """A model with recurrent state verifies drafts through the real server (every
+    proposal sent): the same tokens and logprobs as with speculation off, greedy
+    ones as mlx_lm's."""
+    path = hybrid_model("qwen3_next")
+    outs = {}
+    for mode, extra in (("ngram", ("--spec-cost", "none")), ("off", ())):
+        server = Server(path, "--speculative", mode, *extra, "--log-level", "warning")
+        try:
+            outs[mode] = run_all(server)
+        finally:
+            server.stop()
+    (on, stats), (off, _) = outs["ngram"], outs["off"]
+    assert stats["speculative"]["verifies"] > 0 and stats["speculative"]["accepted_tokens"] > 0
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+    want = [t for t, _ in reference_tokens(path, REQUESTS[0][1], MAX_TOKENS, ignore_eos=True)]
+    assert on[0].token_ids == want
+    assert stats["used_slots"] == 0
