@@ -156,10 +156,12 @@ class Launcher:
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.ipc_dir}/{name}"
 
-    def start(self, model: str) -> None:
-        flags = dataclasses.replace(   # the resolved folder, and the defaults derived
+    def start(self, model: str, draft_model: str = "") -> None:
+        """Start the processes on the resolved `model` folder (and `draft_model`'s)."""
+        flags = dataclasses.replace(   # the resolved folders, and the defaults derived
             self.cfg, model=model, http_host=self.cfg.http_host or self.cfg.host,
-            served_model_name=self.cfg.served_model_name or served_name(self.cfg.model, model))
+            served_model_name=self.cfg.served_model_name or served_name(self.cfg.model, model),
+            draft_model=draft_model)
         common = dict(flags=flags, parent_pid=os.getpid())
         worker = WorkerConfig(input_addr=self._ipc("worker_in"),
                               output_addr=self._ipc("worker_out"),
@@ -324,6 +326,16 @@ def read_ready_addresses(stdout, timeout: float) -> dict[str, str]:
     return dict(found)
 
 
+def speculation_method(cfg: ServerFlags) -> str:
+    """--speculative as served: a draft model implies `draft` unless speculation is
+    off; `draft` without one, or a draft model beside it off, exits saying so."""
+    if cfg.speculative == "draft" and not cfg.draft_model:
+        sys.exit("mlxd: --speculative draft needs --draft-model")
+    if cfg.draft_model and cfg.speculative == "off":
+        sys.exit("mlxd: --draft-model is given but --speculative is off")
+    return "draft" if cfg.draft_model else cfg.speculative
+
+
 def model_folder(model: str) -> str:
     """`--model` as a folder to serve, or the launcher exits saying why not."""
     try:
@@ -383,6 +395,7 @@ def main(argv=None) -> int:
                                     "`mlxd pull ID`).", argv)
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s launch %(levelname)s: %(message)s")
+    cfg = dataclasses.replace(cfg, speculative=speculation_method(cfg))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     die_with_parent(int(os.environ.get("MLXD_PARENT_PID", "0")) or None)
@@ -392,7 +405,8 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
-        launcher.start(model_folder(cfg.model))
+        launcher.start(model_folder(cfg.model),
+                       model_folder(cfg.draft_model) if cfg.draft_model else "")
         address, http_address = launcher.wait_ready()
         launcher.publish_key(address)
         print(f"{HTTP_PREFIX}{http_address}", flush=True)

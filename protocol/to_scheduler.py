@@ -139,12 +139,15 @@ class WorkerLimits:
     # the decode caches' layout (runtime/kv_layout.py): positions per decode page,
     # or 0 for the padded layout; the scheduler counts `decode_cache_tokens` by it
     decode_page: int = wire(Int(minimum=0), default=0)
-    # the worker verifies draft tokens (Step.decode_drafts): decodes in pages, and the
-    # model has no recurrent state and no window pool
+    # the worker verifies draft tokens (Step.decode_drafts): it decodes in pages
     verifies_drafts: bool = wire(Bool(), default=False)
     # what one forward of n positions costs next to one, n = 1, 2, ... (measured at
     # startup, worker_proc/verify_cost.py; empty: not measured): drafts are sized by it
     verify_costs: list[float] = wire(List(Float()), default_factory=list)
+    # --speculative draft: the worker holds a draft model (its name), and what one of
+    # its decode steps costs next to one of the model's (measured; 0: not measured)
+    draft_model: str = wire(Str(), default="")
+    draft_cost: float = wire(Float(), default=0.0)
 
 
 @message

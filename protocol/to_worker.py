@@ -62,7 +62,10 @@ class Step:
     Speculative decoding: `decode_drafts[i]` (empty: none; the list itself empty: no
     row drafts) are tokens proposed to follow row i's input; one forward verifies
     them, writing their KV at `draft_slot_ids[i]`, and the row's result is a run of
-    the accepted ones and one token more (StepResult.runs). `chain_next`: the worker
+    the accepted ones and one token more (StepResult.runs). `model_drafts[i]` (the
+    list empty: none) asks the worker's draft model for that many tokens instead:
+    `decode_drafts[i]` is then empty and `draft_slot_ids[i]` holds as many slots.
+    `chain_next`: the worker
     may start the next decode before the next Step arrives (overlap); the scheduler
     clears it when it means to send drafts next, which a chained decode cannot
     take."""
@@ -80,6 +83,7 @@ class Step:
     chain_next: bool = wire(Bool(), default=True)
     # with a window pool: the window slot of each draft token (as draft_slot_ids)
     draft_window_ids: list[list[int]] = wire(List(List(Int(minimum=0))), default_factory=list)
+    model_drafts: list[int] = wire(List(Int(minimum=0)), default_factory=list)
 
     def check(self):
         if len(self.decode_rids) != len(self.decode_slot_ids):
@@ -90,12 +94,19 @@ class Step:
             if not (len(self.decode_drafts) == len(self.draft_slot_ids) == len(self.decode_rids)):
                 raise ProtocolError("decode_drafts and draft_slot_ids must align with "
                                     "decode_rids")
-            if any(len(d) != len(s) for d, s in zip(self.decode_drafts, self.draft_slot_ids)):
+            wanted = self.model_drafts or [len(d) for d in self.decode_drafts]
+            if len(wanted) != len(self.decode_rids) or \
+                    wanted != [len(s) for s in self.draft_slot_ids]:
                 raise ProtocolError("each row's draft and draft slots differ in length")
+            if self.model_drafts and any(self.decode_drafts):
+                raise ProtocolError("a Step's drafts come from the scheduler or from the "
+                                    "worker's draft model, not both")
+        elif self.model_drafts:
+            raise ProtocolError("model_drafts without decode_drafts and draft_slot_ids")
         if self.draft_window_ids and [len(w) for w in self.draft_window_ids] != \
                 [len(s) for s in self.draft_slot_ids]:
             raise ProtocolError("draft_window_ids must align with draft_slot_ids")
 
     @property
     def has_drafts(self) -> bool:
-        return any(self.decode_drafts)
+        return any(self.decode_drafts) or any(self.model_drafts)

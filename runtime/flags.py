@@ -134,8 +134,16 @@ class ServerFlags:
         "match), verified for every row in one forward, exact for greedy and sampled "
         "requests alike; each request's draft length follows its acceptance, and a "
         "request whose drafts are refused stops drafting for a while, and drafts are "
-        "sized by what verifying costs on this machine (measured at startup); `off`",
-        (WORKER, SCHEDULER), choices=("off", "ngram"))
+        "sized by what verifying costs on this machine (measured at startup); `draft` "
+        "has the model given by --draft-model propose them (exact for greedy requests, "
+        "and sampled ones keep their distribution by rejection sampling); `off`",
+        (WORKER, SCHEDULER), choices=("off", "ngram", "draft"))
+    draft_model: str = flag(
+        "", "the draft model of `--speculative draft` (which a draft model given here "
+        "implies unless speculation is off): any --model value whose model shares the "
+        "served model's vocabulary and keeps plain KV caches (no sliding window, no "
+        "recurrent state); it runs in the worker beside the model, its KV held at the "
+        "same pool slots", (WORKER,))
     spec_cost: str = flag(
         "measured", "what sizes drafts: `measured` (the worker times forwards of 1 to "
         "32 positions at startup, and drafts go out where the expected tokens per unit "

@@ -273,7 +273,8 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         speculative=SpecConfig(flags.speculative, flags.spec_max_draft, flags.spec_ngram_min,
                                flags.spec_ngram_max, flags.spec_max_batch),
         verifies_drafts=worker.verifies_drafts, worker_overlaps=worker.overlap,
-        verify_costs=tuple(worker.verify_costs))
+        verify_costs=tuple(worker.verify_costs), draft_model=bool(worker.draft_model),
+        draft_cost=worker.draft_cost)
 
 
 def pin_ttl_scale() -> float:

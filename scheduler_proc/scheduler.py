@@ -55,6 +55,8 @@ class SchedulerLimits:
     verifies_drafts: bool = False   # the worker verifies drafts (WorkerLimits)
     worker_overlaps: bool = False   # the worker chains decodes (WorkerLimits.overlap)
     verify_costs: tuple[float, ...] = ()   # the worker's (WorkerLimits; empty: drafts free)
+    draft_model: bool = False     # the worker holds a draft model (WorkerLimits.draft_model)
+    draft_cost: float = 0.0       # its forward next to the model's (WorkerLimits)
 
 
 class Scheduler:
@@ -77,7 +79,8 @@ class Scheduler:
         self.num_retractions = 0
         self.spec = Speculation(limits.speculative, limits.verifies_drafts,
                                 list(limits.verify_costs), limits.worker_overlaps,
-                                replays=limits.state_slots > 0)
+                                replays=limits.state_slots > 0,
+                                draft_model=limits.draft_model, draft_cost=limits.draft_cost)
         self._chained = False   # the worker may have started the next decode already
 
     # ---- inputs -------------------------------------------------------------
@@ -180,8 +183,11 @@ class Scheduler:
         # a row with a proposal now likely has one next step: keep that Step unchained
         chain_next = not any(proposals)
         self._chained = chain_next and self.limits.worker_overlaps
+        model_drafts = []
+        if drafts and self.spec.by_model:   # the worker's draft model fills them
+            model_drafts, drafts = [len(d) for d in drafts], [[] for _ in drafts]
         return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases,
-                    decode_windows, drafts, draft_slots, chain_next, draft_windows)
+                    decode_windows, drafts, draft_slots, chain_next, draft_windows, model_drafts)
 
     def _book_drafts(self, rows: list[Request], proposals: list[list[int]]) -> tuple:
         """The Step's drafts, their slots and (with a window pool) their window slots:

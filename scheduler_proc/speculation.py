@@ -30,12 +30,12 @@ from typing import Callable
 from .ngram import DraftLength, NgramIndex
 from .request import Request
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "off"       # "off" or "ngram"
+    method: str = "off"       # "off", "ngram" or "draft" (the worker's draft model)
     max_draft: int = 8        # draft tokens per row and step
     ngram_min: int = 2
     ngram_max: int = 4
@@ -43,7 +43,8 @@ class SpecConfig:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r} (off or ngram)")
+            raise ValueError(f"unknown speculative method {self.method!r} "
+                             "(off, ngram or draft)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("the n-gram draft lengths need 1 <= min <= max, got "
                              f"{self.ngram_min} and {self.ngram_max}")
@@ -54,6 +55,7 @@ class SpecConfig:
 
 
 MARGIN = 0.03   # drafts go out only for an expected gain above this
+MODEL_DRAFT = -1   # a proposal's token the worker's draft model is asked for
 # A Step with drafts is not chained (nor is the one before it): on a worker that
 # overlaps, its forward costs this much more than the curve says (what overlap saves
 # a step, bench/overhead.py: ~0.93 vs ~0.85 of in-process decode on the default model)
@@ -105,7 +107,7 @@ def cost_of(curve: list[float]) -> Callable[[int], float]:
 
 def plan_lengths(most: list[int], rates: list[float], rows: int,
                  cost: Callable[[int], float], unchained: float = 0.0,
-                 replays: bool = False) -> list[int]:
+                 replays: bool = False, drafting: float = 0.0) -> list[int]:
     """Draft lengths (each at most `most[i]`) for a decode of `rows` rows that
     maximise expected tokens per unit of forward cost; all 0 unless that beats no
     drafts by MARGIN. The verify's forward is rectangular, every row as wide as the
@@ -115,13 +117,16 @@ def plan_lengths(most: list[int], rates: list[float], rows: int,
     `unchained`: what a Step with drafts costs beyond that, as a share (it loses the
     overlap of a chained decode). `replays`: the model has recurrent state, and a
     verify whose rows drop positions runs a second forward of at most that width to
-    recompute the states of the kept ones (counted at its most)."""
+    recompute the states of the kept ones (counted at its most). `drafting`: what a
+    draft model's forward of the rows costs next to the model's (0: drafts cost
+    nothing to make); w tokens take w more of them than a step without drafts."""
     def value(w: int) -> float:
         tokens = rows + sum(expected_tokens(a, min(m, w)) - 1.0 for m, a in zip(most, rates))
         if not w:
             return tokens / cost(rows)
         forward = cost(rows * (1 + w))
-        return tokens / (forward * (1.0 + unchained) + (forward if replays else 0.0))
+        return tokens / (forward * (1.0 + unchained) + (forward if replays else 0.0)
+                         + drafting * w * cost(rows))
 
     width = max(range(max(most, default=0) + 1), key=value)
     if value(width) <= value(0) * (1.0 + MARGIN):
@@ -130,19 +135,25 @@ def plan_lengths(most: list[int], rates: list[float], rows: int,
 
 
 class Drafter:
-    """One request's drafts: its token index, its draft length, its acceptance."""
+    """One request's drafts: its token index (n-gram drafts), its draft length, its
+    acceptance."""
 
     def __init__(self, req: Request, config: SpecConfig):
-        self.index = NgramIndex(req.prompt_ids, config.ngram_min, config.ngram_max)
+        self.index = (NgramIndex(req.prompt_ids, config.ngram_min, config.ngram_max)
+                      if config.method == "ngram" else None)
         self.prompt_len = len(req.prompt_ids)
         self.length = DraftLength(config.max_draft)
         self.acceptance = Acceptance()
 
     def propose(self, req: Request, most: int) -> list[int]:
         """At most `most` tokens to follow the request's prompt and output so far
-        (the index takes the output it has not seen); counts one step of a pause."""
-        self.index.extend(req.output_ids[len(self.index) - self.prompt_len:])
+        (the index takes the output it has not seen); counts one step of a pause.
+        With the worker's draft model, as many placeholders (MODEL_DRAFT) as tokens
+        to ask it for."""
         k = min(self.length.next(), most)
+        if self.index is None:
+            return [MODEL_DRAFT] * max(k, 0)
+        self.index.extend(req.output_ids[len(self.index) - self.prompt_len:])
         return self.index.propose(k) if k > 0 else []
 
 
@@ -170,6 +181,8 @@ class Speculation:
     verify_costs: list[float] = field(default_factory=list)   # WorkerLimits' (empty: free)
     worker_overlaps: bool = False   # drafts then cost the chained decode's overlap
     replays: bool = False   # recurrent states: a verify that drops positions replays them
+    draft_model: bool = False   # the worker holds a draft model (WorkerLimits.draft_model)
+    draft_cost: float = 0.0     # its forward next to the model's (WorkerLimits')
     counters: SpecCounters = field(default_factory=SpecCounters)
     drafters: dict[int, Drafter] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)   # rid -> draft tokens in flight
@@ -179,7 +192,13 @@ class Speculation:
 
     @property
     def usable(self) -> bool:
-        return self.config.on and self.verifies_drafts
+        return self.config.on and self.verifies_drafts and (
+            self.config.method != "draft" or self.draft_model)
+
+    @property
+    def by_model(self) -> bool:
+        """The drafts are the worker's draft model's (Step.model_drafts)."""
+        return self.config.method == "draft"
 
     def proposals(self, rows: list[Request]) -> list[list[int]]:
         """Each row's draft now (empty: none), at most what its remaining tokens leave
@@ -193,7 +212,8 @@ class Speculation:
                  for r, p in zip(rows, proposals)]
         ks = plan_lengths([len(p) for p in proposals], rates, len(rows),
                           cost_of(self.verify_costs),
-                          UNCHAINED_COST if self.worker_overlaps else 0.0, self.replays)
+                          UNCHAINED_COST if self.worker_overlaps else 0.0, self.replays,
+                          self.draft_cost)
         for r, p, k in zip(rows, proposals, ks):
             if p and not k:
                 self.drafters[r.rid].acceptance.held()

@@ -67,17 +67,19 @@ def loaded_blas() -> str:
 def build_runner(cfg: WorkerConfig):
     import mlx.core as mx
 
+    from .decode import UnsupportedModel, decode_page_for, decode_rows
+    from .draft_model import drafter_for
     from .grammar import Grammars
     from .kv_pool import KVPool
     from .loading import is_quantized, load_for_serving
     from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
-    from .decode import decode_page_for, decode_rows
     from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
-    from .verify_cost import measure_verify_costs
+    from .verify_cost import measure_draft_cost, measure_verify_costs
 
     flags = cfg.flags
-    model, tokenizer, dequantize = load_for_serving(
-        flags.model, flags.dequantize, memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb))
+    limit = memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb)
+    model, tokenizer, dequantize = load_for_serving(flags.model, flags.dequantize, limit)
+    draft = load_draft(flags.draft_model, flags.dequantize, limit, model, tokenizer)
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
     page = decode_page_for(model, geometry, flags.decode_layout)   # 0: padded
@@ -91,8 +93,9 @@ def build_runner(cfg: WorkerConfig):
     windows = window_split(geometry, max_context, flags.max_prefill_tokens,
                            flags.window_capacity)
     pool_token_bytes = geometry.bytes_per_token - (windows.bytes_per_token if windows else 0)
-    budget = kv_budget(memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb),
-                       weights_bytes + state_bytes, max(1, pool_token_bytes),
+    if draft is not None:   # the draft's KV sits at the same slots, in its own pool
+        pool_token_bytes += draft[1].bytes_per_token
+    budget = kv_budget(limit, weights_bytes + state_bytes, max(1, pool_token_bytes),
                        flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
                        capacity=flags.kv_capacity, windows=windows, page=page)
@@ -103,13 +106,23 @@ def build_runner(cfg: WorkerConfig):
     batch = decode_rows(geometry, page, -(-budget.decode_cache_tokens // page) if page else 0,
                         flags.preallocate_decode_pages, share=not pool.uses_windows)
     vocab_size = probe_vocab_size(model)
+    drafter = None
+    if draft is not None:   # in pages beside the model's
+        if not page:
+            raise UnsupportedModel("--draft-model needs the paged decode layout, which "
+                                   "this model or --decode-layout does not take")
+        drafter = drafter_for(draft[0], budget.capacity, -(-budget.decode_cache_tokens // page),
+                              flags.preallocate_decode_pages)
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
                          overlap=not flags.disable_overlap,
-                         grammars=Grammars.for_model(tokenizer, vocab_size))
+                         grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)
+    measured = runner.verifies_drafts and flags.speculative != "off" and \
+        flags.spec_cost == "measured"
     limits = WorkerLimits(
         kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
         max_context=max_context, vocab_size=vocab_size,
-        bytes_per_token=geometry.bytes_per_token, kv_pool_bytes=max(1, pool.nbytes),
+        bytes_per_token=geometry.bytes_per_token,
+        kv_pool_bytes=max(1, pool.nbytes + (drafter.pool.nbytes if drafter else 0)),
         weights_bytes=weights_bytes, buffer_cache_bytes=cache_bytes,
         kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
         quantized=is_quantized(model), dequantize=dequantize,
@@ -119,9 +132,30 @@ def build_runner(cfg: WorkerConfig):
         window_sizes=[w for w in geometry.cache_layout.windows if w],
         window_capacity=pool.window_capacity, decode_page=page,
         verifies_drafts=runner.verifies_drafts,
-        verify_costs=measure_verify_costs(model) if runner.verifies_drafts and
-        flags.speculative != "off" and flags.spec_cost == "measured" else [])
+        verify_costs=measure_verify_costs(model) if measured else [],
+        draft_model=Path(flags.draft_model).name if draft is not None else "",
+        draft_cost=measure_draft_cost(model, draft[0]) if measured and draft is not None else 0.0)
     return runner, limits
+
+
+def load_draft(path: str, dequantize: str, limit: int, model, tokenizer):
+    """--draft-model loaded beside `model`: (the draft model, its KV geometry), or None
+    without one. A draft that keeps other than plain KV caches, or whose vocabulary is
+    not the model's, is refused (UnsupportedModel)."""
+    if not path:
+        return None
+    from .decode import UnsupportedModel
+    from .draft_model import check_draft, same_vocabulary
+    from .loading import load_for_serving
+    from .model_runner import probe_geometry, probe_vocab_size
+
+    draft, draft_tokenizer, _ = load_for_serving(path, dequantize, limit)
+    geometry = probe_geometry(draft)
+    check_draft(geometry, probe_vocab_size(draft), probe_vocab_size(model))
+    if not same_vocabulary(tokenizer._tokenizer, draft_tokenizer._tokenizer):
+        raise UnsupportedModel(f"the draft model {path} does not share the model's "
+                               "tokenizer vocabulary")
+    return draft, geometry
 
 
 def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:

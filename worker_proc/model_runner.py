@@ -19,6 +19,7 @@ from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
 from . import batch_cache, thinking
 from .background import BackgroundJob
 from .decode import DecodeRows, JoinGroup, UnsupportedModel, decode_page_for, decode_rows
+from .draft_model import DraftModel, rejection_runs
 from .grammar import Grammars, RowGrammar, allowed
 from .kv_pool import KVGeometry, KVPool, write_ids
 from .penalties import RowPenalties
@@ -64,6 +65,7 @@ class _Output:
     rows: list[RowState]     # per token (a row's run repeats it)
     sampled: Sampled         # per token
     new_kv: list[tuple[mx.array, mx.array]] | None = None   # decode: per layer, the input's KV
+    draft_kv: list[tuple[mx.array, mx.array]] | None = None   # the same of the draft model
     runs: list[int] | None = None   # a verify: tokens per row (None: one each)
 
 
@@ -92,11 +94,14 @@ class ModelRunner:
 
     def __init__(self, model, pool: KVPool, batch: DecodeRows, vocab_size: int,
                  prefill_step_size: int = 2048, rng: random.Random | None = None,
-                 overlap: bool = False, grammars: Grammars | None = None):
+                 overlap: bool = False, grammars: Grammars | None = None,
+                 drafter: DraftModel | None = None):
         """`batch`: the decode layout chosen at startup (decode.decode_rows);
-        `vocab_size`: the model's logits' width (probe_vocab_size)."""
+        `vocab_size`: the model's logits' width (probe_vocab_size); `drafter`: a
+        draft model (--speculative draft), in pages beside the model."""
         self.model = model
         self.grammars = grammars   # None: constrained requests are refused
+        self.drafter = drafter
         self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
@@ -145,6 +150,8 @@ class ModelRunner:
         """The step's result, and the next decode of the batch when it was built
         ahead (while the step's last tasks computed)."""
         self.batch.remove(set(step.releases))
+        if self.drafter is not None:
+            self.drafter.remove(set(step.releases))
         self._chain_allowed = step.chain_next
         outputs = []
         if step.has_drafts:
@@ -161,7 +168,7 @@ class ModelRunner:
             following = self._launch_decode()
             return self._finalize(step.step_id, outputs, writes=False), following
         if outputs and step.prefills:
-            self.batch.before_joins(_arrays(outputs))
+            self.batch.before_joins(_arrays(outputs) + self._draft_arrays())
         outputs += self._prefill(step.prefills)
         # the chained decode, when there is one, completes the pool writes
         return self._finalize(step.step_id, outputs, pool_writes=not self._chains_next), None
@@ -170,6 +177,11 @@ class ModelRunner:
     def _chains_next(self) -> bool:
         """This step ends by starting the next decode on the helper thread."""
         return self.overlap and self._chain_allowed and len(self.batch) > 0
+
+    def _draft_arrays(self) -> list:
+        """The draft model's writes (its pool's and its batch's), evaluated with the
+        model's."""
+        return self.drafter.arrays() if self.drafter is not None else []
 
     @property
     def verifies_drafts(self) -> bool:
@@ -195,6 +207,8 @@ class ModelRunner:
         """Drop every request's state (after a failed step)."""
         self.close()
         self.batch.clear()
+        if self.drafter is not None:
+            self.drafter.clear()
         self.chained = None
         self._returned_at = None
         self._new_grammars = {}
@@ -220,30 +234,32 @@ class ModelRunner:
 
     def _launch_decode(self) -> _Output:
         """Decode every row of the batch, lazily; the rows' next input is the result."""
+        draft_kv = self.drafter.decode(self.batch.tokens) if self.drafter else None
         logits = self.batch.forward(self.model)
         live = [rid is not None for rid in self.batch.row_rids]
         sampled = self._sample(logits, self.batch.rows, live)
         self.batch.tokens = sampled.tokens
         return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled,
-                       self.batch.newest_kv())
+                       self.batch.newest_kv(), draft_kv=draft_kv)
 
     def _sample(self, logits: mx.array, rows: list[RowState], live=None,
-                masks: Future | None = None) -> Sampled:
+                masks: Future | None = None, probs: bool = False) -> Sampled:
         """`sample`, with the constrained rows' masks (computed on the mask thread
         while this one evaluates the logits, the forward, then applied; `masks`:
-        started already) and the tokens thinking budgets force."""
+        started already) and the tokens thinking budgets force; `probs`: with what
+        each row sampled from."""
         if masks is None and self.grammars:
             masks = self.grammars.start_masks(rows, live)
         forced = thinking.forced_tokens([r.thinking for r in rows])
         if masks is None and forced is None:
-            return sample(logits, rows)
+            return sample(logits, rows, probs=probs)
         mask = None
         if masks is not None:
             mx.eval(logits)
             mask = allowed(masks.result(), logits.shape[-1])
         if forced is not None:
             mask = thinking.force(mask, forced, logits.shape[-1])
-        return sample(logits, rows, mask)
+        return sample(logits, rows, mask, probs=probs)
 
     def _dispatch_chained(self) -> None:
         """On the helper thread: queue the next decode of the batch (built now unless
@@ -256,7 +272,8 @@ class ModelRunner:
             # the pool writes in a call of their own: in one call with the decode's
             # arrays, async_eval returned only once all of it was computed (no tail)
             mx.async_eval(self.pool.arrays)
-            mx.async_eval(_arrays([self.chained]), self.batch.pending_writes())
+            mx.async_eval(_arrays([self.chained]), self.batch.pending_writes(),
+                          self._draft_arrays())
 
     def _commit_decode(self, launched: _Output, step: Step) -> _Output:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
@@ -271,13 +288,9 @@ class ModelRunner:
         if launched.rids != running:
             position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
             keep = mx.array([position[rid] for rid in running])
-        for layer, (keys, values) in enumerate(launched.new_kv):
-            slots, subset = self.pool.targets(layer, ids)
-            picked = keep if subset is None else (subset if keep is None else keep[subset])
-            if picked is not None:
-                keys, values = keys[picked], values[picked]
-            if slots.size:
-                self.pool.write(layer, slots, keys, values)
+        _store(self.pool, launched.new_kv, ids, keep)
+        if launched.draft_kv is not None:
+            _store(self.drafter.pool, launched.draft_kv, ids, keep)
         if keep is None:
             return launched
         s = launched.sampled
@@ -304,40 +317,69 @@ class ModelRunner:
             raise ValueError(f"step {step.step_id} carries drafts, but " + (
                 "the decode after the step before was chained (chain_next)"
                 if self.chained is not None else "this worker verifies none"))
+        if step.model_drafts and self.drafter is None:
+            raise ValueError(f"step {step.step_id} asks for a draft model's drafts, but "
+                             "this worker holds no draft model")
         running = check_decode(step, self.batch.rids, self.pool)
         check_drafts(step, self.pool, self.vocab_size)
-        draft_of = dict(zip(step.decode_rids, step.decode_drafts))
-        drafts = [_draft_for(row, draft_of[rid]) for rid, row in zip(running, self.batch.rows)]
-        masks = (self.grammars.start_draft_masks(self.batch.rows, drafts)
-                 if self.grammars else None)
+        rows = self.batch.rows
+        if step.model_drafts:   # the draft model's, as many as the Step asks of each row
+            count_of = dict(zip(step.decode_rids, step.model_drafts))
+            proposal = self.drafter.propose(self.batch.tokens, rows,
+                                            [count_of[rid] for rid in running])
+            asked = proposal.drafts
+        else:
+            proposal, draft_of = None, dict(zip(step.decode_rids, step.decode_drafts))
+            asked = [draft_of[rid] for rid in running]
+        drafts = [_draft_for(row, d) for row, d in zip(rows, asked)]
+        masks = self.grammars.start_draft_masks(rows, drafts) if self.grammars else None
         self.batch.slots_written(step.decode_slot_ids)
         self.batch.slots_written(s for slots in step.draft_slot_ids for s in slots)
         logits = self.batch.forward(self.model, drafts)
-        positions = [p for row, d in zip(self.batch.rows, drafts) for p in _positions(row, d)]
-        sampled = self._sample(logits, positions, masks=masks)
+        positions = [p for row, d in zip(rows, drafts) for p in _positions(row, d)]
+        sampled = self._sample(logits, positions, masks=masks, probs=proposal is not None)
         self._write_verified(step, running, drafts)
         mx.eval(sampled.tokens, sampled.logprobs)
-        chosen, runs, keep = sampled.tokens.tolist(), [], []
-        for d, at in zip(drafts, _starts(drafts)):
-            n = _agreed(d, chosen[at:at + len(d) + 1]) + 1
-            runs.append(n)
-            keep += range(at, at + n)
-        starts = _starts(drafts)
-        last = mx.array([chosen[i + n - 1] for i, n in zip(starts, runs)],
-                        dtype=sampled.tokens.dtype)
+        chosen, starts = sampled.tokens.tolist(), _starts(drafts)
+        tokens = [chosen[at:at + _agreed(d, chosen[at:at + len(d) + 1]) + 1]
+                  for d, at in zip(drafts, starts)]
+        if proposal is not None:   # sampled rows: rejection sampling against the draft's
+            tokens_of = rejection_runs(rows, drafts, starts, sampled.probs, proposal.dists, chosen)
+            tokens = [tokens_of.get(i, run) for i, run in enumerate(tokens)]
+        runs = [len(run) for run in tokens]
+        last = mx.array([run[-1] for run in tokens], dtype=sampled.tokens.dtype)
         if self.batch.needs_replay(runs, drafts):   # recurrent states counted rejected tokens
             self.batch.replay(self.model, runs)
         self.batch.accept(runs, last)
-        for row, d, n, start in zip(self.batch.rows, drafts, runs, starts):
+        if proposal is not None:
+            self.drafter.accept(runs, last)
+            slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
+            drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
+            self.drafter.write_pool(proposal.kv, [[slot_of[rid]] + drafts_at[rid]
+                                                  for rid in running])
+        for row, d, run in zip(rows, drafts, tokens):
             if d:   # the real row takes its run (rows without a draft were sampled as such)
-                _take_run(row, chosen[start:start + n])
-        index = mx.array(keep)
-        s = sampled
-        rows = [row for row, n in zip(self.batch.rows, runs) for _ in range(n)]
+                _take_run(row, run)
+        return self._run_output(running, sampled, logits, starts, tokens,
+                                changed=proposal is not None)
+
+    def _run_output(self, running: list[int], s: Sampled, logits: mx.array,
+                    starts: list[int], tokens: list[list[int]], changed: bool) -> _Output:
+        """A verify's output: each row's run, its tokens at its first positions.
+        `changed`: a run may hold tokens other than the model's own choices there
+        (rejection sampling), whose logprobs are read from the logits."""
+        index = mx.array([at + j for at, run in zip(starts, tokens) for j in range(len(run))])
+        flat = mx.array([t for run in tokens for t in run], dtype=s.tokens.dtype)
+        logprobs = s.logprobs[index]
+        if changed:
+            raw = logits[index].astype(mx.float32)
+            raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+            logprobs = mx.take_along_axis(raw, flat[:, None], axis=-1)[:, 0]
+        rows = [row for row, run in zip(self.batch.rows, tokens) for _ in run]
         return _Output(running, rows, Sampled(
-            s.tokens[index], s.logprobs[index],
-            None if s.top_ids is None else s.top_ids[index],
-            None if s.top_logprobs is None else s.top_logprobs[index]), runs=runs)
+            flat, logprobs, None if s.top_ids is None else s.top_ids[index],
+            None if s.top_logprobs is None else s.top_logprobs[index]),
+            runs=[len(run) for run in tokens])
 
     def _write_verified(self, step: Step, running: list[int], drafts: list[list[int]]) -> None:
         """Every verified position's KV to the pool, at the Step's slots (the
@@ -367,14 +409,17 @@ class ModelRunner:
         self._new_grammars = {p.rid: self._grammar(p) for p in prefills
                               if p.needs_logits and p.sampling.grammar is not None}
         self.batch.slots_written(s for p in prefills for s in p.new_slot_ids)
-        joins, outputs = [], []
+        joins, draft_joins, outputs = [], [], []
         for group in plan_groups(prefills, self.prefill_step_size):
             joined = self._prefill_group(group)
             if joined is not None:
                 joins.append(joined[0])
                 outputs.append(joined[1])
+                draft_joins += joined[2:]
         if joins:
             self.batch.add(joins)
+        if draft_joins:
+            self.drafter.join(draft_joins)
         return outputs
 
     def _grammar(self, p: PrefillInput) -> RowGrammar:
@@ -382,9 +427,13 @@ class ModelRunner:
             raise ValueError(f"prefill {p.rid}: this worker cannot run constrained requests")
         return self.grammars.row(p.sampling.grammar, p.output_ids)
 
-    def _prefill_group(self, group: list[PrefillInput]) -> tuple[JoinGroup, _Output] | None:
+    def _prefill_group(self, group: list[PrefillInput]) -> tuple | None:
+        """(the rows that join, their outputs[, the draft model's rows that join]);
+        None when no row of the group joins yet (a chunk before a prompt's last)."""
         run = GroupPrefill(self.model, self.pool, group, self.prefill_step_size)
         keep = [i for i, p in enumerate(group) if p.needs_logits]
+        draft_caches = (self.drafter.prefill(group, self.prefill_step_size, keep)
+                        if self.drafter is not None else None)
         if not keep:
             return None
         caches, logits = run.caches, run.logits
@@ -397,8 +446,10 @@ class ModelRunner:
         sampled = self._sample(logits, rows)
         rids = [group[i].rid for i in keep]
         slots = [group[i].prefix_slot_ids + group[i].new_slot_ids for i in keep]
-        return (JoinGroup(rids, rows, caches, sampled.tokens, slots),
-                _Output(rids, rows, sampled))
+        joined = (JoinGroup(rids, rows, caches, sampled.tokens, slots), _Output(rids, rows, sampled))
+        if draft_caches is None:
+            return joined
+        return joined + (JoinGroup(rids, rows, draft_caches, sampled.tokens, slots),)
 
     def _row_state(self, p: PrefillInput) -> RowState:
         return RowState(p.sampling, self._seed(p.sampling), p.num_generated,
@@ -419,7 +470,7 @@ class ModelRunner:
         evaluated with the step (or with the chained decode), or lazy scatters pile
         up and pin every step's KV in memory."""
         mx.eval(_arrays(outputs), *((self.batch.pending_writes(),) if writes else ()),
-                *((self.pool.arrays,) if pool_writes else ()))
+                *((self.pool.arrays, self._draft_arrays()) if pool_writes else ()))
         self._outputs_at = time.perf_counter()
         result = StepResult(step_id, [], [], [])
         tops = []
@@ -510,3 +561,15 @@ def _arrays(outputs: list[_Output]) -> list[mx.array]:
         if o.sampled.top_ids is not None:
             arrays += [o.sampled.top_ids, o.sampled.top_logprobs]
     return arrays
+
+
+def _store(pool: KVPool, new_kv: list[tuple[mx.array, mx.array]], ids, keep: mx.array | None) -> None:
+    """A decode's per-layer KV `[rows, heads, dim]` into `pool` at `ids` (the rows
+    `keep`, when not all)."""
+    for layer, (keys, values) in enumerate(new_kv):
+        slots, subset = pool.targets(layer, ids)
+        picked = keep if subset is None else (subset if keep is None else keep[subset])
+        if picked is not None:
+            keys, values = keys[picked], values[picked]
+        if slots.size:
+            pool.write(layer, slots, keys, values)

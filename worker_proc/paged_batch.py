@@ -245,12 +245,13 @@ class PagedDecodeBatch:
         self._run(model, inputs[:, :max(kept)], kept)
         self._verified = None
 
-    def accept(self, kept: list[int], tokens: mx.array) -> None:
+    def accept(self, kept: list[int], tokens: mx.array, held: list[int] | None = None) -> None:
         """After a verify: row i keeps the KV of its first `kept[i]` new positions
         (its input and the accepted draft tokens) and its next input is `tokens[i]`;
-        pages past what it holds now go back."""
+        pages past what it holds now go back. `held`: the rows' lengths before the
+        positions counted (default: before the last forward)."""
         page = self.arena.page
-        for i, (n, k) in enumerate(zip(self._held, kept)):
+        for i, (n, k) in enumerate(zip(self._held if held is None else held, kept)):
             self.lengths[i] = n + k
             table = self.tables[i]
             spare = len(table) - -(-(n + k) // page)

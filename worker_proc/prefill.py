@@ -64,14 +64,14 @@ class GroupPrefill:
         self.states = batch_cache.state_leaves(layout, self.caches)
         if group[0].prefix_slot_ids:   # all rows have one, and equally many new tokens
             self._load_prefixes(pool)
-        if any(p.state_from for p in group):
+        if pool.states is not None and any(p.state_from for p in group):
             self._load_states(pool)
         tokens = mx.array([[PAD_TOKEN] * (new - len(p.input_ids)) + p.input_ids
                            for p in group])
         self.logits = self._forward(tokens, chunk)
         self._write_pool(pool)
-        for field in ("state_slot", "snapshot_slot"):
-            if any(getattr(p, field) for p in group):
+        for field in ("state_slot", "snapshot_slot"):   # (a draft model's pool has none)
+            if pool.states is not None and any(getattr(p, field) for p in group):
                 self._write_states(pool, field)
 
     def _load_prefixes(self, pool: KVPool) -> None:

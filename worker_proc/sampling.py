@@ -49,6 +49,7 @@ class Sampled:
     logprobs: mx.array                # [B] chosen-token logprobs
     top_ids: mx.array | None = None   # [B, n] unsorted
     top_logprobs: mx.array | None = None
+    probs: mx.array | None = None     # [B, V] what each row sampled from (when asked)
 
 
 def _mask_below(x: mx.array, threshold: mx.array) -> mx.array:
@@ -110,16 +111,32 @@ def _record(tokens: mx.array, rows: list[RowState], idx: list[int]) -> None:
         rows[i].penalties.record(tokens[i:i + 1])
 
 
-def sample(logits: mx.array, rows: list[RowState], allowed: mx.array | None = None) -> Sampled:
+def distribution(scores: mx.array, rows: list[RowState]) -> mx.array:
+    """`[B, V]`: the probabilities row i samples its token from, given the logprobs
+    it picks from (`scores`): temperature, top-k, top-p, min-p; a greedy row's is
+    all on its most likely token."""
+    greedy = mx.array([r.params.greedy for r in rows])[:, None]
+    temps = mx.array([r.params.temperature if not r.params.greedy else 1.0
+                      for r in rows])[:, None]
+    probs = mx.softmax(_filter(scores / temps, [r.params for r in rows]), axis=-1)
+    top = mx.argmax(scores, axis=-1, keepdims=True)
+    one_hot = mx.arange(scores.shape[-1])[None, :] == top
+    return mx.where(greedy, one_hot.astype(probs.dtype), probs)
+
+
+def sample(logits: mx.array, rows: list[RowState], allowed: mx.array | None = None,
+           probs: bool = False) -> Sampled:
     """Pick one token per row of `logits` [B, V], among those `allowed` [B, V] (bool)
     lets it when given, and advance each row's state (its count, its penalties'
-    record of the token, lazily; a grammar advances once the token is read)."""
+    record of the token, lazily; a grammar advances once the token is read). With
+    `probs`, the result holds what each row sampled from (`distribution`)."""
     logits = logits.astype(mx.float32)
     logprobs = _log_softmax(logits)
     processed_idx = [i for i, r in enumerate(rows) if r.penalties is not None]
     scores = _processed(logits, logprobs, rows, processed_idx) if processed_idx else logprobs
     if allowed is not None:
         scores = mx.where(allowed, scores, -mx.inf)
+    chances = distribution(scores, rows) if probs else None
     tokens = mx.argmax(scores, axis=-1)
     sampled_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(sampled_idx) == len(rows):
@@ -129,7 +146,7 @@ def sample(logits: mx.array, rows: list[RowState], allowed: mx.array | None = No
         tokens[idx] = _sample_rows(scores[idx], [rows[i] for i in sampled_idx])
     _record(tokens, rows, processed_idx)
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    out = Sampled(tokens, chosen)
+    out = Sampled(tokens, chosen, probs=chances)
     n_top = max(r.params.top_logprobs for r in rows)
     if n_top > 0:
         n_top = min(n_top, logprobs.shape[-1])

@@ -28,10 +28,7 @@ def measure_verify_costs(model, budget_s: float = 3.0) -> list[float]:
     start = time.perf_counter()
 
     def forward(n: int) -> float:
-        tokens = mx.zeros((1, n), dtype=mx.int32)
-        t = time.perf_counter()
-        mx.eval(model(tokens))
-        return time.perf_counter() - t
+        return _forward_seconds(model, n)
 
     sizes = []
     for i, n in enumerate(PROBE_SIZES):
@@ -46,6 +43,24 @@ def measure_verify_costs(model, budget_s: float = 3.0) -> list[float]:
         for n in sizes:
             best[n] = min(best[n], forward(n))
     return cost_curve(best)
+
+
+def measure_draft_cost(model, draft) -> float:
+    """What one forward of one position of the draft model costs next to one of the
+    model's (each warmed up, then the fastest of ROUNDS)."""
+    times = []
+    for m in (model, draft):
+        _forward_seconds(m, 1)
+        times.append(min(_forward_seconds(m, 1) for _ in range(ROUNDS)))
+    return times[1] / times[0]
+
+
+def _forward_seconds(model, n: int) -> float:
+    """The time of one forward of n positions (no cache)."""
+    tokens = mx.zeros((1, n), dtype=mx.int32)
+    t = time.perf_counter()
+    mx.eval(model(tokens))
+    return time.perf_counter() - t
 
 
 def cost_curve(measured: dict[int, float]) -> list[float]:

@@ -36,14 +36,18 @@ class Engine:
 
     def __init__(self, path: str, spec: SpecConfig = NGRAM, overlap: bool = False,
                  kv_capacity: int = 4096, chunk: int = 8192, max_running: int = 64,
-                 decode_layout: str = "auto", grammars: bool = False):
+                 decode_layout: str = "auto", grammars: bool = False, draft: str | None = None):
         model, tokenizer = load_reference(path)
         geometry = probe_geometry(model)
         states = max_running if geometry.state_shapes else 0
         window = max(geometry.cache_layout.windows, default=0)
         windows = min(kv_capacity, 2 * (max_running * window + 4096)) if window else 0
+        drafter = None
+        if draft is not None:   # the draft model of `--speculative draft`
+            from mlxd.worker_proc.draft_model import drafter_for
+            drafter = drafter_for(load_reference(draft)[0], kv_capacity, kv_capacity // 64 + 1)
         self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows),
-                                 decode_layout=decode_layout, overlap=overlap)
+                                 decode_layout=decode_layout, overlap=overlap, drafter=drafter)
         if grammars:
             from mlxd.worker_proc.grammar import Grammars
             self.runner.grammars = Grammars.for_model(tokenizer, self.runner.vocab_size)
@@ -52,7 +56,7 @@ class Engine:
             max_running_requests=max_running, state_slots=states, snapshot_slots=states,
             window_capacity=windows, window=window, decode_page=self.runner.decode_page,
             speculative=spec, verifies_drafts=self.runner.verifies_drafts,
-            worker_overlaps=overlap))
+            worker_overlaps=overlap, draft_model=draft is not None))
         self.out: dict[int, list[tuple]] = {}   # rid -> [(token, logprob, top)]
         self.final: dict = {}                    # rid -> its entry with a finish_reason
         self.results = []
@@ -114,9 +118,9 @@ class Engine:
         assert s.kv.allocator.num_free + cached == s.limits.kv_capacity
 
 
-def assert_speculated(e: Engine) -> None:
+def assert_speculated(e: Engine, method: str = "ngram") -> None:
     c = e.counters
-    assert c["method"] == "ngram"
+    assert c["method"] == method
     assert c["verifies"] > 0 and c["accepted_tokens"] > 0, c
 
 
@@ -226,10 +230,10 @@ def looping_prompt(path: str, continued: int = 20) -> list[int]:
 
 
 def sample_continuations(path: str, spec: SpecConfig, seed: int, n: int = 2000,
-                         batch: int = 50) -> tuple[list[list[int]], dict]:
+                         batch: int = 50, draft: str | None = None) -> tuple[list[list[int]], dict]:
     rng = random.Random(seed)
     prompt = looping_prompt(path)
-    e = Engine(path, spec=spec, max_running=batch)
+    e = Engine(path, spec=spec, max_running=batch, draft=draft)
     rid = 0
     while rid < n:
         for _ in range(min(batch, n - rid)):

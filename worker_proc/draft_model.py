@@ -1,0 +1,228 @@
+"""Drafts from a smaller model (`--speculative draft`): the draft model runs in the
+worker beside the model, over the same rows, and proposes each drafting row's next
+tokens; the verify (model_runner) checks them as it checks n-gram drafts.
+
+- **Its KV sits at the same pool slots** as the model's, in a pool of its own
+  (`DraftModel.pool`, sized with the model's: the memory split counts both per
+  token). So the scheduler books it without knowing it exists: a prefix hit, a
+  retraction and resume, a chunked prefill read and write the draft's KV at the
+  slots they read and write the model's, and the worker never derives a slot id.
+- **It decodes every step** the model decodes (its batch, `DraftModel.batch`, holds
+  the same rows in the same order, its inputs the model's): one forward of one
+  position per row, whose logits are never computed, keeps its KV complete, chained
+  decodes included.
+- **A drafting step** (`propose`): k + 1 forwards of the draft batch, k = the most
+  tokens a row asks for; each picks every row's next draft token (greedy rows its
+  most likely, sampled rows a sample of its own distribution under the row's
+  temperature and filters, with a key of the row's seed apart from the model's), and
+  the last writes the KV of the k-th. The verify then keeps each row's run; the draft
+  batch keeps the same positions (`accept`).
+- **Exact**: a greedy row's draft is checked against the model's own choice at each
+  position, as an n-gram draft is. A sampled row's is checked by rejection sampling
+  (`rejection_runs`): draft token d at a position is accepted with probability
+  min(1, p(d) / q(d)) (p: the model's distribution there, penalties, bias and grammar
+  included; q: the draft's), the first refused one replaced by a sample of the
+  residual max(0, p - q), and after a wholly accepted draft the model's own sample
+  follows: the tokens are distributed as the model's alone. With a seed every draw
+  has its key, so a request gives the same text whenever it is drafted the same way;
+  not the text of speculation off, whose draws differ.
+"""
+
+import mlx.core as mx
+
+from .decode import JoinGroup, UnsupportedModel
+from .kv_pool import KVGeometry, KVPool, write_ids
+from .paged_batch import PagedDecodeBatch
+from .prefill import GroupPrefill
+from . import batch_cache
+from .sampling import RowState, distribution, step_key
+
+# the draft's sampling draws and the acceptance draws take keys of their own
+DRAFT_STREAM = 0x6A09E667F3BCC908
+ACCEPT_STREAM = 0xBB67AE8584CAA73B
+_MASK64 = (1 << 64) - 1
+
+
+def check_draft(geometry: KVGeometry, vocab_size: int, model_vocab_size: int) -> None:
+    """A draft model keeps plain KV caches and embeds the model's token ids."""
+    if geometry.state_shapes or geometry.max_window:
+        raise UnsupportedModel("a draft model must keep plain KV caches (no sliding "
+                               "window, no recurrent state)")
+    if vocab_size != model_vocab_size:
+        raise UnsupportedModel(f"the draft model's vocabulary ({vocab_size} ids) is not "
+                               f"the model's ({model_vocab_size})")
+
+
+def same_vocabulary(tokenizer, draft_tokenizer) -> bool:
+    """The two tokenizers map every token to the same id."""
+    return tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+
+
+def drafter_for(model, capacity: int, most_pages: int, preallocate: bool = False) -> "DraftModel":
+    """A DraftModel of `model` decoding in pages (UnsupportedModel where its attention
+    cannot), its pool of `capacity` slots, its page arena growing to `most_pages`."""
+    from .decode import decode_page_for, decode_rows
+    from .model_runner import probe_geometry
+
+    geometry = probe_geometry(model)
+    page = decode_page_for(model, geometry, "paged")
+    # (no page sharing: the model's batch hears of the slots a step writes, not this one)
+    return DraftModel(model, KVPool(geometry, capacity),
+                      decode_rows(geometry, page, most_pages, preallocate, share=False))
+
+
+class DraftModel:
+    """The draft model, its KV pool (the model's slots) and its decode batch (the
+    model's rows, in their order)."""
+
+    def __init__(self, model, pool: KVPool, batch: PagedDecodeBatch):
+        self.model, self.pool, self.batch = model, pool, batch
+        self._before: list[int] = []   # the rows' lengths before a drafting step
+
+    # ---- rows joining and leaving ------------------------------------------
+
+    def prefill(self, group: list, chunk: int, keep: list[int]) -> list:
+        """The draft's prefill of a prefill group (its KV written to the pool at the
+        group's slots): the caches of the rows `keep` (those that join; none when
+        none does, as after a chunk before a prompt's last)."""
+        run = GroupPrefill(self.model, self.pool, group, chunk)
+        caches = run.caches
+        if keep and len(keep) < len(group):
+            idx = mx.array(keep)
+            for cache in caches:
+                batch_cache.keep_rows(cache, idx)
+        return caches
+
+    def join(self, groups: list[JoinGroup]) -> None:
+        self.batch.add(groups)
+
+    def remove(self, rids: set[int]) -> None:
+        self.batch.remove(rids)
+
+    def clear(self) -> None:
+        self.batch.clear()
+
+    # ---- decode ------------------------------------------------------------
+
+    def decode(self, inputs: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """One position per row, the rows' `inputs`: its KV, per layer `[rows, heads,
+        dim]` (lazy), for the pool at the step's slots."""
+        self.batch.tokens = inputs
+        self.batch.forward(self.model)
+        return self.batch.newest_kv()
+
+    def propose(self, inputs: mx.array, rows: list[RowState], counts: list[int]) -> "Proposal":
+        """Row i's next `counts[i]` tokens after its input (`inputs[i]`), each picked
+        from the draft's distribution there; the KV of the input and of every draft
+        token is in the batch's pages after this, and in `Proposal.kv`."""
+        most = max(counts)
+        self._before = list(self.batch.lengths)
+        self.batch.tokens = inputs
+        kv, picks, dists = [], [], []
+        for j in range(most + 1):
+            logits = self.batch.forward(self.model)
+            kv.append(self.batch.newest_kv())
+            if j == most:
+                break
+            tokens, probs = _pick(logits, rows, j)
+            picks.append(tokens)
+            dists.append(probs)
+            self.batch.tokens = tokens
+        mx.eval(picks)
+        chosen = [p.tolist() for p in picks]
+        drafts = [[chosen[j][i] for j in range(n)] for i, n in enumerate(counts)]
+        return Proposal(drafts, dists, kv)
+
+    def accept(self, kept: list[int], tokens: mx.array) -> None:
+        """After the verify: row i keeps the KV of its first `kept[i]` positions of
+        the drafting step, and its next input is `tokens[i]`."""
+        self.batch.accept(kept, tokens, held=self._before)
+
+    def write_pool(self, kv: list[list[tuple[mx.array, mx.array]]], slots: list[list[int]]) -> None:
+        """Store forward j's KV of row i (`kv[j]`, per layer `[rows, heads, dim]`) at
+        `slots[i][j]`, for the positions row i has slots for."""
+        picks = [(j, i) for i, row in enumerate(slots) for j in range(len(row))]
+        if not picks:
+            return
+        rows = len(slots)
+        index = mx.array([j * rows + i for j, i in picks])
+        ids = write_ids([slots[i][j] for j, i in picks], [])
+        for layer in range(len(kv[0])):
+            keys = mx.concatenate([step[layer][0] for step in kv])[index]
+            values = mx.concatenate([step[layer][1] for step in kv])[index]
+            targets, _ = self.pool.targets(layer, ids)
+            self.pool.write(layer, targets, keys, values)
+
+    def arrays(self) -> list:
+        """What a step evaluates to complete the draft's writes."""
+        return [self.pool.arrays, self.batch.pending_writes()]
+
+
+class Proposal:
+    """A drafting step's draft tokens (per row), the draft's distributions they were
+    picked from (per draft position, `[rows, V]`) and its KV (per forward)."""
+
+    def __init__(self, drafts: list[list[int]], dists: list[mx.array], kv: list):
+        self.drafts, self.dists, self.kv = drafts, dists, kv
+
+
+def _keyed(seed: int, stream: int) -> int:
+    return (seed ^ stream) & _MASK64
+
+
+def _pick(logits: mx.array, rows: list[RowState], j: int) -> tuple[mx.array, mx.array]:
+    """Each row's draft token at draft position j and the distribution it is
+    picked from: the draft's logprobs under the row's temperature and filters (no
+    penalties, bias or grammar: the verify applies the model's)."""
+    logits = logits.astype(mx.float32)
+    scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    probs = distribution(scores, rows)
+    noise = mx.stack([mx.random.gumbel((scores.shape[-1],),
+                                       key=step_key(_keyed(r.seed, DRAFT_STREAM), r.generated + j))
+                      for r in rows])
+    tokens = mx.argmax(mx.log(probs) + noise, axis=-1)
+    greedy = mx.array([r.params.greedy for r in rows])
+    return mx.where(greedy, mx.argmax(scores, axis=-1), tokens).astype(mx.int32), probs
+
+
+def rejection_runs(rows: list[RowState], drafts: list[list[int]], starts: list[int],
+                   target: mx.array, dists: list[mx.array], chosen: list[int]) -> dict[int, list[int]]:
+    """The runs of the sampled rows (index -> tokens) by rejection sampling: row i's
+    draft token at position j is accepted with probability min(1, p/q) (p: `target`
+    `[positions, V]` at the row's position `starts[i] + j`, q: `dists[j][i]`); the
+    first refused one is replaced by a sample of max(0, p - q), normalised; a draft
+    wholly accepted is followed by the model's own choice after it (`chosen`)."""
+    pairs = [(i, j) for i, (r, d) in enumerate(zip(rows, drafts))
+             if not r.params.greedy for j in range(len(d))]
+    if not pairs:
+        return {}
+    p = target[mx.array([starts[i] + j for i, j in pairs])]
+    q = mx.stack([dists[j][i] for i, j in pairs])
+    d = mx.array([drafts[i][j] for i, j in pairs])[:, None]
+    ratio = (mx.take_along_axis(p, d, axis=-1) / mx.take_along_axis(q, d, axis=-1))[:, 0]
+    draws = mx.stack([mx.random.uniform(key=step_key(_keyed(rows[i].seed, ACCEPT_STREAM),
+                                                     rows[i].generated + j))
+                      for i, j in pairs])
+    residual = mx.maximum(p - q, 0.0)
+    noise = mx.stack([mx.random.gumbel((p.shape[-1],),
+                                       key=step_key(rows[i].seed, rows[i].generated + j))
+                      for i, j in pairs])
+    resampled = mx.argmax(mx.log(residual) + noise, axis=-1)
+    accepted = draws < ratio
+    mx.eval(accepted, resampled)
+    accepted, resampled = accepted.tolist(), resampled.tolist()
+    steps: dict[int, list[tuple[bool, int, int]]] = {}
+    for (i, j), ok, token in zip(pairs, accepted, resampled):
+        steps.setdefault(i, []).append((ok, token, j))
+    runs = {}
+    for i, row_steps in steps.items():
+        run = []
+        for ok, token, j in row_steps:
+            if not ok:   # the first refused draft token: the residual's sample instead
+                run.append(token)
+                break
+            run.append(drafts[i][j])
+        else:   # all accepted: the model's own choice after them
+            run.append(chosen[starts[i] + len(drafts[i])])
+        runs[i] = run
+    return runs
