@@ -1,5 +1,5 @@
 """Speculative decoding: decode tok/s with `--speculative off` and `--speculative ngram`
-on chat traces whose answers repeat their prompts (edit a file, quote a passage) and
+(or, given `--draft-model`, `--speculative draft`) on chat traces whose answers repeat their prompts (edit a file, quote a passage) and
 one whose answer does not (an open question), each at several concurrency levels, and
 the verify cost curve that bounds what speculation can gain on this machine.
 
@@ -7,6 +7,7 @@ the verify cost curve that bounds what speculation can gain on this machine.
     python -m bench.spec --model smollm2              # the server's default model
     python -m bench.spec --concurrency 1,8,32 --gen-len 128 --repeats 3 --json spec.json
     python -m bench.spec --cost-curve-only            # the verify cost curve alone
+    python -m bench.spec --model smollm2 --draft-model PATH   # off vs a draft model
 
 One server per mode runs for the whole bench. Every (trace, concurrency) runs
 `--repeats` times in each mode, the two modes alternating (off first, then ngram
@@ -34,7 +35,6 @@ import sys
 from bench.common import ROOT, MlxdServer, bench_model, blas_env, machine_summary, now, random_prompts, tokenizer_vocab
 from bench.serving.__main__ import default_model
 
-MODES = ("off", "ngram")
 COUNTERS = ("verifies", "draft_tokens", "accepted_tokens")
 MAX_M = 16
 
@@ -137,19 +137,19 @@ def spec_figures(verifies, draft_tokens, accepted_tokens) -> dict:
     return {"tokens_per_verify": per_step, "acceptance_rate": rate}
 
 
-def summarize(repeats: list[dict]) -> dict:
+def summarize(repeats: list[dict], mode: str = "ngram") -> dict:
     """One (trace, concurrency): median rates per mode, the median of the per-repeat
-    ratios ngram/off, the ngram runs' counters summed, and whether both modes gave
+    ratios `mode`/off, the `mode` runs' counters summed, and whether both modes gave
     the same tokens (greedy: they should)."""
     off = [r["off"]["tok_s"] for r in repeats]
-    on = [r["ngram"]["tok_s"] for r in repeats]
+    on = [r[mode]["tok_s"] for r in repeats]
     ratios = [b / a for a, b in zip(off, on) if a > 0]
-    counts = {k: None if any(r["ngram"][k] is None for r in repeats)
-              else sum(r["ngram"][k] for r in repeats) for k in COUNTERS}
+    counts = {k: None if any(r[mode][k] is None for r in repeats)
+              else sum(r[mode][k] for r in repeats) for k in COUNTERS}
     figures = (spec_figures(*(counts[k] for k in COUNTERS))
                if counts["verifies"] is not None else spec_figures(0, 0, 0))
-    same = all(tokens == r["off"]["tokens"][0] for r in repeats for tokens in r["ngram"]["tokens"])
-    return {"tok_s_off": statistics.median(off), "tok_s_ngram": statistics.median(on),
+    same = all(tokens == r["off"]["tokens"][0] for r in repeats for tokens in r[mode]["tokens"])
+    return {"tok_s_off": statistics.median(off), f"tok_s_{mode}": statistics.median(on),
             "ratio": statistics.median(ratios) if ratios else None, "ratios": ratios,
             **counts, **figures, "same_tokens": same}
 
@@ -212,10 +212,13 @@ def run_traces(args) -> dict:
     flags = ["--max-running-requests", str(max(levels)), *args.server_args.split()]
     if args.spec_max_draft:
         flags += ["--spec-max-draft", str(args.spec_max_draft)]
+    modes = ("off", args.mode)
+    drafting = ["--draft-model", args.draft_model] if args.draft_model else []
     servers = {}
     try:
-        for mode in MODES:
-            servers[mode] = MlxdServer(args.model, "--speculative", mode, *flags)
+        for mode in modes:
+            servers[mode] = MlxdServer(args.model, "--speculative", mode, *flags,
+                                       *(drafting if mode == "draft" else []))
             asyncio.run(_warm_up(servers[mode], args.traces))
         results = {}
         for name in args.traces:
@@ -224,11 +227,11 @@ def run_traces(args) -> dict:
             for n in levels:
                 repeats = []
                 for r in range(args.repeats):
-                    order = MODES if r % 2 == 0 else MODES[::-1]
+                    order = modes if r % 2 == 0 else modes[::-1]
                     repeats.append({mode: asyncio.run(_drive(
                         servers[mode], messages, n, args.gen_len, f"{name}-{mode}-{n}-{r}"))
                         for mode in order})
-                summary = summarize(repeats)
+                summary = summarize(repeats, args.mode)
                 for run in (run for repeat in repeats for run in repeat.values()):
                     del run["tokens"]   # compared in the summary; too long to keep
                 results[name][n] = {"repeats": repeats, "summary": summary}
@@ -244,14 +247,15 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_traces(results: dict, args) -> None:
+    mode = args.mode
     print(f"greedy, {args.gen_len} output tokens per request; decode tok/s, all copies "
-          f"together; counters from the ngram server")
-    print(f"{'trace':6s} {'conc':>4s} {'off':>8s} {'ngram':>8s} {'ratio':>6s} {'verifies':>8s} "
+          f"together; counters from the {mode} server")
+    print(f"{'trace':6s} {'conc':>4s} {'off':>8s} {mode:>8s} {'ratio':>6s} {'verifies':>8s} "
           f"{'drafted':>8s} {'accepted':>8s} {'tok/step':>8s} {'accept':>6s} same")
     for name, levels in results.items():
         for n, entry in levels.items():
             s = entry["summary"]
-            print(f"{name:6s} {n:4d} {s['tok_s_off']:8.1f} {s['tok_s_ngram']:8.1f} "
+            print(f"{name:6s} {n:4d} {s['tok_s_off']:8.1f} {s[f'tok_s_{mode}']:8.1f} "
                   f"{_fmt(s['ratio'], '6.3f')} {_fmt(s['verifies'], '8d')} "
                   f"{_fmt(s['draft_tokens'], '8d')} {_fmt(s['accepted_tokens'], '8d')} "
                   f"{_fmt(s['tokens_per_verify'], '8.2f')} {_fmt(s['acceptance_rate'], '6.2f')} "
@@ -277,6 +281,7 @@ def inputs(args) -> dict:
                         "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
     return {"model": args.model, "concurrency": args.concurrency, "gen_len": args.gen_len,
             "repeats": args.repeats, "spec_max_draft": args.spec_max_draft,
+            "draft_model": args.draft_model,
             "server_args": args.server_args, "cost_context": args.cost_context,
             "cost_repeats": args.cost_repeats, "traces": traces}
 
@@ -293,6 +298,9 @@ def main() -> None:
     ap.add_argument("--spec-max-draft", type=int, default=0,
                     help="the ngram server's --spec-max-draft (0: its default)")
     ap.add_argument("--server-args", default="", help="extra launch.py flags for both servers")
+    ap.add_argument("--draft-model", default="",
+                    help="compare off with --speculative draft on this draft model "
+                         "(instead of ngram)")
     ap.add_argument("--cost-context", type=int, default=512, help="cached tokens of the cost curve")
     ap.add_argument("--cost-repeats", type=int, default=7)
     ap.add_argument("--cost-curve-only", action="store_true", help="only the verify cost curve")
@@ -300,6 +308,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.model = bench_model(args.model) if args.model else default_model()
+    args.mode = "draft" if args.draft_model else "ngram"
     if args.cost_curve_child:
         print(json.dumps(verify_cost_curve(args.model, args.cost_context, args.cost_repeats)))
         return

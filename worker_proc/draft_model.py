@@ -73,11 +73,17 @@ def drafter_for(model, capacity: int, most_pages: int, preallocate: bool = False
 
 class DraftModel:
     """The draft model, its KV pool (the model's slots) and its decode batch (the
-    model's rows, in their order)."""
+    model's rows, in their order). Between drafting steps it does nothing: each row's
+    positions the model decoded meanwhile wait (`lag`: their tokens and slots) and are
+    run at the row's next drafting step, in the forward that drafts its first token."""
 
     def __init__(self, model, pool: KVPool, batch: PagedDecodeBatch):
         self.model, self.pool, self.batch = model, pool, batch
+        self.inputs: dict[int, int] = {}   # rid -> its next input token (read)
+        self.lag: dict[int, list[tuple[int, int]]] = {}   # rid -> [(token, slot)] not run
         self._before: list[int] = []   # the rows' lengths before a drafting step
+        self._caught_up: list[int] = []   # per row: lagging positions that step ran
+        self._last_logits: mx.array | None = None
 
     # ---- rows joining and leaving ------------------------------------------
 
@@ -97,61 +103,101 @@ class DraftModel:
         self.batch.add(groups)
 
     def remove(self, rids: set[int]) -> None:
+        """Released rows leave (a row's lagging positions are never run: their
+        pool slots keep no draft KV, which a later prefix hit drafts worse from,
+        never wrongly)."""
         self.batch.remove(rids)
+        for rid in rids:
+            self.inputs.pop(rid, None)
+            self.lag.pop(rid, None)
 
     def clear(self) -> None:
         self.batch.clear()
+        self.inputs, self.lag = {}, {}
 
-    # ---- decode ------------------------------------------------------------
+    # ---- following the model ---------------------------------------------------
 
-    def decode(self, inputs: mx.array) -> list[tuple[mx.array, mx.array]]:
-        """One position per row, the rows' `inputs`: its KV, per layer `[rows, heads,
-        dim]` (lazy), for the pool at the step's slots."""
-        self.batch.tokens = inputs
-        self.batch.forward(self.model)
-        return self.batch.newest_kv()
+    def read(self, rids: list[int], tokens: list[int], runs: list[int] | None = None) -> None:
+        """A step's tokens were read (`runs[i]` of them row i's; default one each):
+        each row's last is its next input."""
+        at = 0
+        for rid, n in zip(rids, runs or [1] * len(rids)):
+            at += n
+            if rid is not None:
+                self.inputs[rid] = tokens[at - 1]
 
-    def propose(self, inputs: mx.array, rows: list[RowState], counts: list[int]) -> "Proposal":
-        """Row i's next `counts[i]` tokens after its input (`inputs[i]`), each picked
-        from the draft's distribution there; the KV of the input and of every draft
-        token is in the batch's pages after this, and in `Proposal.kv`."""
+    def decoded(self, rids: list[int], slots: list[int]) -> None:
+        """The model decoded these rows' inputs into `slots` without the draft."""
+        for rid, slot in zip(rids, slots):
+            self.lag.setdefault(rid, []).append((self.inputs[rid], slot))
+
+    # ---- drafting ------------------------------------------------------------
+
+    def propose(self, rids: list[int], rows: list[RowState], counts: list[int],
+                slots: list[int], draft_slots: list[list[int]]) -> "Proposal":
+        """Row i's next `counts[i]` tokens after its input, each picked from the
+        draft's distribution there. The first forward runs each row's lagging
+        positions and its input (at `slots[i]`) and picks its first draft token;
+        then one forward per further token, the last for the KV of the last. Every
+        position's KV goes to the pool (a draft token's at `draft_slots[i]`)."""
         most = max(counts)
         self._before = list(self.batch.lengths)
-        self.batch.tokens = inputs
-        kv, picks, dists = [], [], []
-        for j in range(most + 1):
-            logits = self.batch.forward(self.model)
-            kv.append(self.batch.newest_kv())
-            if j == most:
-                break
+        runs = [[t for t, _ in self.lag.get(rid, [])] + [self.inputs[rid]] for rid in rids]
+        self._store([[s for _, s in self.lag.pop(rid, [])] + [slot]
+                     for rid, slot in zip(rids, slots)], self._catch_up(runs))
+        self._caught_up = [len(run) - 1 for run in runs]
+        logits = self._last_logits
+        picks, dists = [], []
+        for j in range(most):
             tokens, probs = _pick(logits, rows, j)
             picks.append(tokens)
             dists.append(probs)
             self.batch.tokens = tokens
+            logits = self.batch.forward(self.model)
+            self._store([d[j:j + 1] for d in draft_slots], self.batch.newest_kv())
         mx.eval(picks)
         chosen = [p.tolist() for p in picks]
-        drafts = [[chosen[j][i] for j in range(n)] for i, n in enumerate(counts)]
-        return Proposal(drafts, dists, kv)
+        return Proposal([[chosen[j][i] for j in range(n)] for i, n in enumerate(counts)], dists)
 
-    def accept(self, kept: list[int], tokens: mx.array) -> None:
-        """After the verify: row i keeps the KV of its first `kept[i]` positions of
-        the drafting step, and its next input is `tokens[i]`."""
-        self.batch.accept(kept, tokens, held=self._before)
+    def _catch_up(self, runs: list[list[int]]) -> list[tuple[mx.array, mx.array]]:
+        """One forward of every row's `runs[i]` (its lagging tokens, then its input)
+        at its next positions; keeps each row's last logits (`_last_logits`) and
+        returns the KV of every position, rows in turn."""
+        self.batch.tokens = mx.array([run[0] for run in runs], dtype=mx.int32)
+        if max(len(run) for run in runs) == 1:
+            self._last_logits = self.batch.forward(self.model)
+        else:
+            logits = self.batch.forward(self.model, [run[1:] for run in runs])
+            ends, at = [], 0
+            for run in runs:
+                at += len(run)
+                ends.append(at - 1)
+            self._last_logits = logits[mx.array(ends)]
+        return self.batch.newest_kv()
 
-    def write_pool(self, kv: list[list[tuple[mx.array, mx.array]]], slots: list[list[int]]) -> None:
-        """Store forward j's KV of row i (`kv[j]`, per layer `[rows, heads, dim]`) at
-        `slots[i][j]`, for the positions row i has slots for."""
-        picks = [(j, i) for i, row in enumerate(slots) for j in range(len(row))]
-        if not picks:
+    def _store(self, slots: list[list[int]], kv: list[tuple[mx.array, mx.array]]) -> None:
+        """KV `[positions, heads, dim]` per layer, one position per row or each row's
+        positions in turn (as many as its slots, then): row i's at `slots[i]`; a
+        one-position forward's rows without a slot are left out."""
+        flat = [s for row in slots for s in row]
+        if not flat:
             return
-        rows = len(slots)
-        index = mx.array([j * rows + i for j, i in picks])
-        ids = write_ids([slots[i][j] for j, i in picks], [])
-        for layer in range(len(kv[0])):
-            keys = mx.concatenate([step[layer][0] for step in kv])[index]
-            values = mx.concatenate([step[layer][1] for step in kv])[index]
+        index = None
+        if len(flat) != kv[0][0].shape[0]:   # one position per row, some without a slot
+            index = mx.array([i for i, row in enumerate(slots) if row])
+        ids = write_ids(flat, [])
+        for layer, (keys, values) in enumerate(kv):
+            if index is not None:
+                keys, values = keys[index], values[index]
             targets, _ = self.pool.targets(layer, ids)
             self.pool.write(layer, targets, keys, values)
+
+    def accept(self, kept: list[int], tokens: mx.array) -> None:
+        """After the verify: row i keeps its lagging positions and the first
+        `kept[i]` of the model's (its input and the accepted draft tokens); its next
+        input is `tokens[i]`."""
+        self.batch.accept([c + k for c, k in zip(self._caught_up, kept)], tokens,
+                          held=self._before)
 
     def arrays(self) -> list:
         """What a step evaluates to complete the draft's writes."""
@@ -159,11 +205,11 @@ class DraftModel:
 
 
 class Proposal:
-    """A drafting step's draft tokens (per row), the draft's distributions they were
-    picked from (per draft position, `[rows, V]`) and its KV (per forward)."""
+    """A drafting step's draft tokens (per row) and the draft's distributions they
+    were picked from (per draft position, `[rows, V]`)."""
 
-    def __init__(self, drafts: list[list[int]], dists: list[mx.array], kv: list):
-        self.drafts, self.dists, self.kv = drafts, dists, kv
+    def __init__(self, drafts: list[list[int]], dists: list[mx.array]):
+        self.drafts, self.dists = drafts, dists
 
 
 def _keyed(seed: int, stream: int) -> int:

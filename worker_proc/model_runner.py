@@ -65,7 +65,6 @@ class _Output:
     rows: list[RowState]     # per token (a row's run repeats it)
     sampled: Sampled         # per token
     new_kv: list[tuple[mx.array, mx.array]] | None = None   # decode: per layer, the input's KV
-    draft_kv: list[tuple[mx.array, mx.array]] | None = None   # the same of the draft model
     runs: list[int] | None = None   # a verify: tokens per row (None: one each)
 
 
@@ -234,13 +233,12 @@ class ModelRunner:
 
     def _launch_decode(self) -> _Output:
         """Decode every row of the batch, lazily; the rows' next input is the result."""
-        draft_kv = self.drafter.decode(self.batch.tokens) if self.drafter else None
         logits = self.batch.forward(self.model)
         live = [rid is not None for rid in self.batch.row_rids]
         sampled = self._sample(logits, self.batch.rows, live)
         self.batch.tokens = sampled.tokens
         return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled,
-                       self.batch.newest_kv(), draft_kv=draft_kv)
+                       self.batch.newest_kv())
 
     def _sample(self, logits: mx.array, rows: list[RowState], live=None,
                 masks: Future | None = None, probs: bool = False) -> Sampled:
@@ -289,8 +287,8 @@ class ModelRunner:
             position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
             keep = mx.array([position[rid] for rid in running])
         _store(self.pool, launched.new_kv, ids, keep)
-        if launched.draft_kv is not None:
-            _store(self.drafter.pool, launched.draft_kv, ids, keep)
+        if self.drafter is not None:   # the draft runs these positions when it next drafts
+            self.drafter.decoded(running, [slot_of[rid] for rid in running])
         if keep is None:
             return launched
         s = launched.sampled
@@ -325,8 +323,11 @@ class ModelRunner:
         rows = self.batch.rows
         if step.model_drafts:   # the draft model's, as many as the Step asks of each row
             count_of = dict(zip(step.decode_rids, step.model_drafts))
-            proposal = self.drafter.propose(self.batch.tokens, rows,
-                                            [count_of[rid] for rid in running])
+            slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
+            drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
+            proposal = self.drafter.propose(
+                running, rows, [count_of[rid] for rid in running],
+                [slot_of[rid] for rid in running], [drafts_at[rid] for rid in running])
             asked = proposal.drafts
         else:
             proposal, draft_of = None, dict(zip(step.decode_rids, step.decode_drafts))
@@ -353,10 +354,6 @@ class ModelRunner:
         self.batch.accept(runs, last)
         if proposal is not None:
             self.drafter.accept(runs, last)
-            slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
-            drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
-            self.drafter.write_pool(proposal.kv, [[slot_of[rid]] + drafts_at[rid]
-                                                  for rid in running])
         for row, d, run in zip(rows, drafts, tokens):
             if d:   # the real row takes its run (rows without a draft were sampled as such)
                 _take_run(row, run)
@@ -477,6 +474,8 @@ class ModelRunner:
         for o in outputs:
             tokens = o.sampled.tokens.tolist()
             _advance_rows(o.rows, tokens)
+            if self.drafter is not None:
+                self.drafter.read(o.rids, tokens, o.runs)
             result.rids += o.rids
             result.tokens += tokens
             result.logprobs += o.sampled.logprobs.tolist()

@@ -104,3 +104,45 @@ def test_spec_bench_runs_off_and_ngram_and_reports_every_figure(
     assert "tok/step" in stdout and "break-even" in stdout
     # no server or cost-curve child is left behind
     assert wait_until(lambda: not processes_using(tiny_model), 10), processes_using(tiny_model)
+
+
+def test_spec_bench_compares_off_with_a_draft_model(tiny_model, tmp_path):
+    """--draft-model: the second server runs `--speculative draft` on a draft made of
+    the model's first layer (bench/truncated_draft.py); the same figures, under its
+    name, and the same greedy tokens as off."""
+    from bench.truncated_draft import truncated_copy
+
+    draft = truncated_copy(tiny_model, tmp_path / "draft", layers=1)
+    out = tmp_path / "spec.json"
+    stdout = run_bench(tiny_model, out, "--concurrency", "1", "--gen-len", "12",
+                       "--repeats", "1", "--traces", "edit", "--draft-model", str(draft),
+                       "--server-args", "--spec-cost none")
+    report = json.loads(out.read_text())
+    assert report["inputs"]["draft_model"] == str(draft)
+    entry = report["traces"]["edit"]["1"]
+    (repeat,) = entry["repeats"]
+    assert set(repeat) == {"off", "draft"}
+    for mode, run in repeat.items():
+        check_counters(run, mode)
+    s = entry["summary"]
+    assert s["tok_s_off"] > 0 and s["tok_s_draft"] > 0 and s["verifies"] > 0
+    assert s["same_tokens"]
+    assert "draft" in stdout.splitlines()[2]   # the table's column
+    assert wait_until(lambda: not processes_using(tiny_model), 10), processes_using(tiny_model)
+
+
+def test_a_truncated_draft_keeps_the_first_layers_and_the_vocabulary(tiny_model, tmp_path):
+    from bench.truncated_draft import truncated_copy
+    from mlxd.worker_proc.draft_model import check_draft, same_vocabulary
+    from mlxd.worker_proc.model_runner import probe_geometry, probe_vocab_size
+    from support import load_reference
+
+    draft = truncated_copy(tiny_model, tmp_path / "draft", layers=1)
+    model, tokenizer = load_reference(tiny_model)
+    small, small_tokenizer = load_reference(str(draft))
+    assert len(small.layers) == 1 and len(model.layers) == 2
+    check_draft(probe_geometry(small), probe_vocab_size(small), probe_vocab_size(model))
+    assert same_vocabulary(tokenizer._tokenizer, small_tokenizer._tokenizer)
+    assert (small.layers[0].self_attn.q_proj.weight == model.layers[0].self_attn.q_proj.weight).all()
+    with pytest.raises(ValueError, match="layers"):
+        truncated_copy(tiny_model, tmp_path / "bad", layers=3)

@@ -7,6 +7,7 @@ import random
 import urllib.request
 
 import openai
+import pytest
 
 from mlxd.client import AsyncClient
 from support import Server, reference_tokens
@@ -164,3 +165,58 @@ def test_a_hybrid_model_drafts_and_changes_no_token(hybrid_model):
     want = [t for t, _ in reference_tokens(path, REQUESTS[0][1], MAX_TOKENS, ignore_eos=True)]
     assert on[0].token_ids == want
     assert stats["used_slots"] == 0
+
+
+def test_a_draft_model_through_the_server(llama_model):
+    """--draft-model (implying --speculative draft), the model drafting for itself:
+    greedy rows as mlx_lm's and as speculation off's, every request's length kept,
+    the accepted count in usage, stats and /metrics under method "draft"."""
+    server = Server(llama_model, "--draft-model", llama_model, "--spec-cost", "none",
+                    "--log-level", "warning")
+    try:
+        results, stats = run_all(server)
+        with urllib.request.urlopen(server.http_url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        c = openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0)
+        text = c.completions.create(model=c.models.list().data[0].id, prompt="one two three " * 8,
+                                    max_tokens=24, temperature=0).choices[0].text
+    finally:
+        server.stop()
+    off = Server(llama_model, "--speculative", "off", "--log-level", "warning")
+    try:
+        without, _ = run_all(off)
+        c = openai.OpenAI(base_url=off.http_url + "/v1", api_key="none", max_retries=0)
+        text_off = c.completions.create(model=c.models.list().data[0].id,
+                                        prompt="one two three " * 8, max_tokens=24,
+                                        temperature=0).choices[0].text
+    finally:
+        off.stop()
+    spec = stats["speculative"]
+    assert spec["method"] == "draft" and spec["verifies"] > 0 and spec["accepted_tokens"] > 0
+    assert text == text_off
+    for (params, _), a, b in zip(REQUESTS, results, without):
+        assert a.usage["completion_tokens"] == MAX_TOKENS
+        if not params:   # greedy: the tokens of speculation off (sampled: their distribution)
+            assert a.token_ids == b.token_ids
+    want = [t for t, _ in reference_tokens(llama_model, REQUESTS[0][1], MAX_TOKENS, ignore_eos=True)]
+    assert results[0].token_ids == want
+    assert sum(r.usage["accepted_tokens"] for r in results) == spec["accepted_tokens"]
+    assert 'mlxd_spec_accepted_tokens_total{method="draft"}' in metrics
+    assert stats["used_slots"] == 0
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--speculative", "draft"), "needs --draft-model"),
+    (("--speculative", "off", "--draft-model", "{model}"), "speculative is off"),
+    (("--draft-model", "{other}"), "vocabulary"),
+])
+def test_draft_model_flags_that_cannot_serve_are_refused_clearly(args, says, llama_model,
+                                                                  tmp_path):
+    from mlxd.model_store.tiny import TinySpec, build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", TinySpec(
+        arch="llama", hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        intermediate_size=128, vocab_size=512, seed=5))   # a tokenizer of its own
+    args = [a.format(model=llama_model, other=other) for a in args]
+    with pytest.raises(RuntimeError, match=says):
+        Server(llama_model, *args, ready_timeout=120)
