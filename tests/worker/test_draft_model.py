@@ -165,3 +165,17 @@ def test_draft_models_that_cannot_serve_are_refused(llama_model, hybrid_model, t
             check_draft(probe_geometry(draft), probe_vocab_size(draft), probe_vocab_size(model))
     with pytest.raises(UnsupportedModel, match="vocabulary"):
         check_draft(probe_geometry(model), 1024, probe_vocab_size(model))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3_text"])
+def test_a_hybrid_or_windowed_model_drafts_from_a_draft_model_exactly(arch, hybrid_model,
+                                                                      drafts):
+    """The model may keep recurrent state (its verify replays the kept positions) or
+    sliding windows (a window pool): greedy rows as mlx_lm's with a draft model."""
+    path = hybrid_model(arch)   # (its tokenizer is the llama fixture's)
+    requests = {0: (repeated(0), 30), 1: (repeated(1, times=3), 24), 2: (repeated(0), 20)}
+    e = Engine(path, spec=DRAFT, draft=drafts["small"])
+    e.run({0: [(0, *requests[0]), (1, *requests[1])], 5: [(2, *requests[2])]})
+    assert e.counters["verifies"] > 0
+    assert_matches_mlx_lm(path, e, requests)
+    e.assert_idle_and_whole()
