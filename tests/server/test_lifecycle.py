@@ -110,7 +110,11 @@ def test_a_second_signal_does_not_cut_the_worker_s_clean_up_short(server):
         assert wait_until(lambda: not pid_alive(pid), 5)
     # the launcher then stops the rest (a grace of seconds each): slow on a loaded
     # 2-core machine, which is not what this checks
-    server.proc.wait(30)
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the launcher did not stop; its last stderr lines:\n"
+                    + "\n".join(server.stderr_lines[-30:]))
     assert not any("terminate called" in line or "Traceback" in line
                    for line in server.stderr_lines), server.stderr_lines[-20:]
 
