@@ -133,3 +133,41 @@ def test_the_default_model_through_langchain_and_instructor(default_server):
                 messages=chat("What is the capital of France? Answer with the country "
                               "and its capital."))
             assert isinstance(got, Capital)
+
+
+def test_the_default_model_with_a_draft_model_answers_as_without(default_server, smollm2_folder,
+                                                                  tmp_path):
+    """--draft-model on the default model (a draft of its first 4 layers, every
+    proposal sent): through the openai client, greedy answers, plain and under a JSON
+    schema, are the default server's."""
+    import openai
+
+    from bench.truncated_draft import truncated_copy
+
+    draft = truncated_copy(smollm2_folder, tmp_path / "draft", layers=4)
+    schema = {"type": "json_schema", "json_schema": {"name": "capital", "schema": {
+        "type": "object", "properties": {"capital": {"type": "string"}},
+        "required": ["capital"]}}}
+
+    def answers(server) -> list[str]:
+        with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", timeout=120,
+                           max_retries=0) as oai:
+            name = oai.models.list().data[0].id
+            return [oai.chat.completions.create(
+                model=name, max_tokens=32, temperature=0, messages=chat(q), **extra)
+                .choices[0].message.content
+                for q, extra in (("What is the capital of France?", {}),
+                                 ("What is the capital of France? Answer in JSON.",
+                                  {"response_format": schema}))]
+
+    drafting = Server(str(smollm2_folder), "--draft-model", str(draft), "--spec-cost", "none",
+                      "--kv-capacity", "8192", "--log-level", "warning", ready_timeout=300)
+    try:
+        got = answers(drafting)
+        with Client(drafting.address, timeout=60) as c:
+            spec = c.stats()["speculative"]
+    finally:
+        drafting.stop()
+    assert spec["method"] == "draft" and spec["verifies"] > 0
+    assert got == answers(default_server)
+    assert "Paris" in got[0]
