@@ -7,16 +7,17 @@ tokens; the verify (model_runner) checks them as it checks n-gram drafts.
   token). So the scheduler books it without knowing it exists: a prefix hit, a
   retraction and resume, a chunked prefill read and write the draft's KV at the
   slots they read and write the model's, and the worker never derives a slot id.
-- **It decodes every step** the model decodes (its batch, `DraftModel.batch`, holds
-  the same rows in the same order, its inputs the model's): one forward of one
-  position per row, whose logits are never computed, keeps its KV complete, chained
-  decodes included.
-- **A drafting step** (`propose`): k + 1 forwards of the draft batch, k = the most
-  tokens a row asks for; each picks every row's next draft token (greedy rows its
-  most likely, sampled rows a sample of its own distribution under the row's
-  temperature and filters, with a key of the row's seed apart from the model's), and
-  the last writes the KV of the k-th. The verify then keeps each row's run; the draft
-  batch keeps the same positions (`accept`).
+- **It runs only in drafting steps.** Its batch (`DraftModel.batch`) holds the
+  model's rows in their order; the positions the model decodes between drafting
+  steps wait per row (`lag`: each token and the slot sent for it), so a draft that
+  has stopped paying costs nothing.
+- **A drafting step** (`propose`): one forward runs every row's lagging positions
+  and its input and picks its first draft token, then one forward per further token,
+  k in all after the first, k = the most tokens a row asks for (the last writes the
+  k-th token's KV). Each pick is greedy rows' most likely token, sampled rows' a
+  sample of the draft's distribution under the row's temperature and filters, with a
+  key of the row's seed apart from the model's. The verify then keeps each row's
+  run; the draft batch keeps the same positions (`accept`).
 - **Exact**: a greedy row's draft is checked against the model's own choice at each
   position, as an n-gram draft is. A sampled row's is checked by rejection sampling
   (`rejection_runs`): draft token d at a position is accepted with probability
