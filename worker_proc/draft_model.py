@@ -59,13 +59,15 @@ def same_vocabulary(tokenizer, draft_tokenizer) -> bool:
     return tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
-def drafter_for(model, capacity: int, most_pages: int, preallocate: bool = False) -> "DraftModel":
+def drafter_for(model, capacity: int, most_pages: int, preallocate: bool = False,
+                geometry: KVGeometry | None = None) -> "DraftModel":
     """A DraftModel of `model` decoding in pages (UnsupportedModel where its attention
-    cannot), its pool of `capacity` slots, its page arena growing to `most_pages`."""
+    cannot), its pool of `capacity` slots, its page arena growing to `most_pages`.
+    `geometry`: the model's, when probed already."""
     from .decode import decode_page_for, decode_rows
     from .model_runner import probe_geometry
 
-    geometry = probe_geometry(model)
+    geometry = geometry or probe_geometry(model)
     page = decode_page_for(model, geometry, "paged")
     # (no page sharing: the model's batch hears of the slots a step writes, not this one)
     return DraftModel(model, KVPool(geometry, capacity),
@@ -186,12 +188,7 @@ class DraftModel:
         index = None
         if len(flat) != kv[0][0].shape[0]:   # one position per row, some without a slot
             index = mx.array([i for i, row in enumerate(slots) if row])
-        ids = write_ids(flat, [])
-        for layer, (keys, values) in enumerate(kv):
-            if index is not None:
-                keys, values = keys[index], values[index]
-            targets, _ = self.pool.targets(layer, ids)
-            self.pool.write(layer, targets, keys, values)
+        self.pool.write_layers(kv, write_ids(flat, []), index)
 
     def accept(self, kept: list[int], tokens: mx.array) -> None:
         """After the verify: row i keeps its lagging positions and the first

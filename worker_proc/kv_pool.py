@@ -170,6 +170,19 @@ class KVPool:
         self.keys[layer][slots] = keys
         self.values[layer][slots] = values
 
+    def write_layers(self, kv: list[tuple[mx.array, mx.array]], ids: WriteIds,
+                     rows: mx.array | None = None) -> None:
+        """Store a forward's per-layer KV `[n, heads, dim]` at `ids`, taking its
+        positions `rows` when given (the n positions `ids` names, in order)."""
+        for layer, (keys, values) in enumerate(kv):
+            targets, subset = self.targets(layer, ids)
+            if not targets.size:   # a windowed layer none of whose positions is held
+                continue
+            picked = rows if subset is None else (subset if rows is None else rows[subset])
+            if picked is not None:
+                keys, values = keys[picked], values[picked]
+            self.write(layer, targets, keys, values)
+
     def targets(self, layer: int, ids: WriteIds) -> tuple[mx.array, mx.array | None]:
         """(the ids layer `layer` stores a write at, which of its n positions: None
         for all). Positions with window id 0 are left out of a windowed layer's

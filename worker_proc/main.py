@@ -112,7 +112,7 @@ def build_runner(cfg: WorkerConfig):
             raise UnsupportedModel("--draft-model needs the paged decode layout, which "
                                    "this model or --decode-layout does not take")
         drafter = drafter_for(draft[0], budget.capacity, -(-budget.decode_cache_tokens // page),
-                              flags.preallocate_decode_pages)
+                              flags.preallocate_decode_pages, geometry=draft[1])
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
                          overlap=not flags.disable_overlap,
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)

@@ -286,7 +286,7 @@ class ModelRunner:
         if launched.rids != running:
             position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
             keep = mx.array([position[rid] for rid in running])
-        _store(self.pool, launched.new_kv, ids, keep)
+        self.pool.write_layers(launched.new_kv, ids, keep)
         if self.drafter is not None:   # the draft runs these positions when it next drafts
             self.drafter.decoded(running, [slot_of[rid] for rid in running])
         if keep is None:
@@ -391,13 +391,7 @@ class ModelRunner:
             draft_windows = dict(zip(step.decode_rids, step.draft_window_ids))
             windows = [w for rid, d in zip(running, drafts)
                        for w in [window_of[rid]] + draft_windows[rid][:len(d)]]
-        ids = write_ids(slots, windows)
-        for layer, (keys, values) in enumerate(self.batch.newest_kv()):
-            targets, subset = self.pool.targets(layer, ids)
-            if subset is not None:
-                keys, values = keys[subset], values[subset]
-            if targets.size:
-                self.pool.write(layer, targets, keys, values)
+        self.pool.write_layers(self.batch.newest_kv(), write_ids(slots, windows))
 
     # ---- prefill ----------------------------------------------------------
 
@@ -560,15 +554,3 @@ def _arrays(outputs: list[_Output]) -> list[mx.array]:
         if o.sampled.top_ids is not None:
             arrays += [o.sampled.top_ids, o.sampled.top_logprobs]
     return arrays
-
-
-def _store(pool: KVPool, new_kv: list[tuple[mx.array, mx.array]], ids, keep: mx.array | None) -> None:
-    """A decode's per-layer KV `[rows, heads, dim]` into `pool` at `ids` (the rows
-    `keep`, when not all)."""
-    for layer, (keys, values) in enumerate(new_kv):
-        slots, subset = pool.targets(layer, ids)
-        picked = keep if subset is None else (subset if keep is None else keep[subset])
-        if picked is not None:
-            keys, values = keys[picked], values[picked]
-        if slots.size:
-            pool.write(layer, slots, keys, values)

@@ -125,15 +125,12 @@ class GroupPrefill:
                          for i, p in enumerate(self.group) for j in range(len(p.input_ids))])
         ids = write_ids([s for p in self.group for s in p.new_slot_ids],
                         [w for p in self.group for w in p.new_window_ids])
-        for layer, cache in enumerate(self.kv):
-            slots, rows = pool.targets(layer, ids)
-            if slots.size:
-                at = flat if rows is None else flat[rows]
-                keys, values = batch_cache.last_positions(cache, n_max)
-                pool.write(layer, slots, _rows(keys, at), _rows(values, at))
+        kv = [tuple(_positions(x) for x in batch_cache.last_positions(cache, n_max))
+              for cache in self.kv]
+        pool.write_layers(kv, ids, flat)
 
 
-def _rows(x: mx.array, flat: mx.array) -> mx.array:
-    """`[B, H, T, D]` -> the `[n, H, D]` positions named by flat `b * T + t` indices."""
+def _positions(x: mx.array) -> mx.array:
+    """`[B, H, T, D]` -> `[B * T, H, D]`: position `b * T + t` is row b's t-th."""
     b, h, t, d = x.shape
-    return x.swapaxes(1, 2).reshape(b * t, h, d)[flat]
+    return x.swapaxes(1, 2).reshape(b * t, h, d)
