@@ -2,11 +2,17 @@
 
     mlxd --model PATH            (or: python launch.py --model PATH)
 
-Spawns the three as `python -m ...` subprocesses wired over ZeroMQ, waits for
+Spawns the three as `python -m ...` subprocesses wired over ZeroMQ (with `--dp N`,
+N engines of a scheduler and a worker each behind the one tokenizer), waits for
 their READY, prints `mlxd ready: tcp://HOST:PORT`, then watches them. A worker
 that crashes after its READY is replaced by a new one (`--restart-worker`, within
-`--worker-restarts`); any other death stops the others and the launcher exits
-non-zero.
+`--worker-restarts`), and so is a whole engine whose scheduler dies when there are
+several; any other death stops the others and the launcher exits non-zero.
+
+    mlxd engine --join tcp://HOST:PORT --model PATH
+
+starts one engine (a scheduler and its worker) that joins the front end on another
+machine (its `--engine-port`), under the same `--curve-secret-key` file.
 """
 
 import collections
@@ -16,6 +22,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +35,8 @@ import zmq
 from mlxd.protocol import Decoder, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime import keys
-from mlxd.runtime.flags import WORKER, WORKER_RESTART_WINDOW_SECONDS, ServerFlags
+from mlxd.runtime.flags import (SCHEDULER, TOKENIZER, WORKER, WORKER_RESTART_WINDOW_SECONDS,
+                                ServerFlags)
 from mlxd.model_store.resolve import (ModelError, fetch_model, local_models, resolve_model,
                                       served_name)
 from mlxd.runtime.blas import find_blas, mlx_gpu_backend
@@ -45,6 +53,7 @@ IPC_PREFIX = "mlxd-"
 PID_FILE = "launcher.pid"   # in the ipc folder: which launcher owns it
 READY_PREFIX = "mlxd ready: "
 HTTP_PREFIX = "mlxd http: "
+ENGINE_PREFIX = "mlxd engines join: "   # the front end's engine address; an engine's own
 
 
 class Child:
@@ -115,22 +124,67 @@ class RestartBudget:
         return True
 
 
+class EngineProcs:
+    """One engine's processes: a worker and the scheduler driving it, each restarted
+    with the config it started with."""
+
+    def __init__(self, index: int, worker: tuple["WorkerConfig", dict],
+                 scheduler: tuple["SchedulerConfig", dict], restarts: int):
+        self.index = index
+        self._worker_spec, self._scheduler_spec = worker, scheduler
+        self.restarts = RestartBudget(restarts)
+        self.worker = self.spawn_worker()
+        self.scheduler = self.spawn_scheduler()
+
+    @property
+    def name(self) -> str:
+        return self._scheduler_spec[0].engine
+
+    def spawn_worker(self) -> Child:
+        config, env = self._worker_spec
+        self.worker = Child(config.name, "mlxd.worker_proc", config, env)
+        self.worker_ready = False   # a worker that reported READY may be restarted
+        return self.worker
+
+    def spawn_scheduler(self) -> Child:
+        config, env = self._scheduler_spec
+        self.scheduler = Child(config.name, "mlxd.scheduler_proc", config, env)
+        self.ready = False   # both reported READY: the engine may be restarted
+        return self.scheduler
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.worker, self.scheduler]
+
+
+def _suffix(index: int) -> str:
+    """Engine 0's processes keep the plain names ("worker", "scheduler")."""
+    return str(index) if index else ""
+
+
 class Launcher:
     def __init__(self, cfg: ServerFlags):
         self.cfg = cfg
-        self.children: list[Child] = []
+        self.engines: list[EngineProcs] = []
+        self.tokenizer: Child | None = None
         self.client_keys = self._client_keys()
         self.published_port: int | None = None   # where the public key was published
-        self.worker: Child | None = None
-        self.worker_ready = False   # the current worker reported READY: it may be restarted
-        self.restarts = RestartBudget(cfg.worker_restarts)
-        self._worker_spec: tuple[WorkerConfig, dict] | None = None   # set by start()
         self._ready_decoder = Decoder(Ready)
+        self._ready_seen: set[str] = set()
         self.ipc_dir = make_ipc_dir()
         self.ctx = zmq.Context()
         self.ready_sock = self.ctx.socket(zmq.PULL)
         self.ready_sock.setsockopt(zmq.LINGER, 0)
         self.ready_sock.bind(self._ipc("launcher"))
+
+    @property
+    def children(self) -> list[Child]:
+        out = [c for engine in self.engines for c in engine.children]
+        return out + ([self.tokenizer] if self.tokenizer else [])
+
+    @property
+    def worker(self) -> Child | None:   # the first engine's (the one of a plain server)
+        return self.engines[0].worker if self.engines else None
 
     def _client_keys(self) -> keys.KeyPair:
         """The client socket's CURVE keys: `--curve-secret-key`'s, else the user's
@@ -156,35 +210,49 @@ class Launcher:
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.ipc_dir}/{name}"
 
-    def start(self, model: str, draft_model: str = "") -> None:
-        """Start the processes on the resolved `model` folder (and `draft_model`'s)."""
-        flags = dataclasses.replace(   # the resolved folders, and the defaults derived
+    def _flags(self, model: str, draft_model: str) -> ServerFlags:
+        return dataclasses.replace(   # the resolved folders, and the defaults derived
             self.cfg, model=model, http_host=self.cfg.http_host or self.cfg.host,
             served_model_name=self.cfg.served_model_name or served_name(self.cfg.model, model),
             draft_model=draft_model)
-        common = dict(flags=flags, parent_pid=os.getpid())
-        worker = WorkerConfig(input_addr=self._ipc("worker_in"),
-                              output_addr=self._ipc("worker_out"),
-                              ready_addr=self._ipc("launcher"), **common)
-        scheduler = SchedulerConfig(
-            input_addr=self._ipc("scheduler_in"), output_addr=self._ipc("tokenizer_in"),
-            worker_input_addr=worker.input_addr, worker_output_addr=worker.output_addr,
-            ready_addr=self._ipc("launcher"), **common)
-        tokenizer = TokenizerConfig(
-            client_addr=f"tcp://{flags.host}:{flags.port}",
-            input_addr=scheduler.output_addr, scheduler_input_addr=scheduler.input_addr,
-            ready_addr=self._ipc("launcher"), **common)
-        self._worker_spec = (worker, self._worker_env())
-        self.worker = self._spawn_worker()
-        self.children = [
-            self.worker,
-            Child("scheduler", "mlxd.scheduler_proc", scheduler, self._env()),
-            Child("tokenizer", "mlxd.tokenizer_proc", tokenizer, self._env()),
-        ]
 
-    def _spawn_worker(self) -> Child:
-        config, env = self._worker_spec
-        return Child(WORKER, "mlxd.worker_proc", config, env)
+    def start(self, model: str, draft_model: str = "") -> None:
+        """Start the processes on the resolved `model` folder (and `draft_model`'s):
+        `--dp` engines and the front end."""
+        flags = self._flags(model, draft_model)
+        engines_addr = self._ipc("engines")
+        self.engines = [self._engine(i, flags, engines_addr, f"engine{i}")
+                        for i in range(flags.dp)]
+        tokenizer = TokenizerConfig(
+            client_addr=f"tcp://{flags.host}:{flags.port}", engines_addr=engines_addr,
+            ready_addr=self._ipc("launcher"), expected_engines=flags.dp, flags=flags,
+            parent_pid=os.getpid())
+        self.tokenizer = Child(TOKENIZER, "mlxd.tokenizer_proc", tokenizer, self._env())
+
+    def start_engine(self, model: str, draft_model: str = "") -> None:
+        """`mlxd engine`: one engine joining the front end at `--join`."""
+        flags = self._flags(model, draft_model)
+        name = flags.engine_name or f"{socket.gethostname()}-{os.getpid()}"
+        self.engines = [self._engine(0, flags, flags.join, name)]
+
+    def _engine(self, index: int, flags: ServerFlags, frontend_addr: str,
+                name: str) -> EngineProcs:
+        """Engine `index`'s processes, started; with several, each worker's memory
+        limit is its share."""
+        n = 1 if frontend_addr == flags.join else flags.dp
+        worker_flags = dataclasses.replace(flags, mem_fraction=flags.mem_fraction / n,
+                                           mem_limit_gb=flags.mem_limit_gb / n)
+        suffix = _suffix(index)
+        worker = WorkerConfig(input_addr=self._ipc(f"worker_in{suffix}"),
+                              output_addr=self._ipc(f"worker_out{suffix}"),
+                              ready_addr=self._ipc("launcher"), name=WORKER + suffix,
+                              flags=worker_flags, parent_pid=os.getpid())
+        scheduler = SchedulerConfig(
+            frontend_addr=frontend_addr, worker_input_addr=worker.input_addr,
+            worker_output_addr=worker.output_addr, ready_addr=self._ipc("launcher"),
+            engine=name, name=SCHEDULER + suffix, flags=flags, parent_pid=os.getpid())
+        return EngineProcs(index, (worker, self._worker_env()), (scheduler, self._env()),
+                           self.cfg.worker_restarts)
 
     def _env(self) -> dict:
         # no PYTHONPATH: a child runs `python -m mlxd.<part>` from ROOT, where `mlxd`
@@ -202,10 +270,11 @@ class Launcher:
                         "BLAS. Install one: apt-get install libopenblas0-pthread")
         return env
 
-    def wait_ready(self) -> tuple[str, str]:
-        """Block until every child is READY; the client address and the HTTP API's."""
-        pending = {WORKER, "scheduler", "tokenizer"}
-        address = http_address = ""
+    def wait_ready(self) -> Ready:
+        """Block until every child is READY; the tokenizer's Ready (its addresses),
+        or an empty one without a tokenizer (`mlxd engine`)."""
+        pending = {child.name for child in self.children}
+        found = Ready(TOKENIZER)
         deadline = time.monotonic() + self.cfg.ready_timeout
         while pending:
             self._check_children()
@@ -215,17 +284,17 @@ class Launcher:
             msg = self._receive_ready(200)
             if msg is not None:
                 pending.discard(msg.process)
-                address = msg.address or address
-                http_address = msg.http_address or http_address
-        return address, http_address
+                if msg.process == TOKENIZER:
+                    found = msg
+        return found
 
     def watch(self) -> None:
         while True:
             self._check_children()
-            self._receive_ready(200)   # a restarted worker's
+            self._receive_ready(200)   # a restarted worker's or engine's
 
     def _receive_ready(self, timeout_ms: int) -> Ready | None:
-        """The next READY within `timeout_ms`, noting the worker's; None if none came."""
+        """The next READY within `timeout_ms`, noting whose; None if none came."""
         if not self.ready_sock.poll(timeout_ms):
             return None
         try:
@@ -233,8 +302,11 @@ class Launcher:
         except ProtocolError as exc:
             log.error("bad READY frame: %s", exc)
             return None
-        if msg.process == WORKER:
-            self.worker_ready = True
+        for engine in self.engines:
+            if msg.process == engine.worker.name:
+                engine.worker_ready = True
+            if msg.process == engine.scheduler.name:
+                engine.ready = True
         return msg
 
     def _check_children(self) -> None:
@@ -246,35 +318,46 @@ class Launcher:
             while self._receive_ready(0):   # a READY it sent just before it died
                 pass
             tail = "\n".join(f"  {line}" for line in child.tail)
-            refusal = self._restart_refusal(child, code)
+            engine, refusal = self._restart_refusal(child, code)
             if refusal is not None:
                 raise ChildFailure(f"{child.name} process exited with code {code}{refusal}; "
                                    f"its last stderr lines:\n{tail}")
-            log.error("worker process exited with code %s; starting a new one. Its last "
-                      "stderr lines:\n%s", code, tail)
-            self._replace_worker()
+            log.error("%s process exited with code %s; starting a new one. Its last "
+                      "stderr lines:\n%s", child.name, code, tail)
+            if child is engine.worker:
+                engine.spawn_worker()
+            else:
+                self._restart_engine(engine)
             return
 
-    def _restart_refusal(self, child: Child, code: int) -> str | None:
-        """None if the dead `child` is a worker to restart; else why the server stops
-        (appended to its exit code)."""
-        if child is not self.worker or not self.cfg.restart_worker:
-            return ""
+    def _restart_refusal(self, child: Child, code: int) -> tuple[EngineProcs | None, str | None]:
+        """The engine of a dead `child` to restart (its worker, or with several
+        engines all of it) and None; or why the server stops (appended to its exit
+        code)."""
+        engine = next((e for e in self.engines if child in e.children), None)
+        if engine is None or not self.cfg.restart_worker:
+            return None, ""
+        if child is engine.scheduler and len(self.engines) < 2:
+            return None, ""
         if code == 0:
-            return " (it was told to stop)"
-        if not self.worker_ready:
-            return " before it was ready; a worker that fails to load is not restarted"
-        if not self.restarts.take(time.monotonic()):
-            return (f"; the worker was restarted {self.cfg.worker_restarts} times in the "
-                    f"last {WORKER_RESTART_WINDOW_SECONDS:g} s already (--worker-restarts)")
-        return None
+            return None, " (it was told to stop)"
+        if not (engine.worker_ready if child is engine.worker else engine.ready):
+            return None, (" before it was ready; a process that fails to start is not "
+                          "restarted")
+        if not engine.restarts.take(time.monotonic()):
+            return None, (f"; the {child.name} was restarted {self.cfg.worker_restarts} "
+                          f"times in the last {WORKER_RESTART_WINDOW_SECONDS:g} s already "
+                          "(--worker-restarts)")
+        return engine, None
 
-    def _replace_worker(self) -> None:
-        """A new worker process with the same config; the scheduler notices the old
-        one's death on its own and waits for the new one's WorkerReady."""
-        old, self.worker = self.worker, self._spawn_worker()
-        self.worker_ready = False
-        self.children[self.children.index(old)] = self.worker
+    def _restart_engine(self, engine: EngineProcs) -> None:
+        """A dead scheduler takes its worker along: both start again, and the new
+        scheduler joins the front end as a new engine of the same name."""
+        if engine.worker.alive():
+            engine.worker.proc.kill()
+            engine.worker.proc.wait()
+        engine.spawn_worker()
+        engine.spawn_scheduler()
 
     def stop(self) -> None:
         for child in self.children:
@@ -314,7 +397,7 @@ def read_ready_addresses(stdout, timeout: float) -> dict[str, str]:
 
     def read():
         for line in stdout:
-            for prefix in (HTTP_PREFIX, READY_PREFIX):
+            for prefix in (HTTP_PREFIX, ENGINE_PREFIX, READY_PREFIX):
                 if line.startswith(prefix):
                     found[prefix] = line[len(prefix):].strip()
             if READY_PREFIX in found:
@@ -391,8 +474,14 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["models"], ["pull"]):
         return models_command(argv)
+    engine = argv[:1] == ["engine"]
     cfg = parse_config(ServerFlags, "Start the mlxd server (also: `mlxd models`, "
-                                    "`mlxd pull ID`).", argv)
+                                    "`mlxd pull ID`, `mlxd engine --join tcp://HOST:PORT "
+                                    "...`: an engine for a front end on another machine).",
+                       argv[engine:])
+    if engine and not cfg.join.startswith("tcp://"):
+        sys.exit("mlxd engine: --join tcp://HOST:PORT (the front end's --engine-port) "
+                 "is required")
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s launch %(levelname)s: %(message)s")
     cfg = dataclasses.replace(cfg, speculative=speculation_method(cfg))
@@ -405,12 +494,18 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
-        launcher.start(model_folder(cfg.model),
-                       model_folder(cfg.draft_model) if cfg.draft_model else "")
-        address, http_address = launcher.wait_ready()
-        launcher.publish_key(address)
-        print(f"{HTTP_PREFIX}{http_address}", flush=True)
-        print(f"{READY_PREFIX}{address}", flush=True)
+        start = launcher.start_engine if engine else launcher.start
+        start(model_folder(cfg.model),
+              model_folder(cfg.draft_model) if cfg.draft_model else "")
+        ready = launcher.wait_ready()
+        if engine:   # its address lines: the front end it joined
+            print(f"{ENGINE_PREFIX}{cfg.join}\n{READY_PREFIX}{cfg.join}", flush=True)
+        else:
+            launcher.publish_key(ready.address)
+            print(f"{HTTP_PREFIX}{ready.http_address}", flush=True)
+            if ready.engine_address:
+                print(f"{ENGINE_PREFIX}{ready.engine_address}", flush=True)
+            print(f"{READY_PREFIX}{ready.address}", flush=True)
         launcher.watch()
     except ChildFailure as exc:
         log.error("%s", exc)

@@ -6,10 +6,12 @@ from .message import message
 
 @message
 class Ready:
-    """A process is up (to the launcher). The tokenizer's carries its client address
-    and its HTTP API's bound address (`http://HOST:PORT`)."""
+    """A process is up (to the launcher). The tokenizer's carries its client address,
+    its HTTP API's bound address (`http://HOST:PORT`) and, with `--engine-port`, the
+    address engines on other machines join."""
 
     TAG = 1
     process: str = wire(Str())
     address: str | None = wire(Opt(Str()), default=None)
     http_address: str | None = wire(Opt(Str()), default=None)
+    engine_address: str | None = wire(Opt(Str()), default=None)   # where engines join

@@ -99,3 +99,8 @@ class TokenBatch:
 
     TAG = 40
     entries: list[TokenEntry] = wire(List(Struct(TokenEntry)))
+    # the engine's prefix cache since its last batch, as block hashes
+    # (runtime/prefix_hash.py): everything before dropped, then stored, removed
+    cache_reset: bool = wire(Bool(), default=False)
+    cache_stored: list[int] = wire(List(Int()), default_factory=list)
+    cache_removed: list[int] = wire(List(Int()), default_factory=list)

@@ -47,9 +47,40 @@ class ServerFlags:
     curve_secret_key: str = flag(
         "", "a file holding the client socket's CURVE secret key (`python -m "
         "mlxd.runtime.keys FILE` makes one); by default the user's own key pair, made "
-        "on first use, whose public key local clients find on their own",
-        (TOKENIZER,), shown="per user")
+        "on first use, whose public key local clients find on their own; engines on "
+        "other machines join with the same file", (TOKENIZER, SCHEDULER), shown="per user")
     port: int = flag(8100, "client TCP port; 0 picks a free one", minimum=0)
+    dp: int = flag(
+        1, "replicas of the model on this machine (data parallel): engines of a scheduler "
+        "and a worker each behind the one front end, the memory limit split between "
+        "them; each request goes to the replica caching the longest part of its prompt "
+        "unless the load is imbalanced (`--route-*`). An engine whose scheduler dies is "
+        "restarted; its requests run elsewhere", minimum=1)
+    engine_port: int = flag(
+        -1, "TCP port (on `--host`) on which engines on other machines join (`mlxd "
+        "engine --join tcp://HOST:PORT`), authenticated by the front end's key pair "
+        "(`--curve-secret-key`, the same file on both machines); 0 picks a free one",
+        (TOKENIZER,), shown="-1 (none join)", minimum=-1)
+    join: str = flag(
+        "", "`mlxd engine` only: the front end to join, `tcp://HOST:PORT` (its "
+        "`--engine-port`)")
+    engine_name: str = flag(
+        "", "`mlxd engine` only: this engine's name at the front end (unique among its "
+        "engines)", shown="HOST-PID")
+    route_policy: str = flag(
+        "cache", "how requests are spread over engines: `cache` (to the engine caching "
+        "the longest part of the prompt, unless the load is imbalanced), `least_load`, "
+        "`round_robin`", (TOKENIZER,), choices=("cache", "least_load", "round_robin"))
+    route_balance_abs: int = flag(
+        32, "routing: the load is imbalanced (and a request goes to the least-loaded "
+        "engine, cache or not) when the busiest engine has this many requests more than "
+        "the idlest...", (TOKENIZER,), minimum=0)
+    route_balance_rel: float = flag(
+        1.5, "...and more than this many times as many", (TOKENIZER,), minimum=1)
+    route_min_match: float = flag(
+        0.1, "routing: a request goes to the engine caching the longest part of its "
+        "prompt when that part is at least this share of the prompt; else to the "
+        "least-loaded engine", (TOKENIZER,), minimum=0)
     http_host: str = flag(
         "", "address the HTTP API (OpenAI / Anthropic compatible) binds to", (TOKENIZER,),
         shown="--host")

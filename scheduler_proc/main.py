@@ -1,14 +1,17 @@
 """The scheduler process: a thin socket loop around the pure Scheduler.
 
-Sockets (each process binds what it receives on):
-  input_addr          PULL  TokenizedRequest / Abort from the tokenizer
-  worker_output_addr  PULL  WorkerReady, then StepResult / WorkerError from the worker
-  output_addr         PUSH  SchedulerReady, then one TokenBatch per step, to the tokenizer
-  worker_input_addr   PUSH  one Step at a time to the worker (monitored: worker_link.py)
-  ready_addr          PUSH  Ready to the launcher (optional)
+Sockets (each process binds what it receives on; the front end's is the exception,
+so that engines can join it):
+  frontend_addr       DEALER  TokenizedRequest / Abort / GetStats in; SchedulerReady,
+                              then TokenBatch / Stats out (frontend_link.py)
+  worker_output_addr  PULL    WorkerReady, then StepResult / WorkerError from the worker
+  worker_input_addr   PUSH    one Step at a time to the worker (monitored: worker_link.py)
+  ready_addr          PUSH    Ready to the launcher (optional)
 
 When the worker dies, its running requests fail and the loop waits for the next
-worker's WorkerReady (the launcher starts one) before it sends another Step.
+worker's WorkerReady (the launcher starts one) before it sends another Step. When the
+front end's connection ends, every request is aborted; when one starts again, the
+engine announces itself (SchedulerReady and its whole prefix cache) anew.
 """
 
 import logging
@@ -26,12 +29,15 @@ from mlxd.protocol import (
 )
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import SCHEDULER, ServerFlags
+from mlxd.runtime.keys import read_secret_key
 from mlxd.runtime.lifecycle import (
     Shutdown, die_with_parent, drain, install_signal_handlers, setup_logging,
 )
 from mlxd.runtime.sockets import (
     bind_pull, close_all, connect_push, decode_from, waking_receiver,
 )
+
+from .frontend_link import FrontendLink
 
 from .scheduler import Scheduler, SchedulerLimits
 from .speculation import SpecConfig
@@ -46,11 +52,12 @@ PIN_TTL_SCALE_ENV = "MLXD_PIN_TTL_SCALE"
 @dataclass(frozen=True)
 class SchedulerConfig:
     PROCESS: ClassVar[str] = SCHEDULER
-    input_addr: str
-    output_addr: str
+    frontend_addr: str
     worker_input_addr: str
     worker_output_addr: str
     ready_addr: str = ""
+    engine: str = "engine0"   # the engine's name: its routing id at the front end
+    name: str = SCHEDULER     # in its Ready to the launcher (one per engine)
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the scheduler
     parent_pid: int = 0
 
@@ -59,9 +66,8 @@ class SchedulerLoop:
     def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context, wakeup=None):
         self.cfg = cfg
         self.wakeup = wakeup   # readable when a signal arrives (see runtime.lifecycle)
-        self.from_tokenizer = bind_pull(ctx, cfg.input_addr)
+        self.frontend = FrontendLink(ctx, cfg.frontend_addr, cfg.engine, frontend_curve(cfg))
         self.from_worker = bind_pull(ctx, cfg.worker_output_addr)
-        self.to_tokenizer = connect_push(ctx, cfg.output_addr)
         self.link = WorkerLink(ctx, cfg.worker_input_addr)
         self.to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
         self.poller = zmq.Poller()         # run() registers the inputs
@@ -80,8 +86,8 @@ class SchedulerLoop:
 
     @property
     def sockets(self):
-        return [self.from_tokenizer, self.from_worker, self.to_tokenizer, self.link.monitor,
-                self.link.sock, self.to_launcher]
+        return [self.frontend.monitor, self.frontend.sock, self.from_worker,
+                self.link.monitor, self.link.sock, self.to_launcher]
 
     def start(self) -> None:
         """Wait for the worker's WorkerReady, then announce ourselves: its limits to
@@ -95,15 +101,34 @@ class SchedulerLoop:
             log.error("waiting for the worker's Ready; ignored %r", msg)
         self.worker_limits = msg.limits
         self.scheduler = Scheduler(scheduler_limits(self.cfg.flags, self.worker_limits))
-        self.to_tokenizer.send(encode(SchedulerReady(self.worker_limits,
-                                                     self.cfg.flags.max_running_requests)))
+        self._announce()
         if self.to_launcher:
-            self.to_launcher.send(encode(Ready("scheduler")))
+            self.to_launcher.send(encode(Ready(self.cfg.name)))
         log.info("ready: kv_capacity=%d max_context=%d", self.worker_limits.kv_capacity,
                  self.worker_limits.max_context)
 
+    def _announce(self) -> None:
+        """Join the front end: the worker's limits, then (with the next batch) the
+        whole prefix cache."""
+        self.frontend.send(encode(SchedulerReady(self.worker_limits,
+                                                 self.cfg.flags.max_running_requests)))
+        self.scheduler.announce_cache()
+
+    def _on_frontend_events(self) -> None:
+        for event in self.frontend.events():
+            if event == "ended":
+                log.warning("the front end's connection ended; its requests are aborted")
+                self.scheduler.abort_all()
+                self.rejoin = True
+            elif self.rejoin:
+                log.info("the front end's connection started again; joining it")
+                self.rejoin = False
+                self._announce()
+
     def run(self) -> None:
-        for sock in (self.from_tokenizer, self.from_worker, self.link.monitor, self.wakeup):
+        self.rejoin = False   # the front end's connection ended: announce on the next
+        for sock in (self.frontend.sock, self.frontend.monitor, self.from_worker,
+                     self.link.monitor, self.wakeup):
             if sock is not None:
                 self.poller.register(sock, zmq.POLLIN)
         stalled = False   # the last schedule() had nothing to send: wait for input
@@ -114,7 +139,9 @@ class SchedulerLoop:
             polled_at = time.perf_counter()
             if self.link.monitor in events and self.link.lost():   # before its last answers
                 self._on_worker_lost()
-            if self.from_tokenizer in events:
+            if self.frontend.monitor in events:
+                self._on_frontend_events()
+            if self.frontend.sock in events:
                 self._drain_requests()
             if self.from_worker in events:
                 self._drain_worker(polled_at)
@@ -129,18 +156,16 @@ class SchedulerLoop:
                     self.link.send(encode(step))
                     self.in_flight, self.sent_at = step.step_id, time.monotonic()
                 self._record_timing()
-            # 3. stream everything this iteration produced, in one message
+            # 3. stream everything this iteration produced, in one message, with
+            # what the prefix cache stored and removed
             entries = self.scheduler.take_outputs()
-            if entries:
-                self.to_tokenizer.send(encode(TokenBatch(entries)))
+            if entries or self.scheduler.has_cache_events:
+                self.frontend.send(encode(TokenBatch(entries,
+                                                     *self.scheduler.take_cache_events())))
 
     def _drain_requests(self) -> None:
-        while True:
-            try:
-                frame = self.from_tokenizer.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = decode_from(self.request_decoder, frame, "tokenizer", log)
+        while (frame := self.frontend.recv_nowait()) is not None:
+            msg = decode_from(self.request_decoder, frame, "front end", log)
             if isinstance(msg, TokenizedRequest):
                 self.scheduler.add_request(msg)
             elif isinstance(msg, Abort):
@@ -149,7 +174,7 @@ class SchedulerLoop:
                 stats = {**self.scheduler.stats(), **self._worker_status(),
                          "worker": {**self.worker_limits.as_dict(), **self.worker_memory},
                          "timing": self.timings.summary()}
-                self.to_tokenizer.send(encode(Stats(msg.query_id, stats)))
+                self.frontend.send(encode(Stats(msg.query_id, stats)))
 
     def _drain_worker(self, polled_at: float) -> None:
         while True:
@@ -275,6 +300,17 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
         verifies_drafts=worker.verifies_drafts, worker_overlaps=worker.overlap,
         verify_costs=tuple(worker.verify_costs), draft_model=bool(worker.draft_model),
         draft_cost=worker.draft_cost)
+
+
+def frontend_curve(cfg: SchedulerConfig):
+    """The front end's key pair, for a link over tcp (an engine on another machine);
+    None on this machine's ipc."""
+    if not cfg.frontend_addr.startswith("tcp://"):
+        return None
+    if not cfg.flags.curve_secret_key:
+        raise SystemExit("mlxd scheduler: joining a front end over tcp needs "
+                         "--curve-secret-key (the front end's key file)")
+    return read_secret_key(cfg.flags.curve_secret_key)
 
 
 def pin_ttl_scale() -> float:

@@ -21,6 +21,10 @@ when those are not enough. A pin ends at that time (`expire`, called by every
 method that reads pins); pinning a path again extends it. A node is pinned at
 least as long as its children (every pin covers a whole path from the root), and
 `pinned_size` counts the slots of pinned nodes.
+
+What the tree holds is also named by block hashes (runtime/prefix_hash.py): each node
+keeps the hashes of the block boundaries on its edge, and `events` collects those
+stored and removed since the front end's router last took them (`take_events`).
 """
 
 import heapq
@@ -28,12 +32,14 @@ import itertools
 import time
 from typing import Callable
 
+from mlxd.runtime.prefix_hash import PREFIX_BLOCK, ROOT_HASH, block_hashes
+
 
 class Node:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "snapshot",
-                 "windows", "held", "pinned_until")
+                 "windows", "held", "pinned_until", "end", "hashes")
 
-    def __init__(self, parent: "Node | None" = None, key=(), value=(), windows=()):
+    def __init__(self, parent: "Node | None" = None, key=(), value=(), windows=(), end=0):
         self.children: dict[int, Node] = {}
         self.parent = parent
         self.key: list[int] = list(key)      # token ids on the edge into this node
@@ -45,9 +51,41 @@ class Node:
         self.windows: list[int] = list(windows)
         self.held = len(self.windows) - self.windows.count(0)   # window slots kept
         self.pinned_until = 0.0   # cache_control: evicted after unpinned KV until then (0: not)
+        self.end = end            # the prefix length at the end of the edge
+        self.hashes: list[int] = []   # block hashes of the boundaries in (start, end]
 
     def __lt__(self, other: "Node") -> bool:   # heap order: least recently used first
         return self.last_access < other.last_access
+
+
+class CacheEvents:
+    """Block hashes stored and removed since the last `take` (each hash's latest
+    change only), and whether everything before was dropped (`reset`)."""
+
+    def __init__(self):
+        self.reset = False
+        self._changes: dict[int, bool] = {}   # hash -> stored (True) or removed
+
+    def stored(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self._changes[h] = True
+
+    def removed(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self._changes[h] = False
+
+    def dropped_all(self) -> None:
+        self.reset, self._changes = True, {}
+
+    def __bool__(self) -> bool:
+        return self.reset or bool(self._changes)
+
+    def take(self) -> tuple[bool, list[int], list[int]]:
+        """(reset, stored, removed), and start over."""
+        taken = (self.reset, [h for h, s in self._changes.items() if s],
+                 [h for h, s in self._changes.items() if not s])
+        self.reset, self._changes = False, {}
+        return taken
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -79,6 +117,7 @@ class RadixCache:
         self.pinned_evicted = 0   # slots of pinned nodes evicted before their pin ended
         self._expiry: list[tuple[float, int, Node]] = []   # (pinned_until, seq, node)
         self._pin_seq = itertools.count()
+        self.events = CacheEvents()
 
     @property
     def total_size(self) -> int:
@@ -100,8 +139,10 @@ class RadixCache:
         assert len(tokens) == len(slots) and len(windows) in (0, len(slots))
         node, i, _, now = self._walk(tokens)
         if i < len(tokens):
-            leaf = Node(node, tokens[i:], slots[i:], windows[i:])
+            leaf = Node(node, tokens[i:], slots[i:], windows[i:], end=len(tokens))
             leaf.last_access = now
+            leaf.hashes = block_hashes(tokens, i - i % PREFIX_BLOCK, self._last_hash(node))
+            self.events.stored(leaf.hashes)
             node.children[tokens[i]] = leaf
             self.evictable_size += len(leaf.value)
             self.num_windows += leaf.held
@@ -159,10 +200,22 @@ class RadixCache:
             node, i = child, i + n
         return node, i, slots, now
 
+    def _last_hash(self, node: Node) -> int:
+        """The hash of the last block boundary at or before `node`'s end."""
+        while node is not self.root and not node.hashes:
+            node = node.parent
+        return node.hashes[-1] if node is not self.root else ROOT_HASH
+
+    def all_hashes(self) -> list[int]:
+        return [h for node in self._nodes() for h in node.hashes]
+
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; return the new upper node."""
         parent = child.parent
-        upper = Node(parent, child.key[:n], child.value[:n], child.windows[:n])
+        start = child.end - len(child.key)
+        upper = Node(parent, child.key[:n], child.value[:n], child.windows[:n], end=start + n)
+        cut = upper.end // PREFIX_BLOCK - start // PREFIX_BLOCK
+        upper.hashes, child.hashes = child.hashes[:cut], child.hashes[cut:]
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         if child.pinned_until:   # both halves stay pinned: the upper one expires too
             upper.pinned_until = child.pinned_until
@@ -297,6 +350,7 @@ class RadixCache:
                 self.pinned_evicted += len(leaf.value)
                 self._unpin(leaf)
             self._drop(leaf)
+            self.events.removed(leaf.hashes)
             self.evictable_size -= len(leaf.value)
             freed += len(leaf.value)
             freed_windows += leaf.held
@@ -311,6 +365,7 @@ class RadixCache:
         for node in self._nodes():
             self._drop(node)
         self.root.children.clear()
+        self.events.dropped_all()
         self.evictable_size = 0
         self.pinned_size, self._expiry = 0, []
         self.version += 1
@@ -359,6 +414,10 @@ class RadixCache:
             assert len(node.windows) in (0, len(node.value)), "ragged window slots"
             assert node.held == len(node.windows) - node.windows.count(0), "window count"
             assert node.parent.children.get(node.key[0]) is node, "broken parent link"
+            start = node.end - len(node.key)
+            assert start == (node.parent.end if node.parent is not self.root else 0), "depth"
+            assert len(node.hashes) == node.end // PREFIX_BLOCK - start // PREFIX_BLOCK, \
+                "block hashes"
             assert node.lock_ref >= 0
             assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root, \
                 "a child is locked more than its parent"

@@ -106,6 +106,27 @@ class Scheduler:
             self._outbox.append(TokenEntry(rid, [], [], finish_reason="abort",
                                            usage=req.usage()))
 
+    def abort_all(self) -> None:
+        """Abort every request, running or waiting (their front end is gone)."""
+        for rid in [*self.running, *(r.rid for r in self.waiting)]:
+            self.abort(rid)
+
+    def take_cache_events(self) -> tuple[bool, list[int], list[int]]:
+        """What the prefix cache stored and removed since the last call, as block
+        hashes: (reset, stored, removed) (radix_cache.CacheEvents)."""
+        return self.kv.tree.events.take() if self.kv.tree else (False, [], [])
+
+    def announce_cache(self) -> None:
+        """Make the next events describe the whole cache (a front end that (re)joins
+        knows nothing of it)."""
+        if self.kv.tree:
+            self.kv.tree.events.dropped_all()
+            self.kv.tree.events.stored(self.kv.tree.all_hashes())
+
+    @property
+    def has_cache_events(self) -> bool:
+        return bool(self.kv.tree and self.kv.tree.events)
+
     def process_result(self, result: StepResult) -> None:
         for req in self._prefilled:   # their new KV is in the pool now: share it
             if req.status is Status.RUNNING:

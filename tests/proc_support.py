@@ -147,3 +147,57 @@ class ProcHarness:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RouterEnd:
+    """The front end's engine ROUTER, bound at `address`, playing the front end for one
+    engine (a DEALER named `peer`) as if it were a plain socket: `recv` strips the
+    routing id, `send` adds it. With `skip_cache_events`, TokenBatches that carry only
+    prefix-cache events (no entries) are kept aside in `cache_batches`, unseen."""
+
+    def __init__(self, ctx: zmq.Context, address: str, peer: bytes = b"engine0",
+                 skip_cache_events: bool = True):
+        from mlxd.protocol import Decoder, ProtocolError, TokenBatch
+
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.peer = peer
+        self._batch = Decoder(TokenBatch)
+        self._errors = ProtocolError
+        self._skip = skip_cache_events
+        self._held: list[bytes] = []
+        self.cache_batches = []
+
+    def _events_only(self, frame: bytes) -> bool:
+        try:
+            batch = self._batch.decode(frame)
+        except self._errors:
+            return False
+        if batch.entries or not self._skip:
+            return False
+        self.cache_batches.append(batch)
+        return True
+
+    def poll(self, timeout: float | None = None, flags: int = zmq.POLLIN) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000
+        while not self._held:
+            left = None if deadline is None else max(0, (deadline - time.monotonic()) * 1000)
+            if not self.sock.poll(left):
+                return 0
+            peer, frame = self.sock.recv_multipart()
+            self.peer = peer
+            if not self._events_only(frame):
+                self._held.append(frame)
+        return zmq.POLLIN
+
+    def recv(self, flags: int = 0) -> bytes:
+        if not self.poll(0 if flags & zmq.NOBLOCK else None):
+            raise zmq.Again()
+        return self._held.pop(0)
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        self.sock.send_multipart([self.peer, frame], flags)
+
+    def close(self, linger: int | None = None) -> None:
+        self.sock.close(linger)

@@ -144,7 +144,7 @@ class Server:
 
     def _wait_ready(self, timeout: float) -> tuple[str, str | None]:
         """The client address and the HTTP API's base URL (`http://HOST:PORT`)."""
-        found = read_ready_addresses(self.proc.stdout, timeout)
+        found = self.addresses = read_ready_addresses(self.proc.stdout, timeout)
         if READY_PREFIX not in found:
             self.stop()
             raise RuntimeError("server did not become ready:\n" +

@@ -275,6 +275,15 @@ class TokenizerCore:
         if chunk is not None:
             request.sink(chunk)
 
+    def end_requests(self, rids: list[int], message: str) -> None:
+        """End these requests with finish_reason "error" and `message` (their engine
+        is gone: nothing is aborted)."""
+        for rid in rids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._end(rid, request, message)
+                self._drop(rid, request)
+
     def fail_client(self, client: Hashable, message: str) -> list[Abort]:
         """End every running request of the client with finish_reason "error" and
         `message` (each sink gets its final chunk); they are aborted in the scheduler.

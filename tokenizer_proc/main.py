@@ -3,13 +3,16 @@ around the socket-free TokenizerCore (core.py).
 
   client_addr            ROUTER  GenerateRequest / AbortRequest / StatsRequest in;
                                  StreamChunk / ErrorReply / StatsReply out
-  input_addr             PULL    SchedulerReady, then TokenBatch / Stats, from the scheduler
-  scheduler_input_addr   PUSH    TokenizedRequest / Abort / GetStats to the scheduler
+  engines_addr           ROUTER  each engine's scheduler: SchedulerReady (joining), then
+                                 TokenBatch / Stats in; TokenizedRequest / Abort /
+                                 GetStats out (engine_links.py)
+  tcp://host:engine_port ROUTER  the same, for engines on other machines (CURVE)
   ready_addr             PUSH    Ready to the launcher (optional)
 
-The client socket is bound once the scheduler's limits are known: its frames are
-capped at `max_frame_bytes` (ZMQ_MAXMSGSIZE: ZeroMQ drops the connection of a peer
-that sends a bigger one, before buffering it).
+The client socket is bound once `expected_engines` engines have joined and their
+limits are known: its frames are capped at `max_frame_bytes` (ZMQ_MAXMSGSIZE: ZeroMQ
+drops the connection of a peer that sends a bigger one, before buffering it). Which
+engine each message goes to is the EngineSet's to say (engines.py).
 """
 
 import asyncio
@@ -26,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import (
     AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, Ready,
-    SchedulerReady, Stats, StatsRequest, TokenBatch, encode,
+    SchedulerReady, Stats, StatsRequest, TokenBatch, TokenizedRequest, encode,
 )
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.config import parse_config
@@ -38,6 +41,9 @@ from mlxd.runtime.sockets import decode_from
 from .auth import key_matches
 from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
+from .engine_links import EngineLink, RemoteEngines
+from .engines import EngineSet
+from .router import RoutePolicy, Router
 from .http import HttpFrontEnd
 from .text import TextCodec
 from .tools.syntax import resolve
@@ -77,9 +83,9 @@ def _monitor(ctx: zmq.Context, sock: zmq.Socket, events: int) -> zmq.Socket:
 class TokenizerConfig:
     PROCESS: ClassVar[str] = TOKENIZER
     client_addr: str
-    input_addr: str
-    scheduler_input_addr: str
+    engines_addr: str
     ready_addr: str = ""
+    expected_engines: int = 1   # engines to wait for before serving (the --dp replicas)
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the tokenizer
     parent_pid: int = 0
 
@@ -108,17 +114,23 @@ class TokenizerServer:
         self.clients.sock.setsockopt(zmq.SNDHWM, cfg.flags.client_queue_limit)
         self._backlogs: dict[bytes, deque[Reply]] = {}
         self._flusher: asyncio.Task | None = None
-        self.from_scheduler = LoopSocket(zmq.Socket(ctx, zmq.PULL))
-        self.to_scheduler = ctx.socket(zmq.PUSH)
         self.to_launcher = ctx.socket(zmq.PUSH) if cfg.ready_addr else None
         for sock in self.sockets:
             getattr(sock, "sock", sock).setsockopt(zmq.LINGER, 0)
-        self.from_scheduler.sock.bind(cfg.input_addr)
-        self.to_scheduler.connect(cfg.scheduler_input_addr)
         if self.to_launcher:
             self.to_launcher.connect(cfg.ready_addr)
+        self.links = [EngineLink(ctx, cfg.engines_addr)]
+        self.remote = self._remote_engines(cfg.flags)
+        if self.remote is not None:
+            self.links.append(self.remote.link)
+        self._link_of: dict[str, EngineLink] = {}   # each joined engine's
+        flags = cfg.flags
+        self.engines = EngineSet(Router(RoutePolicy(
+            flags.route_balance_abs, flags.route_balance_rel, flags.route_min_match,
+            flags.route_policy)))
+        self._serving = asyncio.Event()   # enough engines joined: clients are served
         self.client_decoder = Decoder(GenerateRequest, AbortRequest, StatsRequest)
-        self.scheduler_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
+        self.engine_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
         syntax = resolve(codec.chat_template_text, cfg.flags.tool_call_parser,
                          cfg.flags.reasoning_parser, codec.tokenizer.get_vocab)
         self.core = TokenizerCore(codec, cfg.flags.default_max_tokens,
@@ -139,34 +151,56 @@ class TokenizerServer:
             return
         serve_with_curve(self.clients.sock, read_secret_key(flags.curve_secret_key))
 
+    def _remote_engines(self, flags: ServerFlags) -> RemoteEngines | None:
+        """The TCP socket engines on other machines join (`--engine-port`), under
+        the client socket's key pair."""
+        if flags.engine_port < 0:
+            return None
+        if not flags.curve_secret_key:
+            raise ValueError("--engine-port needs --curve-secret-key: engines "
+                             "authenticate with the front end's key pair")
+        return RemoteEngines(f"tcp://{flags.host}:{flags.engine_port}",
+                             read_secret_key(flags.curve_secret_key))
+
     @property
     def sockets(self):
-        return [s for s in (self.client_events, self.clients, self.from_scheduler,
-                            self.to_scheduler, self.to_launcher) if s is not None]
+        return [s for s in (self.client_events, self.clients, self.to_launcher)
+                if s is not None]
+
+    def close(self) -> None:
+        for link in self.links[:1]:
+            link.close()
+        if self.remote is not None:
+            self.remote.close()
 
     @property
     def address(self) -> str:
         return self.clients.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    async def run(self) -> None:
-        await self._wait_for_scheduler()
-        await asyncio.gather(self._client_loop(), self._scheduler_loop(),
-                             self._connection_loop(), self._deadline_loop())
+    @property
+    def engine_address(self) -> str | None:
+        """Where engines on other machines join (None: they cannot)."""
+        return self.remote.link.address if self.remote is not None else None
 
-    async def _wait_for_scheduler(self) -> None:
-        while True:
-            msg = decode_from(self.scheduler_decoder, await self.from_scheduler.recv(),
-                              "scheduler", log)
-            if isinstance(msg, SchedulerReady):
-                break
-        self.core.limits = msg.limits
-        max_bytes = max_frame_bytes(msg.limits, self.core.codec.max_chars_per_token)
+    async def run(self) -> None:
+        loops = [loop for link in self.links
+                 for loop in (self._engine_loop(link), self._engine_event_loop(link))]
+        await asyncio.gather(self._serve_clients(), *loops)
+
+    async def _serve_clients(self) -> None:
+        await self._serving.wait()
+        self._bind_client_socket()
+        await asyncio.gather(self._client_loop(), self._connection_loop(),
+                             self._deadline_loop())
+
+    def _bind_client_socket(self) -> None:
+        max_bytes = max_frame_bytes(self.core.limits, self.core.codec.max_chars_per_token)
         self.clients.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         self.clients.sock.bind(self.cfg.client_addr)
         log.info("client frames are capped at %d bytes", max_bytes)
         if self.to_launcher:
-            await self.to_launcher.send(encode(Ready("tokenizer", self.address,
-                                                     self.http_address)))
+            self.to_launcher.send(encode(Ready("tokenizer", self.address,
+                                               self.http_address, self.engine_address)))
         log.info("ready: serving clients on %s", self.address)
 
     async def _client_loop(self) -> None:
@@ -247,15 +281,76 @@ class TokenizerServer:
             log.info("a client connection ended: aborted %d requests", len(aborts))
         return aborts
 
-    async def _scheduler_loop(self) -> None:
+    # ---- engines ---------------------------------------------------------------
+
+    async def _engine_loop(self, link: EngineLink) -> None:
         while True:
-            msg = decode_from(self.scheduler_decoder, await self.from_scheduler.recv(),
-                              "scheduler", log)
-            if isinstance(msg, TokenBatch):
-                await self.send(self.core.on_batch(msg))
-            elif isinstance(msg, Stats):
-                self.core.on_stats(msg)
+            received = await link.recv()
+            if received is None:
+                continue
+            name, frame = received
+            msg = decode_from(self.engine_decoder, frame, f"engine {name}", log)
+            if isinstance(msg, SchedulerReady):
+                self._on_join(name, link, msg)
                 await self.send()
+            elif name not in self.engines.engines:   # not (or no longer) joined
+                continue
+            elif isinstance(msg, TokenBatch):
+                await self.send(self.core.on_batch(self.engines.on_batch(name, msg)))
+            elif isinstance(msg, Stats):
+                self._route_back(self.engines.on_stats(name, msg))
+                await self.send()
+
+    def _on_join(self, name: str, link: EngineLink, msg: SchedulerReady) -> None:
+        other = self._link_of.get(name)
+        if other is not None and other is not link:
+            log.error("refused engine %s: an engine of that name is joined already", name)
+            return
+        if other is not None:   # joining again (restarted) before its old link's end was seen
+            self._on_lost(name)
+        why = self.engines.join(name, msg)
+        if why:
+            log.error("refused engine %s: %s", name, why)
+            return
+        self._link_of[name] = link
+        self.core.limits = self.engines.first.limits
+        log.info("engine %s joined (%d up): kv_capacity=%d", name, len(self.engines.up),
+                 msg.limits.kv_capacity)
+        if len(self.engines.up) >= self.cfg.expected_engines:
+            self._serving.set()
+
+    async def _engine_event_loop(self, link: EngineLink) -> None:
+        while True:
+            for name in link.closed(await link.events.recv()):
+                self._on_lost(name)
+            await self.send()
+
+    def _on_lost(self, name: str) -> None:
+        """An engine's link ended: its requests run elsewhere or end."""
+        if self._link_of.pop(name, None) is None:
+            return
+        out, failed = self.engines.lost(name)
+        log.error("engine %s was lost (%d up): %d requests run again elsewhere, %d end "
+                  "with an error", name, len(self.engines.up),
+                  sum(1 for _, m in out if isinstance(m, TokenizedRequest)), len(failed))
+        self._deliver_to_engines(out)
+        self.core.end_requests(failed, f"the engine running the request ({name}) was "
+                                       "lost; the request was lost")
+
+    def _deliver_to_engines(self, out) -> None:
+        """Send each (engine, message); an engine that cannot be reached is lost."""
+        for name, msg in out:
+            if name == "":
+                self._route_back([(name, msg)])
+                continue
+            link = self._link_of.get(name)
+            if link is None or not link.send(name, encode(msg)):
+                self._on_lost(name)
+
+    def _route_back(self, out) -> None:
+        """The EngineSet's answers for the core (merged stats)."""
+        for _, msg in out:
+            self.core.on_stats(msg)
 
     def _sink(self, client: bytes) -> Sink:
         return lambda reply: self._replies.append((client, reply))
@@ -265,8 +360,10 @@ class TokenizerServer:
         any front end sharing the core on this loop."""
         to_scheduler = list(to_scheduler)
         while to_scheduler or self._replies:
-            for msg in to_scheduler:
-                await self.to_scheduler.send(encode(msg))
+            out, failed = self.engines.dispatch(to_scheduler)
+            self._deliver_to_engines(out)
+            self.core.end_requests(failed, "no engine is serving the model now; "
+                                           "try again later")
             to_scheduler = []
             while self._replies:
                 client, reply = self._replies.popleft()
@@ -339,6 +436,7 @@ async def serve(cfg: TokenizerConfig) -> None:
         server.close_encoder()
         for sock in server.sockets:
             sock.close(linger=0)
+        server.close()
         ctx.term()
 
 

@@ -37,6 +37,7 @@ class WorkerConfig:
     input_addr: str
     output_addr: str
     ready_addr: str = ""
+    name: str = WORKER   # in its Ready to the launcher (one per engine)
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the worker
     prefill_step_size: int = 2048   # most tokens of one prefill forward (not a user flag)
     parent_pid: int = 0
@@ -166,17 +167,17 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
     runner, limits = build_runner(cfg)
     try:
         _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out,
-                     to_launcher)
+                     to_launcher, cfg.name)
     finally:
         runner.close()   # never exit while the helper thread is inside MLX
 
 
 def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket,
-                 to_launcher: zmq.Socket | None = None) -> None:
+                 to_launcher: zmq.Socket | None = None, name: str = WORKER) -> None:
     log.info("ready: %s", limits.as_dict())
     results_out.send(encode(WorkerReady(limits)))
     if to_launcher is not None:
-        to_launcher.send(encode(Ready("worker")))
+        to_launcher.send(encode(Ready(name)))
     decoder = Decoder(Step)
     while True:
         frame = recv()

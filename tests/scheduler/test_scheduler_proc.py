@@ -3,8 +3,9 @@
 Sockets seen from the test (the scheduler binds what it receives on):
   steps     PULL bound at worker_input_addr    Step from the scheduler
   results   PUSH -> worker_output_addr         WorkerReady, StepResult, WorkerError
-  batches   PULL bound at output_addr          SchedulerReady, then TokenBatch
-  requests  PUSH -> input_addr                 TokenizedRequest, Abort
+  batches   ROUTER bound at frontend_addr      SchedulerReady, then TokenBatch (those
+                                               carrying only cache events set aside)
+  requests  the same socket                    TokenizedRequest, Abort
   launcher  PULL bound at ready_addr           Ready("scheduler")
 """
 
@@ -23,7 +24,7 @@ from mlxd.protocol import (
     StepTiming, TokenBatch, TokenEntry, TokenizedRequest, Usage, WorkerError, WorkerLimits,
     WorkerReady, encode,
 )
-from proc_support import ProcHarness
+from proc_support import ProcHarness, RouterEnd
 import support
 from support import pid_alive, wait_until
 
@@ -46,18 +47,17 @@ class Harness(ProcHarness):
     def __init__(self, tmp_path: Path):
         super().__init__("scheduler", tmp_path, RECV_TIMEOUT)
         self.addr = {name: self.ipc(name) for name in
-                     ("input", "output", "worker_in", "worker_out", "ready")}
+                     ("frontend", "worker_in", "worker_out", "ready")}
         self.steps = self._socket(zmq.PULL, bind=self.addr["worker_in"])
-        self.batches = self._socket(zmq.PULL, bind=self.addr["output"])
+        self.batches = self.requests = RouterEnd(self.ctx, self.addr["frontend"])
+        self.sockets.append(self.batches)
         self.launcher = self._socket(zmq.PULL, bind=self.addr["ready"])
         self.results = self._socket(zmq.PUSH, connect=self.addr["worker_out"])
-        self.requests = self._socket(zmq.PUSH, connect=self.addr["input"])
         self.step_decoder = Decoder(Step)
         self.batch_decoder = Decoder(TokenBatch, SchedulerReady)
 
     def argv(self, *extra: str) -> list[str]:
-        return ["-m", "mlxd.scheduler_proc", "--input-addr", self.addr["input"],
-                "--output-addr", self.addr["output"],
+        return ["-m", "mlxd.scheduler_proc", "--frontend-addr", self.addr["frontend"],
                 "--worker-input-addr", self.addr["worker_in"],
                 "--worker-output-addr", self.addr["worker_out"],
                 "--ready-addr", self.addr["ready"], "--log-level", "debug", *extra]
@@ -825,8 +825,8 @@ def test_sigterm_exits_while_serving(sched):
 
 def test_sigterm_exits_before_worker_ready(harness):
     harness.spawn()
-    # its input socket is bound after the signal handlers are installed
-    assert wait_until(lambda: (harness.dir / "input").exists(), 10), harness.child.log()
+    # its worker socket is bound after the signal handlers are installed
+    assert wait_until(lambda: (harness.dir / "worker_out").exists(), 10), harness.child.log()
     code = harness.child.sigterm(5)
     assert code == 0, harness.child.log()
 

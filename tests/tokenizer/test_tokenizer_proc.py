@@ -1,8 +1,8 @@
 """tokenizer_proc as a real process; the test plays the scheduler, clients use the SDK.
 
 Sockets seen from the test (the tokenizer binds what it receives on):
-  requests  PULL bound at scheduler_input_addr   TokenizedRequest / Abort
-  batches   PUSH -> input_addr                   SchedulerReady, then TokenBatch
+  requests  DEALER "engine0" -> engines_addr     TokenizedRequest / Abort
+  batches   the same socket                      SchedulerReady, then TokenBatch
   launcher  PULL bound at ready_addr             Ready("tokenizer", address)
   clients   Client / AsyncClient / raw DEALER -> tcp://127.0.0.1:<port>
 """
@@ -61,15 +61,18 @@ class TokenizerProc(ProcHarness):
 
     def start(self) -> None:
         self.close_sockets()
-        for name in ("input", "sched", "ready"):
+        for name in ("engines", "ready"):
             Path(self.dir, name).unlink(missing_ok=True)
-        self.requests = self._socket(zmq.PULL, bind=self.ipc("sched"))
         self.launcher = self._socket(zmq.PULL, bind=self.ipc("ready"))
-        self.batches = self._socket(zmq.PUSH, connect=self.ipc("input"))
+        self.requests = self.batches = self.ctx.socket(zmq.DEALER)
+        self.batches.setsockopt(zmq.ROUTING_ID, b"engine0")
+        self.batches.setsockopt(zmq.LINGER, 0)
+        self.batches.connect(self.ipc("engines"))
+        self.sockets.append(self.batches)
         self.client_addr = f"tcp://127.0.0.1:{free_port()}"
         self.start_child("-m", "mlxd.tokenizer_proc", "--model", self.model_path,
-                         "--client-addr", self.client_addr, "--input-addr", self.ipc("input"),
-                         "--scheduler-input-addr", self.ipc("sched"),
+                         "--client-addr", self.client_addr,
+                         "--engines-addr", self.ipc("engines"),
                          "--ready-addr", self.ipc("ready"),
                          "--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--http-port", "0")
         self.batches.send(encode(SchedulerReady(self.limits, max_running_requests=64)))

@@ -1,0 +1,82 @@
+"""The scheduler's one socket to the front end (the tokenizer process): a DEALER
+connected to the front end's engine ROUTER, named by the engine's name (its routing
+id). Requests, aborts and stats queries come in on it; SchedulerReady (the engine's
+joining), TokenBatches and Stats go out.
+
+On this machine the address is the front end's `ipc://` one; an engine on another
+machine (`mlxd engine --join`) connects over `tcp://` with CURVE under the front
+end's own key pair, which the front end's authenticator alone accepts, and ZeroMQ
+heartbeats notice a peer that vanished. The socket monitor reports the connection's
+ends and new starts: the loop re-announces itself on each new start (a restarted
+front end learns of it) and drops the requests of an ended one (nobody waits for
+them any more).
+"""
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from mlxd.runtime.keys import KeyPair
+
+HEARTBEAT_MS = 1000          # ZeroMQ PING interval on a tcp link
+HEARTBEAT_TIMEOUT_MS = 4000  # no traffic for this long: the peer is gone
+
+
+def heartbeat(sock: zmq.Socket) -> None:
+    """ZeroMQ's own heartbeats: a peer whose machine vanished is disconnected within
+    HEARTBEAT_TIMEOUT_MS even while nothing is sent."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+class FrontendLink:
+    """`sock` carries the messages both ways; `monitor` is readable when the
+    connection ended or (re)started (poll it, then call `events()`)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, engine: str,
+                 curve: KeyPair | None = None):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)   # never block the loop on the front end
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, engine.encode())
+        if curve is not None:   # the front end's pair: its authenticator admits it alone
+            self.sock.curve_serverkey = curve.public
+            self.sock.curve_publickey = curve.public
+            self.sock.curve_secretkey = curve.secret
+        if address.startswith("tcp://"):
+            heartbeat(self.sock)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.secure = curve is not None
+        self.sock.connect(address)
+
+    def send(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def recv_nowait(self) -> bytes | None:
+        try:
+            return self.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def events(self) -> list[str]:
+        """What happened to the connection since the last call, in order:
+        "ended", "started" (for CURVE: once its handshake succeeded)."""
+        started = zmq.EVENT_HANDSHAKE_SUCCEEDED if self.secure else zmq.EVENT_CONNECTED
+        out = []
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return out
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                out.append("ended")
+            elif event["event"] == started:
+                out.append("started")
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)

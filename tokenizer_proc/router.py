@@ -1,0 +1,114 @@
+"""Which engine a request goes to (pure: no sockets).
+
+Each engine's scheduler reports what its radix tree stores and evicts as block hashes
+(runtime/prefix_hash.py) on the TokenBatches it sends anyway; `PrefixIndex` keeps,
+per hash, the engines holding it. A tree holds whole paths, so an engine holding a
+prompt's k-th block hash holds every one before it: the deepest block any engine
+holds is found by binary search, O(log blocks) lookups after hashing the prompt once.
+
+`Router.choose` is the cache-aware policy (SGLang's): when the load is imbalanced
+(the busiest engine runs more than `balance_abs` requests more than the idlest, and
+more than `balance_rel` times as many), the least-loaded engine; otherwise the
+least-loaded of the engines holding the longest cached prefix, when that prefix is at
+least `min_match` of the prompt; otherwise the least-loaded engine (ties: the one
+caching least, which spreads new prefixes over the replicas). The policies "least_load"
+and "round_robin" ignore the caches (for comparison).
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+
+from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
+
+REASONS = ("cache", "load", "affinity", "rerun")
+POLICIES = ("cache", "least_load", "round_robin")
+
+
+class PrefixIndex:
+    def __init__(self):
+        self.holders: dict[int, set[str]] = {}
+        self.held: dict[str, set[int]] = {}   # engine -> its hashes
+
+    def apply(self, engine: str, reset: bool, stored, removed) -> None:
+        """One batch of an engine's cache events."""
+        if reset:
+            self.drop(engine)
+        held = self.held.setdefault(engine, set())
+        for h in removed:
+            if h in held:
+                held.discard(h)
+                engines = self.holders[h]
+                engines.discard(engine)
+                if not engines:
+                    del self.holders[h]
+        for h in stored:
+            if h not in held:
+                held.add(h)
+                self.holders.setdefault(h, set()).add(engine)
+
+    def drop(self, engine: str) -> None:
+        """Forget everything `engine` held (it left, or its cache was reset)."""
+        for h in self.held.pop(engine, ()):
+            engines = self.holders[h]
+            engines.discard(engine)
+            if not engines:
+                del self.holders[h]
+
+    def size(self, engine: str) -> int:
+        return len(self.held.get(engine, ()))
+
+    def longest(self, hashes: list[int]) -> tuple[int, set[str]]:
+        """The most leading blocks of `hashes` some engine holds, and the engines
+        that hold that many."""
+        lo, hi = 0, len(hashes)   # blocks [0, lo) are held by someone; hi is an upper bound
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in self.holders:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, (set(self.holders[hashes[lo - 1]]) if lo else set())
+
+
+@dataclass(frozen=True)
+class RoutePolicy:
+    balance_abs: int = 32       # requests
+    balance_rel: float = 1.5
+    min_match: float = 0.1      # share of the prompt's tokens
+    kind: str = "cache"         # POLICIES
+
+
+class Router:
+    def __init__(self, policy: RoutePolicy = RoutePolicy()):
+        self.policy = policy
+        self.index = PrefixIndex()
+        self.decisions: Counter[str] = Counter()   # by reason (REASONS)
+        self._turn = 0   # round_robin's
+
+    def choose(self, input_ids: list[int], loads: dict[str, int]) -> tuple[str, str]:
+        """(engine, reason) for a prompt, among the engines in `loads` (the ones up,
+        with the requests each runs or queues); `loads` must not be empty."""
+        engine, reason = self._choose(input_ids, loads)
+        self.decisions[reason] += 1
+        return engine, reason
+
+    def _choose(self, input_ids: list[int], loads: dict[str, int]) -> tuple[str, str]:
+        if self.policy.kind == "round_robin":
+            self._turn += 1
+            return sorted(loads)[self._turn % len(loads)], "load"
+        least = min(loads, key=lambda e: (loads[e], self.index.size(e), e))
+        if len(loads) == 1 or self.policy.kind == "least_load" or self._imbalanced(loads):
+            return least, "load"
+        blocks, holders = self.index.longest(block_hashes(input_ids))
+        holders &= loads.keys()
+        if holders and blocks * PREFIX_BLOCK >= self.policy.min_match * len(input_ids):
+            return min(holders, key=lambda e: (loads[e], e)), "cache"
+        return least, "load"
+
+    def _imbalanced(self, loads: dict[str, int]) -> bool:
+        low, high = min(loads.values()), max(loads.values())
+        return (high - low > self.policy.balance_abs
+                and high > self.policy.balance_rel * low)
+
+    def count(self, reason: str) -> None:
+        self.decisions[reason] += 1
