@@ -59,7 +59,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script: bench/ is on the path, the root is not
     sys.path.insert(0, str(ROOT))
 
-from mlxd.runtime import prefix_hash   # noqa: E402
 from mlxd.scheduler_proc import radix_cache   # noqa: E402
 from mlxd.scheduler_proc.radix_cache import RadixCache   # noqa: E402
 from mlxd.tokenizer_proc.router import RoutePolicy, Router   # noqa: E402
@@ -83,23 +82,6 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 radix_cache.common_prefix_len = common_prefix_len   # same results, faster (only here)
 
-
-class BlockHashMemo:
-    """prefix_hash.chain, remembered: the router hashes each whole prompt, and every
-    engine that misses a context hashes it again; the memo is emptied per trace."""
-
-    def __init__(self, chain):
-        self.chain, self.known = chain, {}
-
-    def __call__(self, previous: int, block) -> int:
-        key = (previous, *block)
-        h = self.known.get(key)
-        if h is None:
-            h = self.known[key] = self.chain(previous, block)
-        return h
-
-
-prefix_hash.chain = chain_memo = BlockHashMemo(prefix_hash.chain)   # same results, faster
 
 # ---- traces -----------------------------------------------------------------------
 
@@ -170,7 +152,6 @@ def ideal_demand(conv: Conversation, costs: Costs) -> float:
 def make_trace(kind: str, engines: int, args, costs: Costs) -> list[Conversation]:
     """`args.convs` conversations per engine, arriving as a Poisson process at the
     rate that keeps `args.load` of all slots busy (ideal caching)."""
-    chain_memo.known.clear()
     rng = random.Random(f"{args.seed}-{kind}-{engines}")
     convs = TRACES[kind](rng, args.convs * engines)
     mean_demand = sum(ideal_demand(c, costs) for c in convs) / len(convs)
@@ -499,7 +480,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8, help="requests an engine runs at once")
     ap.add_argument("--prefill-us", type=float, default=200.0, help="per uncached prompt token")
     ap.add_argument("--decode-us", type=float, default=20000.0, help="per output token")
-    ap.add_argument("--load", type=float, default=0.6,
+    ap.add_argument("--load", type=float, default=0.8,
                     help="share of all slots busy with ideal caching (sets the arrival rate)")
     ap.add_argument("--convs", type=int, default=32, help="conversations per engine")
     ap.add_argument("--balance-abs", type=int, default=RoutePolicy.balance_abs)

@@ -188,11 +188,7 @@ class EngineSet:
         one engine: its own stats), each engine's under "engines", and the router's."""
         merged: dict = {}
         for name in sorted(replies):
-            for key, value in replies[name].items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    merged[key] = merged.get(key, 0) + value
-                else:
-                    merged.setdefault(key, value)
+            _add(merged, replies[name])
         merged["engines"] = {name: {**replies[name], "load": self.engines[name].load,
                                     "routed": self.engines[name].routed}
                              for name in sorted(replies) if name in self.engines}
@@ -205,6 +201,20 @@ class EngineSet:
         placed = {rid: e.name for e in self.engines.values() for rid in e.rids}
         assert placed == self._engine_of, (placed, self._engine_of)
         assert set(self._unstarted) <= set(self._engine_of)
+
+
+SUMMED_GROUPS = ("speculative",)   # nested stats whose numbers add up too
+
+
+def _add(total: dict, stats: dict) -> None:
+    """Sum `stats`' numbers into `total`; other values: the first engine's."""
+    for key, value in stats.items():
+        if key in SUMMED_GROUPS and isinstance(value, dict):
+            _add(total.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+        else:
+            total.setdefault(key, value)
 
 
 def mismatch(first: SchedulerReady, new: SchedulerReady) -> str | None:

@@ -239,3 +239,18 @@ def test_an_engine_joins_over_tcp_with_the_key_and_one_without_it_is_refused(
         for engine in engines:
             engine.stop()
         front.stop()
+
+
+def test_metrics_and_stats_per_engine(replicas):
+    import httpx
+
+    with Client(replicas.address, timeout=30) as c:
+        c.generate(input_ids=random_ids(20, seed=77), max_tokens=4)
+        stats = c.stats()
+    assert stats["capacity"] == sum(e["capacity"] for e in stats["engines"].values())
+    text = httpx.get(f"{replicas.http_url}/metrics", timeout=30).text
+    for engine in ("engine0", "engine1"):
+        assert f'mlxd_engine_kv_slots_capacity{{engine="{engine}"}} 4096.0' in text
+        assert f'mlxd_engine_routed_total{{engine="{engine}"}}' in text
+    assert 'mlxd_router_decisions_total{reason="load"}' in text
+    assert "mlxd_engines_up 2.0" in text

@@ -3,10 +3,11 @@ in a registry of the front end's own.
 
 Counters and histograms are fed as requests run; the scheduler's counters (running,
 waiting, KV slots, pinned slots and refused pins, retractions, step time, and the
-speculative-decoding counters) are read from its stats at each scrape."""
+speculative-decoding counters) are read from its stats at each scrape; with several
+engines, the same gauges labelled by engine, and the router's decisions by reason."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mlxd.protocol import StreamChunk
 
@@ -52,6 +53,49 @@ class _SpecCounters:
             yield family
 
 
+# each engine's stats key -> gauge name (labelled by engine), help
+ENGINE_GAUGES = {
+    "running": ("mlxd_engine_requests_running", "requests being decoded, per engine"),
+    "waiting": ("mlxd_engine_requests_waiting", "requests waiting to run, per engine"),
+    "load": ("mlxd_engine_load", "requests routed to the engine and not finished"),
+    "used_slots": ("mlxd_engine_kv_slots_used", "KV slots held by running requests, per engine"),
+    "cached_slots": ("mlxd_engine_kv_slots_cached", "KV slots in the engine's prefix cache"),
+    "capacity": ("mlxd_engine_kv_slots_capacity", "the engine's KV pool size in tokens"),
+}
+
+
+class _EngineMetrics:
+    """Per-engine gauges and the router's counters, as of the latest stats (an
+    engine that left has no series)."""
+
+    def __init__(self):
+        self.latest: dict = {}
+
+    def collect(self):
+        engines = self.latest.get("engines") or {}
+        for key, (name, text) in ENGINE_GAUGES.items():
+            family = GaugeMetricFamily(name, text, labels=["engine"])
+            for engine, stats in sorted(engines.items()):
+                if isinstance(stats.get(key), (int, float)):
+                    family.add_metric([engine], stats[key])
+            yield family
+        routed = CounterMetricFamily("mlxd_engine_routed", "requests routed to the engine",
+                                     labels=["engine"])
+        for engine, stats in sorted(engines.items()):
+            routed.add_metric([engine], stats.get("routed", 0))
+        yield routed
+        router = self.latest.get("router") or {}
+        decisions = CounterMetricFamily("mlxd_router_decisions", "routing decisions by "
+                                        "reason (cache, load, affinity, rerun)",
+                                        labels=["reason"])
+        for reason, n in sorted((router.get("decisions") or {}).items()):
+            decisions.add_metric([reason], n)
+        yield decisions
+        yield GaugeMetricFamily("mlxd_engines_up", "engines serving", router.get("engines_up", 0))
+        yield CounterMetricFamily("mlxd_engine_losses", "engines lost (died, vanished)",
+                                  router.get("losses", 0))
+
+
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -80,6 +124,8 @@ class Metrics:
                              "(mean over recent steps)", registry=r)
         self.spec = _SpecCounters()
         r.register(self.spec)
+        self.engines = _EngineMetrics()
+        r.register(self.engines)
 
     def finished(self, chunk: StreamChunk, seconds: float) -> None:
         self.finish.labels(chunk.finish_reason).inc()
@@ -95,6 +141,7 @@ class Metrics:
         for key, gauge in self.gauges.items():
             if isinstance((stats or {}).get(key), (int, float)):
                 gauge.set(stats[key])
+        self.engines.latest = stats or {}
         spec = (stats or {}).get("speculative")
         if isinstance(spec, dict):
             self.spec.latest = spec

@@ -1,0 +1,175 @@
+"""tokenizer_proc/router.py and engines.py: the prefix index, the routing policy and
+the engine set (pure: no sockets)."""
+
+import random
+
+import pytest
+
+from mlxd.protocol import (Abort, GetStats, SamplingParams, SchedulerReady, Stats,
+                           TokenBatch, TokenEntry, TokenizedRequest)
+from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
+from mlxd.tokenizer_proc.engines import EngineSet
+from mlxd.tokenizer_proc.router import PrefixIndex, RoutePolicy, Router
+from support import worker_limits
+
+
+def ids(seed: int, n: int = 64) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def holds(router: Router, engine: str, tokens: list[int]) -> None:
+    router.index.apply(engine, False, block_hashes(tokens), [])
+
+
+# ---- PrefixIndex ------------------------------------------------------------------
+
+def test_longest_equals_a_linear_scan_on_prefix_closed_holdings():
+    rng = random.Random(3)
+    for _ in range(200):
+        index = PrefixIndex()
+        prompt = ids(rng.randrange(5), rng.randrange(0, 200))
+        hashes = block_hashes(prompt)
+        depth = {}
+        for engine in ("a", "b", "c"):   # each holds a prefix of the prompt, or another
+            k = rng.randrange(len(hashes) + 1)
+            index.apply(engine, False, hashes[:k] + block_hashes(ids(99, 48)), [])
+            depth[engine] = k
+        best = max(depth.values())
+        blocks, engines = index.longest(hashes)
+        assert blocks == best
+        assert engines == ({e for e, k in depth.items() if k == best} if best else set())
+
+
+def test_removed_and_reset_hashes_are_forgotten():
+    index = PrefixIndex()
+    hashes = block_hashes(ids(1))
+    index.apply("a", False, hashes, [])
+    index.apply("b", False, hashes[:2], [])
+    index.apply("a", False, [], hashes[2:])
+    assert index.longest(hashes) == (2, {"a", "b"})
+    index.apply("b", True, [], [])   # b's cache was dropped
+    assert index.longest(hashes) == (2, {"a"})
+    index.drop("a")
+    assert index.longest(hashes) == (0, set()) and not index.holders
+
+
+# ---- Router ---------------------------------------------------------------------
+
+def test_a_request_goes_to_the_engine_caching_its_prefix_unless_load_is_imbalanced():
+    router = Router(RoutePolicy(balance_abs=4, balance_rel=1.5, min_match=0.5))
+    prompt = ids(7, 80)
+    holds(router, "b", prompt[:64])
+    assert router.choose(prompt, {"a": 0, "b": 3}) == ("b", "cache")
+    assert router.choose(prompt, {"a": 0, "b": 5}) == ("a", "load")   # 5 - 0 > 4
+    assert router.choose(ids(8, 80), {"a": 1, "b": 0}) == ("b", "load")   # no match
+    # too short a match (16 of 80 tokens < 0.5): the least-loaded engine
+    holds(router, "c", prompt[:16])
+    assert router.choose(prompt, {"a": 0, "c": 0}) == ("a", "load")
+    assert router.decisions == {"cache": 1, "load": 3}
+
+
+def test_ties_go_to_the_engine_caching_least_and_the_other_policies():
+    router = Router()
+    holds(router, "a", ids(1, 160))
+    assert router.choose(ids(2), {"a": 0, "b": 0})[0] == "b"
+    rr = Router(RoutePolicy(kind="round_robin"))
+    picks = [rr.choose(ids(3), {"a": 9, "b": 0, "c": 0})[0] for _ in range(6)]
+    assert sorted(picks) == ["a", "a", "b", "b", "c", "c"]
+    ll = Router(RoutePolicy(kind="least_load"))
+    holds(ll, "a", ids(4))
+    assert ll.choose(ids(4), {"a": 1, "b": 0}) == ("b", "load")
+
+
+# ---- EngineSet --------------------------------------------------------------------
+
+def ready(**limits) -> SchedulerReady:
+    return SchedulerReady(worker_limits(**limits), 64)
+
+
+def request(rid: int, prompt: list[int]) -> TokenizedRequest:
+    return TokenizedRequest(rid, prompt, SamplingParams(), 8, [])
+
+
+def entry(rid: int, tokens=(5,), finish=None) -> TokenEntry:
+    return TokenEntry(rid, list(tokens), [0.0] * len(tokens), finish_reason=finish)
+
+
+def two_engines() -> EngineSet:
+    engines = EngineSet()
+    assert engines.join("e0", ready()) is None and engines.join("e1", ready()) is None
+    return engines
+
+
+def test_choices_share_an_engine_and_aborts_follow_their_request():
+    engines = two_engines()
+    first = request(1, ids(1))
+    choices = [first, TokenizedRequest(2, first.input_ids, SamplingParams(seed=1), 8, [])]
+    out, failed = engines.dispatch(choices + [request(3, ids(2))])
+    assert not failed
+    assert out[0][0] == out[1][0] != out[2][0]   # the third goes to the idle engine
+    assert engines.router.decisions["affinity"] == 1
+    aborts, _ = engines.dispatch([Abort(2), Abort(99)])
+    assert aborts == [(out[1][0], Abort(2))]
+    engines.check_integrity()
+
+
+def test_a_lost_engine_s_unstarted_requests_run_elsewhere_and_started_ones_fail():
+    engines = two_engines()
+    out, _ = engines.dispatch([request(1, ids(1)), request(2, ids(2)),
+                               request(3, ids(3)), request(4, ids(4))])
+    on_e1 = sorted(m.rid for e, m in out if e == "e1")
+    started, unstarted = on_e1
+    batch = engines.on_batch("e1", TokenBatch([entry(started)]))
+    assert [e.rid for e in batch.entries] == [started]
+    resend, failed = engines.lost("e1")
+    assert failed == [started]
+    assert [(e, m.rid) for e, m in resend] == [("e0", unstarted)]
+    # a late batch of the lost engine is not its to report any more
+    assert engines.on_batch("e1", TokenBatch([entry(unstarted)])).entries == []
+    assert engines.on_batch("e0", TokenBatch([entry(unstarted, finish="length")])).entries
+    engines.check_integrity()
+    assert engines.engines["e0"].load == 2
+    # the last engine gone: nothing can run again
+    resend, failed = engines.lost("e0")
+    assert resend == [] and len(failed) == 2
+    out, failed = engines.dispatch([request(9, ids(9))])
+    assert out == [] and failed == [9]
+
+
+def test_stats_are_merged_once_every_engine_answered_or_left():
+    engines = two_engines()
+    out, _ = engines.dispatch([GetStats(7)])
+    assert sorted(e for e, _ in out) == ["e0", "e1"]
+    assert engines.on_stats("e0", Stats(7, {"running": 2, "worker_status": "ok"})) == []
+    [(target, merged)] = engines.on_stats("e1", Stats(7, {
+        "running": 3, "speculative": {"method": "ngram", "verifies": 4}}))
+    assert target == "" and merged.stats["running"] == 5
+    assert merged.stats["speculative"] == {"method": "ngram", "verifies": 4}
+    assert merged.stats["worker_status"] == "ok"
+    assert sorted(merged.stats["engines"]) == ["e0", "e1"]
+    engines.dispatch([GetStats(8)])
+    engines.on_stats("e0", Stats(8, {"running": 1}))
+    resend, _ = engines.lost("e1")
+    assert [m.stats["running"] for _, m in resend] == [1]
+
+
+@pytest.mark.parametrize("limits", [dict(vocab_size=999), dict(kv_capacity=100),
+                                    dict(max_context=64)])
+def test_an_engine_that_cannot_serve_every_admitted_request_is_refused(limits):
+    engines = EngineSet()
+    engines.join("e0", ready())
+    assert engines.join("e1", ready(**limits))
+    assert engines.up == ["e0"]
+
+
+def test_cache_events_in_batches_steer_the_next_request():
+    engines = two_engines()
+    prompt = ids(5, 10 * PREFIX_BLOCK)
+    engines.on_batch("e1", TokenBatch([], cache_stored=block_hashes(prompt)))
+    out, _ = engines.dispatch([request(1, prompt + [1, 2, 3])])
+    assert out[0][0] == "e1"
+    engines.on_batch("e1", TokenBatch([], cache_reset=True))
+    engines.on_batch("e0", TokenBatch([], cache_stored=block_hashes(prompt)))
+    out, _ = engines.dispatch([request(2, prompt)])
+    assert out[0][0] == "e0"
