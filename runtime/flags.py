@@ -72,9 +72,10 @@ class ServerFlags:
         "the longest part of the prompt, unless the load is imbalanced), `least_load`, "
         "`round_robin`", (TOKENIZER,), choices=("cache", "least_load", "round_robin"))
     route_balance_abs: int = flag(
-        32, "routing: the load is imbalanced (and a request goes to the least-loaded "
-        "engine, cache or not) when the busiest engine has this many requests more than "
-        "the idlest...", (TOKENIZER,), minimum=0)
+        0, "routing: the engine caching a request's prefix is overloaded (and the request "
+        "goes to the least-loaded engine instead) when it has this many requests more "
+        "than the idlest engine...; 0: an engine's `--max-running-requests`", (TOKENIZER,),
+        shown="0 (an engine's batch)", minimum=0)
     route_balance_rel: float = flag(
         1.5, "...and more than this many times as many", (TOKENIZER,), minimum=1)
     route_min_match: float = flag(

@@ -89,11 +89,19 @@ class CacheEvents:
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading ids `a` and `b` share, by slice comparisons (C loops, then a
+    bisection), not a Python loop per token."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n   # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class RadixCache:

@@ -63,6 +63,7 @@ class EngineSet:
                 return why
         else:
             self.first = ready
+            self.router.joined(ready.max_running_requests)
         assert name not in self.engines, "a re-joining engine is lost first"
         self.engines[name] = Engine(name, ready)
         self.router.index.drop(name)

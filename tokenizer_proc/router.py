@@ -6,22 +6,27 @@ per hash, the engines holding it. A tree holds whole paths, so an engine holding
 prompt's k-th block hash holds every one before it: the deepest block any engine
 holds is found by binary search, O(log blocks) lookups after hashing the prompt once.
 
-`Router.choose` is the cache-aware policy (SGLang's): when the load is imbalanced
-(the busiest engine runs more than `balance_abs` requests more than the idlest, and
-more than `balance_rel` times as many), the least-loaded engine; otherwise the
-least-loaded of the engines holding the longest cached prefix, when that prefix is at
-least `min_match` of the prompt; otherwise the least-loaded engine (ties: the one
-caching least, which spreads new prefixes over the replicas). The policies "least_load"
+`Router.choose` is a cache-aware policy: the least-loaded of the engines holding the
+longest cached prefix, when that prefix is at least `min_match` of the prompt and that
+engine is not overloaded next to the idlest one (it has more than `balance_abs`
+requests more, and more than `balance_rel` times as many); otherwise the least-loaded
+engine (ties: the one caching least, which spreads new prefixes over the replicas).
+SGLang's router applies the load test to the busiest engine instead, so that one hot
+engine sends every request, cached or not, to the idlest; testing the chosen engine
+keeps the others' conversations where their cache is (bench/router_sim.py measured
+both: the same hit rate at 8 engines, far less queueing, and a threshold that suits
+2 and 64 engines alike). The policies "least_load"
 and "round_robin" ignore the caches (for comparison).
 """
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
 
 REASONS = ("cache", "load", "affinity", "rerun")
 POLICIES = ("cache", "least_load", "round_robin")
+UNSET_BALANCE_ABS = 64   # before an engine said its batch size (mlxd's default one)
 
 
 class PrefixIndex:
@@ -72,7 +77,7 @@ class PrefixIndex:
 
 @dataclass(frozen=True)
 class RoutePolicy:
-    balance_abs: int = 32       # requests
+    balance_abs: int = 0        # requests (0: an engine's max_running_requests, `joined`)
     balance_rel: float = 1.5
     min_match: float = 0.1      # share of the prompt's tokens
     kind: str = "cache"         # POLICIES
@@ -97,18 +102,24 @@ class Router:
             self._turn += 1
             return sorted(loads)[self._turn % len(loads)], "load"
         least = min(loads, key=lambda e: (loads[e], self.index.size(e), e))
-        if len(loads) == 1 or self.policy.kind == "least_load" or self._imbalanced(loads):
+        if len(loads) == 1 or self.policy.kind == "least_load":
             return least, "load"
         blocks, holders = self.index.longest(block_hashes(input_ids))
         holders &= loads.keys()
         if holders and blocks * PREFIX_BLOCK >= self.policy.min_match * len(input_ids):
-            return min(holders, key=lambda e: (loads[e], e)), "cache"
+            best = min(holders, key=lambda e: (loads[e], e))
+            if not self._overloaded(loads[best], loads[least]):
+                return best, "cache"
         return least, "load"
 
-    def _imbalanced(self, loads: dict[str, int]) -> bool:
-        low, high = min(loads.values()), max(loads.values())
-        return (high - low > self.policy.balance_abs
-                and high > self.policy.balance_rel * low)
+    def _overloaded(self, load: int, least: int) -> bool:
+        limit = self.policy.balance_abs or UNSET_BALANCE_ABS
+        return load - least > limit and load > self.policy.balance_rel * least
+
+    def joined(self, max_running_requests: int) -> None:
+        """The first engine's batch size: the overload threshold where none was set."""
+        if not self.policy.balance_abs:
+            self.policy = replace(self.policy, balance_abs=max_running_requests)
 
     def count(self, reason: str) -> None:
         self.decisions[reason] += 1

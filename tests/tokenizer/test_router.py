@@ -69,6 +69,26 @@ def test_a_request_goes_to_the_engine_caching_its_prefix_unless_load_is_imbalanc
     assert router.decisions == {"cache": 1, "load": 3}
 
 
+def test_only_the_chosen_engine_s_load_diverts_a_cached_request():
+    router = Router(RoutePolicy(balance_abs=4))
+    prompt = ids(9, 64)
+    holds(router, "b", prompt)
+    # another engine is far busier than the idlest: b's conversation stays on b
+    assert router.choose(prompt, {"a": 0, "b": 2, "c": 40}) == ("b", "cache")
+    # overloaded when both hold: 5 more than the idlest and more than 1.5 times as many
+    assert router.choose(prompt, {"a": 0, "b": 6}) == ("a", "load")
+    assert router.choose(prompt, {"a": 20, "b": 26}) == ("b", "cache")   # 26 < 1.5 * 20
+
+
+def test_the_threshold_defaults_to_the_first_engine_s_batch():
+    engines = EngineSet(Router(RoutePolicy(balance_abs=0)))
+    engines.join("e0", SchedulerReady(worker_limits(), 8))
+    assert engines.router.policy.balance_abs == 8
+    fixed = EngineSet(Router(RoutePolicy(balance_abs=3)))
+    fixed.join("e0", SchedulerReady(worker_limits(), 8))
+    assert fixed.router.policy.balance_abs == 3
+
+
 def test_ties_go_to_the_engine_caching_least_and_the_other_policies():
     router = Router()
     holds(router, "a", ids(1, 160))

@@ -1,0 +1,51 @@
+"""Replicas on one machine: N concurrent requests against `--dp 1` and `--dp 2` (the
+same model, flags and fresh random prompts each repeat, runs alternating), output
+tokens per second and the ratio. Each replica is a worker of its own: on a machine
+whose cores one worker already keeps busy, a second brings no throughput (it takes
+half of the same cores); where memory bandwidth or cores are left over, it does.
+
+    python -m bench.replicas                     # ~40M random-weight model
+    python -m bench.replicas --model smollm2 --n 32 --repeats 3
+"""
+
+import argparse
+import statistics
+
+from bench.common import MlxdServer, bench_model, machine_summary, random_prompts, tokenizer_vocab
+from bench.throughput import run_mlxd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--server-args", default="", help="extra launch.py flags")
+    args = ap.parse_args()
+    model = bench_model(args.model)
+    vocab = tokenizer_vocab(model)
+    capacity = args.n * (args.prompt_len + args.gen_len) + 1024
+    flags = ["--max-running-requests", str(args.n), "--kv-capacity", str(capacity),
+             *args.server_args.split()]
+    servers = {dp: MlxdServer(model, *flags, "--dp", str(dp)) for dp in (1, 2)}
+    runs: dict[int, list[float]] = {1: [], 2: []}
+    try:
+        for seed in range(args.repeats):   # fresh prompts: no prefix-cache hits
+            prompts = random_prompts(args.n, args.prompt_len, vocab, seed=100 + seed)
+            for dp, server in servers.items():
+                runs[dp].append(run_mlxd(server.address, prompts, args.gen_len))
+    finally:
+        for server in servers.values():
+            server.stop()
+    med = {dp: statistics.median(values) for dp, values in runs.items()}
+    print(f"N={args.n} P={args.prompt_len} G={args.gen_len} on {machine_summary()}")
+    for dp in (1, 2):
+        print(f"--dp {dp}: {med[dp]:8.1f} output tok/s   runs {[round(r, 1) for r in runs[dp]]}")
+    print(f"ratio dp2 / dp1: {med[2] / med[1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
