@@ -82,6 +82,7 @@ class SchedulerLoop:
         self.worker_limits: WorkerLimits | None = None
         self.worker_memory: dict = {}       # the latest step's memory figures
         self.timings = StepTimings()
+        self.rejoin = False   # the front end's connection ended: announce on the next
         self._answered: tuple[float, StepTiming] | None = None   # (received at, worker's)
 
     @property
@@ -126,7 +127,6 @@ class SchedulerLoop:
                 self._announce()
 
     def run(self) -> None:
-        self.rejoin = False   # the front end's connection ended: announce on the next
         for sock in (self.frontend.sock, self.frontend.monitor, self.from_worker,
                      self.link.monitor, self.wakeup):
             if sock is not None:

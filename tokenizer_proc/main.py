@@ -178,6 +178,10 @@ class TokenizerServer:
         return self.clients.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @property
+    def engines_up(self) -> int:
+        return len(self.engines.up)
+
+    @property
     def engine_address(self) -> str | None:
         """Where engines on other machines join (None: they cannot)."""
         return self.remote.link.address if self.remote is not None else None

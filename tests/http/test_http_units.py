@@ -114,6 +114,7 @@ class _NotReadyFront:
         raise AssertionError("nothing may be submitted before the server is ready")
 
     core = SimpleNamespace(limits=None, codec=None, submit=_submit)
+    engines_up = 0
 
     async def send(self, to_scheduler=()):
         pass

@@ -861,3 +861,29 @@ def test_exits_when_parent_dies(harness):
     finally:
         if pid is not None and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_front_end_gone_aborts_everything_and_a_new_one_gets_the_whole_cache(sched):
+    sched.request(1, list(range(1, 40)), max_new_tokens=2)
+    out = sched.serve({1: [50, 51]})
+    assert out["entries"][1][-1].finish_reason == "length"
+    held: set[int] = set()   # what the events said the cache holds
+    for batch in sched.batches.cache_batches + out["batches"]:
+        if batch.cache_reset:
+            held.clear()
+        held = (held - set(batch.cache_removed)) | set(batch.cache_stored)
+    assert len(held) == 2   # 39 prompt tokens + the first output token: two blocks
+    sched.request(2, [7, 8, 9], max_new_tokens=100)
+    sched.step()
+    # the front end goes away with request 2 running: it is aborted
+    sched.batches.close()
+    sched.sockets.remove(sched.batches)
+    # a new front end at the same address: the engine joins it again, cache included
+    sched.batches = sched.requests = RouterEnd(sched.ctx, sched.addr["frontend"],
+                                               skip_cache_events=False)
+    sched.sockets.append(sched.batches)
+    ready = sched._recv(sched.batches, sched.batch_decoder, "SchedulerReady again", 15)
+    while not isinstance(ready, SchedulerReady):   # the aborted request's finish came first
+        ready = sched._recv(sched.batches, sched.batch_decoder, "SchedulerReady again", 15)
+    snapshot = sched._recv(sched.batches, sched.batch_decoder, "the whole cache", 15)
+    assert snapshot.cache_reset and set(snapshot.cache_stored) == held

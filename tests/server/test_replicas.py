@@ -254,3 +254,24 @@ def test_metrics_and_stats_per_engine(replicas):
         assert f'mlxd_engine_routed_total{{engine="{engine}"}}' in text
     assert 'mlxd_router_decisions_total{reason="load"}' in text
     assert "mlxd_engines_up 2.0" in text
+
+
+def test_openai_client_choices_share_a_replica(replicas, llama_model):
+    import openai
+
+    before = engine_stats(replicas.address)
+    client = openai.OpenAI(base_url=f"{replicas.http_url}/v1", api_key="none")
+    prompt = random_ids(24, seed=91)
+    reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                      max_tokens=MAX_TOKENS, n=3, temperature=0)
+    ref = [t for t, _ in reference_tokens(llama_model, prompt, MAX_TOKENS)]
+    assert len(reply.choices) == 3
+    after = engine_stats(replicas.address)
+    routed = {e: after["engines"][e]["routed"] - before["engines"][e]["routed"]
+              for e in after["engines"]}
+    assert sorted(routed.values()) == [0, 3], routed   # all three choices on one engine
+    decisions = after["router"]["decisions"]
+    assert decisions["affinity"] - before["router"]["decisions"].get("affinity", 0) == 2
+    with Client(replicas.address, timeout=30) as c:
+        text = c.generate(input_ids=prompt, max_tokens=MAX_TOKENS).text
+    assert all(choice.text == text for choice in reply.choices) and ref

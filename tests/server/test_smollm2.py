@@ -171,3 +171,30 @@ def test_the_default_model_with_a_draft_model_answers_as_without(default_server,
     assert spec["method"] == "draft" and spec["verifies"] > 0
     assert got == answers(default_server)
     assert "Paris" in got[0]
+
+
+def test_two_replicas_of_the_default_model_answer_the_openai_client(smollm2_folder):
+    """`--dp 2` on the default model: chats through the openai client land on both
+    replicas and say what one replica says."""
+    import openai
+
+    env = {**os.environ, "MLXD_CACHE_DIR": str(default_cache_dir()), **NO_REGISTRY}
+    server = Server("", "--dp", "2", "--kv-capacity", "4096", "--log-level", "warning",
+                    env=env, ready_timeout=300)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+
+        async def ask_all():
+            return await asyncio.gather(*(client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=chat(q), max_tokens=MAX_TOKENS,
+                temperature=0) for q in QUESTIONS[:4]))
+
+        replies = asyncio.run(ask_all())
+        with Client(server.address, timeout=120) as c:
+            stats = c.stats()
+            alone = [c.chat(chat(q), max_tokens=MAX_TOKENS).text for q in QUESTIONS[:4]]
+    finally:
+        server.stop()
+    assert [r.choices[0].message.content for r in replies] == alone
+    assert all(engine["routed"] > 0 for engine in stats["engines"].values())
+    assert len(stats["engines"]) == 2

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import random
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -633,3 +634,63 @@ def test_sigterm_exits_within_5s(llama_model, tmp_path):
     with TokenizerProc(llama_model, tmp_path) as t:
         code = t.child.sigterm(5)
         assert code == 0, t.log()
+
+
+# ---- engines leaving and joining -----------------------------------------------------
+
+def _reconnect_engine(tok: TokenizerProc, name: bytes) -> zmq.Socket:
+    sock = tok.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, name)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tok.ipc("engines"))
+    tok.sockets.append(sock)
+    return sock
+
+
+def test_a_lost_engine_s_requests_end_or_run_again_and_a_new_one_is_used(tok, client, bg):
+    import httpx
+
+    engine0 = tok.batches
+    engine1 = _reconnect_engine(tok, b"engine1")
+    engine1.send(encode(SchedulerReady(tok.limits, max_running_requests=64)))
+    health = f"{tok.ready.http_address}/health"
+    decoder = Decoder(TokenizedRequest, Abort)
+    # least-loaded first, ties by name: A -> engine0, B -> engine1, C -> engine0
+    results = []
+    for ids in ([1, 50], [1, 51], [1, 52]):
+        results.append(bg.submit(client.generate, input_ids=ids, max_tokens=4))
+        assert wait_for(lambda: engine0.poll(0) or engine1.poll(0))
+        time.sleep(0.2)
+    a, c = (tok._recv(engine0, decoder, "a request") for _ in range(2))
+    b = tok._recv(engine1, decoder, "a request")
+    assert (a.input_ids, b.input_ids, c.input_ids) == ([1, 50], [1, 51], [1, 52])
+    engine0.send(encode(TokenBatch([TokenEntry(a.rid, [60], [-0.1])])))   # A streams
+    time.sleep(0.2)
+    engine0.close()   # engine0 goes: A (streaming) fails, C (not started) moves
+    tok.sockets.remove(engine0)
+    result = results[0].result(CLIENT_TIMEOUT)
+    assert result.finish_reason == "error", result
+    moved = tok._recv(engine1, decoder, "C, run again")
+    assert moved.rid == c.rid and moved.input_ids == [1, 52]
+    engine1.send(encode(TokenBatch([TokenEntry(b.rid, [61], [0.0], finish_reason="length"),
+                                    TokenEntry(c.rid, [62], [0.0], finish_reason="length")])))
+    assert results[1].result(CLIENT_TIMEOUT).token_ids == [61]
+    assert results[2].result(CLIENT_TIMEOUT).token_ids == [62]
+    assert httpx.get(health).status_code == 200
+    engine1.close()   # no engine left: health says so, a request ends at once
+    tok.sockets.remove(engine1)
+    assert wait_for(lambda: httpx.get(health).status_code == 503)
+    assert client.generate(input_ids=[1, 53], max_tokens=4).finish_reason == "error"
+    tok.requests = tok.batches = _reconnect_engine(tok, b"engine0")   # it comes back
+    tok.batches.send(encode(SchedulerReady(tok.limits, max_running_requests=64)))
+    assert wait_for(lambda: httpx.get(health).status_code == 200)
+    serves_a_request(tok, client)
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False

@@ -140,6 +140,8 @@ async def model(api: Api, request: Request):
 async def health(api: Api, request: Request):
     if api.limits is None:
         return JSONResponse({"status": "starting"}, status_code=503)
+    if not api.front.engines_up:   # every engine was lost; requests fail until one joins
+        return JSONResponse({"status": "no engine"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -26,9 +26,10 @@ class Front(Protocol):
     core, whose entry points (`submit`, `abort`, `query_stats`, `forget`; `limits`,
     `codec`) every front end calls, the ZeroMQ socket through `core.handle`, and
     `send`, which passes what they return on to the scheduler and delivers the
-    replies their sinks queued."""
+    replies their sinks queued; `engines_up`, how many engines serve now."""
 
     core: "TokenizerCore"
+    engines_up: int
 
     async def send(self, to_scheduler: "list[ToScheduler]" = ()) -> None: ...
 
