@@ -360,7 +360,10 @@ class Launcher:
         engine.spawn_scheduler()
 
     def stop(self) -> None:
-        for child in self.children:
+        # the front end first: its clients see the server go, not each engine
+        order = ([self.tokenizer] if self.tokenizer else []) + \
+            [c for c in self.children if c is not self.tokenizer]
+        for child in order:
             if child.alive():
                 child.proc.terminate()
         deadline = time.monotonic() + STOP_GRACE_SECONDS

@@ -233,6 +233,11 @@ def good_entry():
     return [9, [1], [-0.5], None, None, None, None]
 
 
+def good_batch() -> list:
+    """A TokenBatch's fields: one entry, no cache events."""
+    return [[good_entry()], False, [], []]
+
+
 def good_timing():
     return [1.5, None, None, 0.0, False, 0, 0]
 
@@ -245,11 +250,12 @@ def replace(values, index, value):
 
 # (class, good wire fields, index, bad value)
 WRONG_TYPES = [
-    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 0, 5),
-    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 0, None),
-    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 1, [1, 2]),
-    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 1, {"address": "tcp://h:1"}),
-    (Ready, ["tokenizer", "tcp://h:1", "http://h:2"], 2, 8000),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2", "tcp://h:3"], 0, 5),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2", "tcp://h:3"], 0, None),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2", "tcp://h:3"], 1, [1, 2]),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2", "tcp://h:3"], 1, {"address": "tcp://h:1"}),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2", "tcp://h:3"], 2, 8000),
+    (Ready, ["tokenizer", "tcp://h:1", "http://h:2", "tcp://h:3"], 3, 8200),
     (SchedulerReady, [LIMITS.to_wire(), 64], 1, 0),
     (SchedulerReady, [LIMITS.to_wire(), 64], 1, None),
     (SchedulerReady, [LIMITS.to_wire(), 64], 0, LIMITS.as_dict()),
@@ -308,19 +314,22 @@ WRONG_TYPES = [
     (Abort, [1], 0, "1"),
     (Abort, [1], 0, False),
     (Abort, [1], 0, None),
-    (TokenBatch, [[good_entry()]], 0, None),
-    (TokenBatch, [[good_entry()]], 0, {"entries": []}),
-    (TokenBatch, [[good_entry()]], 0, [5]),
-    (TokenBatch, [[good_entry()]], 0, [good_entry()[:6]]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 0, "9")]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 1, [1.5])]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 2, ["x"])]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 3, 3)]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 4, "done")]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 4, 1)]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, [1])]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, {"prompt_tokens": 1})]),
-    (TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 6, 0)]),
+    (TokenBatch, good_batch(), 0, None),
+    (TokenBatch, good_batch(), 0, {"entries": []}),
+    (TokenBatch, good_batch(), 0, [5]),
+    (TokenBatch, good_batch(), 0, [good_entry()[:6]]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 0, "9")]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 1, [1.5])]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 2, ["x"])]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 3, 3)]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 4, "done")]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 4, 1)]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 5, [1])]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 5, {"prompt_tokens": 1})]),
+    (TokenBatch, good_batch(), 0, [replace(good_entry(), 6, 0)]),
+    (TokenBatch, good_batch(), 1, 0),
+    (TokenBatch, good_batch(), 2, [1.5]),
+    (TokenBatch, good_batch(), 3, ["x"]),
     (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 0, "1"),
     (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 0, None),
     (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 1, [True]),
@@ -384,7 +393,7 @@ LIMITS_FIELD_BAD = [(0, 0), (0, -5), (0, "many"), (0, None), (1, 0), (2, 0), (2,
                     (17, None)]
 WRONG_TYPES += [(WorkerReady, [LIMITS.to_wire()], 0, replace(LIMITS.to_wire(), i, v))
                 for i, v in LIMITS_FIELD_BAD]
-WRONG_TYPES += [(TokenBatch, [[good_entry()]], 0, [replace(good_entry(), 5, usage)])
+WRONG_TYPES += [(TokenBatch, good_batch(), 0, [replace(good_entry(), 5, usage)])
                 for usage in ([1, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0, -1], [-1, 0, 0], [1, 0.5, 0],
                               [1, 0, None],
                               {"prompt_tokens": 1, "completion_tokens": 0, "cached_tokens": 0})]
@@ -512,9 +521,9 @@ def test_step_decode_rids_and_slots_must_match():
 
 def test_unknown_finish_reason():
     for reason in ("stop", "length", "abort", "error"):
-        decode_as(TokenBatch, [40, [replace(good_entry(), 4, reason)]])
+        decode_as(TokenBatch, [40, [replace(good_entry(), 4, reason)], False, [], []])
     with pytest.raises(ProtocolError, match="finish_reason"):
-        decode_as(TokenBatch, [40, [replace(good_entry(), 4, "eos")]])
+        decode_as(TokenBatch, [40, [replace(good_entry(), 4, "eos")], False, [], []])
 
 
 @pytest.mark.parametrize("index,value", [
