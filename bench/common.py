@@ -60,6 +60,17 @@ def blas_env() -> dict:
     return env
 
 
+def add_workload_arguments(ap) -> None:
+    """N concurrent requests of P prompt + G output tokens, repeated, on a model
+    (None: the bench's default) with extra server flags."""
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--server-args", default="", help="extra launch.py flags")
+
+
 class MlxdServer:
     def __init__(self, model: str, *args: str):
         self.proc = subprocess.Popen(

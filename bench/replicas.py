@@ -11,19 +11,17 @@ half of the same cores); where memory bandwidth or cores are left over, it does.
 import argparse
 import statistics
 
-from bench.common import MlxdServer, bench_model, machine_summary, random_prompts, tokenizer_vocab
+from bench.common import (
+    MlxdServer, add_workload_arguments, bench_model, machine_summary, random_prompts,
+    tokenizer_vocab,
+)
 from bench.throughput import run_mlxd
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--server-args", default="", help="extra launch.py flags")
+    add_workload_arguments(ap)
     args = ap.parse_args()
     model = bench_model(args.model)
     vocab = tokenizer_vocab(model)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from bench.common import (
-    ROOT, MlxdServer, bench_model, blas_env, machine_summary, now, random_prompts,
+    ROOT, MlxdServer, add_workload_arguments, bench_model, blas_env, machine_summary, now, random_prompts,
     tokenizer_vocab,
 )
 
@@ -81,12 +81,7 @@ def baseline_in_child(args, seed: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--server-args", default="", help="extra launch.py flags")
+    add_workload_arguments(ap)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)

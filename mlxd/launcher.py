@@ -128,17 +128,12 @@ class EngineProcs:
     """One engine's processes: a worker and the scheduler driving it, each restarted
     with the config it started with."""
 
-    def __init__(self, index: int, worker: tuple["WorkerConfig", dict],
+    def __init__(self, worker: tuple["WorkerConfig", dict],
                  scheduler: tuple["SchedulerConfig", dict], restarts: int):
-        self.index = index
         self._worker_spec, self._scheduler_spec = worker, scheduler
         self.restarts = RestartBudget(restarts)
         self.worker = self.spawn_worker()
         self.scheduler = self.spawn_scheduler()
-
-    @property
-    def name(self) -> str:
-        return self._scheduler_spec[0].engine
 
     def spawn_worker(self) -> Child:
         config, env = self._worker_spec
@@ -170,7 +165,6 @@ class Launcher:
         self.client_keys = self._client_keys()
         self.published_port: int | None = None   # where the public key was published
         self._ready_decoder = Decoder(Ready)
-        self._ready_seen: set[str] = set()
         self.ipc_dir = make_ipc_dir()
         self.ctx = zmq.Context()
         self.ready_sock = self.ctx.socket(zmq.PULL)
@@ -181,10 +175,6 @@ class Launcher:
     def children(self) -> list[Child]:
         out = [c for engine in self.engines for c in engine.children]
         return out + ([self.tokenizer] if self.tokenizer else [])
-
-    @property
-    def worker(self) -> Child | None:   # the first engine's (the one of a plain server)
-        return self.engines[0].worker if self.engines else None
 
     def _client_keys(self) -> keys.KeyPair:
         """The client socket's CURVE keys: `--curve-secret-key`'s, else the user's
@@ -221,7 +211,7 @@ class Launcher:
         `--dp` engines and the front end."""
         flags = self._flags(model, draft_model)
         engines_addr = self._ipc("engines")
-        self.engines = [self._engine(i, flags, engines_addr, f"engine{i}")
+        self.engines = [self._engine(i, flags, engines_addr, f"engine{i}", flags.dp)
                         for i in range(flags.dp)]
         tokenizer = TokenizerConfig(
             client_addr=f"tcp://{flags.host}:{flags.port}", engines_addr=engines_addr,
@@ -233,13 +223,12 @@ class Launcher:
         """`mlxd engine`: one engine joining the front end at `--join`."""
         flags = self._flags(model, draft_model)
         name = flags.engine_name or f"{socket.gethostname()}-{os.getpid()}"
-        self.engines = [self._engine(0, flags, flags.join, name)]
+        self.engines = [self._engine(0, flags, flags.join, name, 1)]
 
-    def _engine(self, index: int, flags: ServerFlags, frontend_addr: str,
-                name: str) -> EngineProcs:
-        """Engine `index`'s processes, started; with several, each worker's memory
-        limit is its share."""
-        n = 1 if frontend_addr == flags.join else flags.dp
+    def _engine(self, index: int, flags: ServerFlags, frontend_addr: str, name: str,
+                n: int) -> EngineProcs:
+        """Engine `index`'s processes, started; each worker's memory limit is its
+        share of `n` engines."""
         worker_flags = dataclasses.replace(flags, mem_fraction=flags.mem_fraction / n,
                                            mem_limit_gb=flags.mem_limit_gb / n)
         suffix = _suffix(index)
@@ -251,7 +240,7 @@ class Launcher:
             frontend_addr=frontend_addr, worker_input_addr=worker.input_addr,
             worker_output_addr=worker.output_addr, ready_addr=self._ipc("launcher"),
             engine=name, name=SCHEDULER + suffix, flags=flags, parent_pid=os.getpid())
-        return EngineProcs(index, (worker, self._worker_env()), (scheduler, self._env()),
+        return EngineProcs((worker, self._worker_env()), (scheduler, self._env()),
                            self.cfg.worker_restarts)
 
     def _env(self) -> dict:

@@ -22,14 +22,12 @@ def chain(previous: int, block) -> int:
                           signed=True)
 
 
-def block_hashes(tokens, start: int = 0, previous: int = ROOT_HASH,
-                 end: int | None = None) -> list[int]:
-    """The hashes at the block boundaries in (start, end] of `tokens` (end: all of
-    them), `start` a boundary whose hash is `previous`."""
+def block_hashes(tokens, start: int = 0, previous: int = ROOT_HASH) -> list[int]:
+    """The hashes at the block boundaries of `tokens` after `start`, a boundary whose
+    hash is `previous`."""
     assert start % PREFIX_BLOCK == 0
-    stop = len(tokens) if end is None else end
     hashes = []
-    for cut in range(start + PREFIX_BLOCK, stop + 1, PREFIX_BLOCK):
+    for cut in range(start + PREFIX_BLOCK, len(tokens) + 1, PREFIX_BLOCK):
         previous = chain(previous, tokens[cut - PREFIX_BLOCK:cut])
         hashes.append(previous)
     return hashes

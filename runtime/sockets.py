@@ -23,6 +23,28 @@ def connect_push(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
+HEARTBEAT_MS = 1000          # ZeroMQ PING interval on a link between machines
+HEARTBEAT_TIMEOUT_MS = 4000  # no traffic for this long: the peer is gone
+
+
+def heartbeat(sock: zmq.Socket) -> None:
+    """ZeroMQ's own heartbeats (both ends of a tcp link set them): a peer whose machine
+    vanished is disconnected within HEARTBEAT_TIMEOUT_MS even while nothing is sent."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def monitor_pair(ctx: zmq.Context, sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A plain PAIR socket receiving `sock`'s monitor events (get_monitor_socket would
+    make one of the context's class: a zmq.asyncio socket in an asyncio context)."""
+    address = f"inproc://monitor.{id(sock)}"
+    sock.monitor(address, events)
+    pair = zmq.Socket(ctx, zmq.PAIR)
+    pair.connect(address)
+    return pair
+
+
 def close_all(ctx: zmq.Context, *sockets: zmq.Socket) -> None:
     """Close sockets before the context, never leaving a blocked term()."""
     for sock in sockets:

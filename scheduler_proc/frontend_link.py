@@ -16,17 +16,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.runtime.keys import KeyPair
-
-HEARTBEAT_MS = 1000          # ZeroMQ PING interval on a tcp link
-HEARTBEAT_TIMEOUT_MS = 4000  # no traffic for this long: the peer is gone
-
-
-def heartbeat(sock: zmq.Socket) -> None:
-    """ZeroMQ's own heartbeats: a peer whose machine vanished is disconnected within
-    HEARTBEAT_TIMEOUT_MS even while nothing is sent."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+from mlxd.runtime.sockets import heartbeat
 
 
 class FrontendLink:
@@ -75,8 +65,3 @@ class FrontendLink:
                 out.append("ended")
             elif event["event"] == started:
                 out.append("started")
-
-    def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)

@@ -24,7 +24,7 @@ least as long as its children (every pin covers a whole path from the root), and
 
 What the tree holds is also named by block hashes (runtime/prefix_hash.py): each node
 keeps the hashes of the block boundaries on its edge, and `events` collects those
-stored and removed since the front end's router last took them (`take_events`).
+stored and removed since the front end's router last took them (`events.take()`).
 """
 
 import heapq

@@ -253,12 +253,10 @@ class TokenizerCore:
         finish_reason "error", an error that starts with "timeout"; aborted in the
         scheduler."""
         now = self.clock()
-        late = [(rid, r) for rid, r in self.requests.items()
+        late = [rid for rid, r in self.requests.items()
                 if r.deadline is not None and now >= r.deadline]
-        for rid, request in late:
-            self._end(rid, request, "timeout: the request ran past its deadline")
-            self._drop(rid, request)
-        return [Abort(rid) for rid, _ in late]
+        self.end_requests(late, "timeout: the request ran past its deadline")
+        return [Abort(rid) for rid in late]
 
     @property
     def has_deadlines(self) -> bool:

@@ -19,13 +19,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.keys import KeyPair, serve_with_curve
+from mlxd.runtime.sockets import heartbeat, monitor_pair
 
 from .connections import Connections
 
 log = logging.getLogger("mlxd.tokenizer")
 ZAP_DOMAIN = "mlxd-engines"
-HEARTBEAT_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 4000
 
 
 class _OwnKeyOnly:
@@ -41,7 +40,8 @@ class _OwnKeyOnly:
 
 
 class EngineLink:
-    """One ROUTER: `frames` yields (engine name, frame), `events` the monitor's."""
+    """One ROUTER: `recv` gives (engine name, frame); `events` has the monitor's
+    frames, which `closed` reads."""
 
     def __init__(self, ctx: zmq.Context, address: str, keys: KeyPair | None = None):
         sock = zmq.Socket(ctx, zmq.ROUTER)
@@ -52,13 +52,8 @@ class EngineLink:
         if keys is not None:
             serve_with_curve(sock, keys)
             sock.zap_domain = ZAP_DOMAIN.encode()
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
-        address_monitor = f"inproc://engine-monitor.{id(sock)}"
-        sock.monitor(address_monitor, zmq.EVENT_DISCONNECTED)
-        pair = zmq.Socket(ctx, zmq.PAIR)
-        pair.connect(address_monitor)
+            heartbeat(sock)
+        pair = monitor_pair(ctx, sock, zmq.EVENT_DISCONNECTED)
         sock.bind(address)
         self.sock = LoopSocket(sock, multipart=True, copy=False)
         self.events = LoopSocket(pair, multipart=True)

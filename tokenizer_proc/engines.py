@@ -50,7 +50,6 @@ class EngineSet:
         self._stats: dict[int, _StatsWait] = {}
         self.joins = 0
         self.losses = 0
-        self.reruns = 0
 
     # ---- membership ------------------------------------------------------------
 
@@ -66,7 +65,6 @@ class EngineSet:
             self.router.joined(ready.max_running_requests)
         assert name not in self.engines, "a re-joining engine is lost first"
         self.engines[name] = Engine(name, ready)
-        self.router.index.drop(name)
         self.joins += 1
         return None
 
@@ -90,7 +88,6 @@ class EngineSet:
                 self._unstarted.pop(rid, None)
                 failed.append(rid)
                 continue
-            self.reruns += 1
             self.router.count("rerun")
             out.append((self._place(request, self._choose(request)), request))
         return out, failed
@@ -152,11 +149,13 @@ class EngineSet:
         which finished. Returns the entries for the core (those of this engine's own
         requests: a request moved away is no longer its to report)."""
         engine = self.engines.get(name)
+        if engine is None:   # not joined (any more): nothing of it counts
+            return TokenBatch([])
         self.router.index.apply(name, batch.cache_reset, batch.cache_stored,
                                 batch.cache_removed)
         entries = []
         for entry in batch.entries:
-            if engine is None or self._engine_of.get(entry.rid) != name:
+            if self._engine_of.get(entry.rid) != name:
                 continue
             if entry.token_ids or entry.finish_reason:
                 self._unstarted.pop(entry.rid, None)
@@ -194,7 +193,8 @@ class EngineSet:
                                     "routed": self.engines[name].routed}
                              for name in sorted(replies) if name in self.engines}
         merged["router"] = {"engines_up": len(self.engines), "joins": self.joins,
-                            "losses": self.losses, "reruns": self.reruns,
+                            "losses": self.losses,
+                            "reruns": self.router.decisions["rerun"],
                             "decisions": dict(self.router.decisions)}
         return merged
 

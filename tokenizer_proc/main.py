@@ -36,7 +36,7 @@ from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import TOKENIZER, ServerFlags
 from mlxd.runtime.keys import BadKey, randomize_routing_ids, read_secret_key, serve_with_curve
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
-from mlxd.runtime.sockets import decode_from
+from mlxd.runtime.sockets import decode_from, monitor_pair
 
 from .auth import key_matches
 from .connections import Connections
@@ -69,16 +69,6 @@ def max_frame_bytes(limits: ModelLimits, chars_per_token: int | None) -> int:
     return max(MIN_FRAME_BYTES, 4 * chars + PARAMS_BYTES)
 
 
-def _monitor(ctx: zmq.Context, sock: zmq.Socket, events: int) -> zmq.Socket:
-    """A plain PAIR socket receiving `sock`'s monitor events (get_monitor_socket would
-    make one of the context's class: a zmq.asyncio socket here)."""
-    address = f"inproc://monitor.{id(sock)}"
-    sock.monitor(address, events)
-    pair = zmq.Socket(ctx, zmq.PAIR)
-    pair.connect(address)
-    return pair
-
-
 @dataclass(frozen=True)
 class TokenizerConfig:
     PROCESS: ClassVar[str] = TOKENIZER
@@ -104,7 +94,7 @@ class TokenizerServer:
                                   max_queued=CLIENT_FRAMES_QUEUED, copy=False)
         self._secure_client_socket(cfg.flags)
         # a connection's end forgets its clients (connections.py)
-        self.client_events = LoopSocket(_monitor(ctx, self.clients.sock,
+        self.client_events = LoopSocket(monitor_pair(ctx, self.clients.sock,
                                                  zmq.EVENT_DISCONNECTED), multipart=True)
         self.connections = Connections()
         # A client that does not read: its queue fills, ZeroMQ says so (instead of
@@ -168,8 +158,7 @@ class TokenizerServer:
                 if s is not None]
 
     def close(self) -> None:
-        for link in self.links[:1]:
-            link.close()
+        self.links[0].close()   # the local one; the remote one with its context:
         if self.remote is not None:
             self.remote.close()
 
