@@ -653,3 +653,19 @@ def test_all_slots_return_after_requests_finish_and_evict(seed):
     assert w.alloc.num_free == w.capacity
     assert sorted(w.alloc.allocate(w.capacity)) == list(range(1, w.capacity + 1))
     w.alloc.check_integrity()
+
+
+def test_common_prefix_len_equals_a_scan_token_by_token():
+    from mlxd.scheduler_proc.radix_cache import common_prefix_len
+
+    def scan(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(11)
+    for _ in range(20_000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 60))]
+        b = a[:rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(10))]
+        assert common_prefix_len(a, b) == common_prefix_len(b, a) == scan(a, b)
