@@ -1,6 +1,7 @@
 """Start mlxd: the tokenizer, scheduler and MLX worker processes.
 
     mlxd --model PATH            (or: python launch.py --model PATH)
+    mlxd --model A --model B     (or: --models FILE): several models, picked by name
 
 Spawns the three as `python -m ...` subprocesses wired over ZeroMQ (with `--dp N`,
 N engines of a scheduler and a worker each behind the one tokenizer), waits for
@@ -9,12 +10,17 @@ that crashes after its READY is replaced by a new one (`--restart-worker`, withi
 `--worker-restarts`), and so is a whole engine whose scheduler dies when there are
 several; any other death stops the others and the launcher exits non-zero.
 
+With several models, the engines of the models that fit `--models-memory` start with
+the server; the front end asks for the others (and for unloads) with ModelControl
+messages on the launcher's socket, and the launcher starts and stops their engines.
+
     mlxd engine --join tcp://HOST:PORT --model PATH
 
 starts one engine (a scheduler and its worker) that joins the front end on another
 machine (its `--engine-port`), under the same `--curve-secret-key` file.
 """
 
+import argparse
 import collections
 import dataclasses
 import glob
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import zmq
 
-from mlxd.protocol import Decoder, ProtocolError, Ready
+from mlxd.protocol import Decoder, ModelControl, ProtocolError, Ready
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime import keys
 from mlxd.runtime.flags import (SCHEDULER, TOKENIZER, WORKER, WORKER_RESTART_WINDOW_SECONDS,
@@ -40,6 +46,8 @@ from mlxd.runtime.flags import (SCHEDULER, TOKENIZER, WORKER, WORKER_RESTART_WIN
 from mlxd.model_store.resolve import (ModelError, fetch_model, local_models, resolve_model,
                                       served_name)
 from mlxd.runtime.blas import find_blas, mlx_gpu_backend
+from mlxd.runtime.model_catalog import (Catalog, CatalogError, ModelEntry, build_catalog,
+                                        read_models_file)
 from mlxd.runtime.lifecycle import die_with_parent, pid_alive
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
@@ -129,8 +137,11 @@ class EngineProcs:
     with the config it started with."""
 
     def __init__(self, worker: tuple["WorkerConfig", dict],
-                 scheduler: tuple["SchedulerConfig", dict], restarts: int):
+                 scheduler: tuple["SchedulerConfig", dict], restarts: int,
+                 model: str = "", on_demand: bool = False):
         self._worker_spec, self._scheduler_spec = worker, scheduler
+        self.model = model            # its model's name
+        self.on_demand = on_demand    # loaded while serving: a failed start is not fatal
         self.restarts = RestartBudget(restarts)
         self.worker = self.spawn_worker()
         self.scheduler = self.spawn_scheduler()
@@ -151,6 +162,17 @@ class EngineProcs:
     def children(self) -> list[Child]:
         return [self.worker, self.scheduler]
 
+    def stop(self) -> None:
+        for child in self.children:
+            if child.alive():
+                child.proc.terminate()
+        for child in self.children:
+            try:
+                child.proc.wait(STOP_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
 
 def _suffix(index: int) -> str:
     """Engine 0's processes keep the plain names ("worker", "scheduler")."""
@@ -162,9 +184,11 @@ class Launcher:
         self.cfg = cfg
         self.engines: list[EngineProcs] = []
         self.tokenizer: Child | None = None
+        self.catalog: Catalog | None = None
+        self._engine_count = 0   # engines started so far: the next one's index
         self.client_keys = self._client_keys()
         self.published_port: int | None = None   # where the public key was published
-        self._ready_decoder = Decoder(Ready)
+        self._ready_decoder = Decoder(Ready, ModelControl)
         self.ipc_dir = make_ipc_dir()
         self.ctx = zmq.Context()
         self.ready_sock = self.ctx.socket(zmq.PULL)
@@ -200,37 +224,60 @@ class Launcher:
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.ipc_dir}/{name}"
 
-    def _flags(self, model: str, draft_model: str) -> ServerFlags:
+    def _flags(self, model: str, draft_model: str, name: str = "") -> ServerFlags:
         return dataclasses.replace(   # the resolved folders, and the defaults derived
             self.cfg, model=model, http_host=self.cfg.http_host or self.cfg.host,
-            served_model_name=self.cfg.served_model_name or served_name(self.cfg.model, model),
-            draft_model=draft_model)
+            served_model_name=name or self.cfg.served_model_name or
+            served_name(self.cfg.model, model), draft_model=draft_model)
 
-    def start(self, model: str, draft_model: str = "") -> None:
-        """Start the processes on the resolved `model` folder (and `draft_model`'s):
-        `--dp` engines and the front end."""
-        flags = self._flags(model, draft_model)
-        engines_addr = self._ipc("engines")
-        self.engines = [self._engine(i, flags, engines_addr, f"engine{i}", flags.dp)
-                        for i in range(flags.dp)]
+    def start(self, catalog: Catalog, draft_model: str = "") -> None:
+        """Start the front end and the engines of the models loaded at start (each
+        model's replicas), on the resolved folders (and `draft_model`'s)."""
+        self.catalog = catalog
+        self._draft_model = draft_model
+        first = catalog.entries[0]
+        flags = self._flags(first.path, draft_model, first.name)
+        for entry in catalog.entries:
+            if entry.name in catalog.at_start:
+                self._start_model(entry)
+        catalog_file = os.path.join(self.ipc_dir, "models.json")
+        catalog.dump(catalog_file)
         tokenizer = TokenizerConfig(
-            client_addr=f"tcp://{flags.host}:{flags.port}", engines_addr=engines_addr,
-            ready_addr=self._ipc("launcher"), expected_engines=flags.dp, flags=flags,
-            parent_pid=os.getpid())
+            client_addr=f"tcp://{flags.host}:{flags.port}", engines_addr=self._ipc("engines"),
+            ready_addr=self._ipc("launcher"), flags=flags, parent_pid=os.getpid(),
+            expected_engines=sum(e.replicas for e in catalog.entries
+                                 if e.name in catalog.at_start),
+            catalog=catalog_file)
         self.tokenizer = Child(TOKENIZER, "mlxd.tokenizer_proc", tokenizer, self._env())
+
+    def _start_model(self, entry: ModelEntry, on_demand: bool = False) -> None:
+        """`entry`'s replicas, each an engine with its share of the model's memory."""
+        assert self.catalog is not None
+        flags = self._flags(entry.path, self._draft_model, entry.name)
+        if entry.memory_gb:
+            worker_flags = dataclasses.replace(flags, mem_limit_gb=entry.memory_gb /
+                                               entry.replicas)
+        else:   # an equal share of the limit for every model and replica
+            share = len(self.catalog.entries) * entry.replicas
+            worker_flags = dataclasses.replace(flags, mem_fraction=flags.mem_fraction / share,
+                                               mem_limit_gb=flags.mem_limit_gb / share)
+        for _ in range(entry.replicas):
+            index = self._engine_count
+            self._engine_count += 1
+            self.engines.append(self._engine(index, flags, worker_flags, self._ipc("engines"),
+                                             f"engine{index}", entry.name, on_demand))
 
     def start_engine(self, model: str, draft_model: str = "") -> None:
         """`mlxd engine`: one engine joining the front end at `--join`."""
         flags = self._flags(model, draft_model)
         name = flags.engine_name or f"{socket.gethostname()}-{os.getpid()}"
-        self.engines = [self._engine(0, flags, flags.join, name, 1)]
+        self.engines = [self._engine(0, flags, flags, flags.join, name,
+                                     flags.served_model_name)]
 
-    def _engine(self, index: int, flags: ServerFlags, frontend_addr: str, name: str,
-                n: int) -> EngineProcs:
-        """Engine `index`'s processes, started; each worker's memory limit is its
-        share of `n` engines."""
-        worker_flags = dataclasses.replace(flags, mem_fraction=flags.mem_fraction / n,
-                                           mem_limit_gb=flags.mem_limit_gb / n)
+    def _engine(self, index: int, flags: ServerFlags, worker_flags: ServerFlags,
+                frontend_addr: str, name: str, model: str,
+                on_demand: bool = False) -> EngineProcs:
+        """Engine `index`'s processes (serving `model`), started."""
         suffix = _suffix(index)
         worker = WorkerConfig(input_addr=self._ipc(f"worker_in{suffix}"),
                               output_addr=self._ipc(f"worker_out{suffix}"),
@@ -239,9 +286,10 @@ class Launcher:
         scheduler = SchedulerConfig(
             frontend_addr=frontend_addr, worker_input_addr=worker.input_addr,
             worker_output_addr=worker.output_addr, ready_addr=self._ipc("launcher"),
-            engine=name, name=SCHEDULER + suffix, flags=flags, parent_pid=os.getpid())
+            engine=name, name=SCHEDULER + suffix, model_name=model, flags=flags,
+            parent_pid=os.getpid())
         return EngineProcs((worker, self._worker_env()), (scheduler, self._env()),
-                           self.cfg.worker_restarts)
+                           self.cfg.worker_restarts, model, on_demand)
 
     def _env(self) -> dict:
         # no PYTHONPATH: a child runs `python -m mlxd.<part>` from ROOT, where `mlxd`
@@ -291,12 +339,32 @@ class Launcher:
         except ProtocolError as exc:
             log.error("bad READY frame: %s", exc)
             return None
+        if isinstance(msg, ModelControl):
+            self._on_model_control(msg)
+            return None
         for engine in self.engines:
             if msg.process == engine.worker.name:
                 engine.worker_ready = True
             if msg.process == engine.scheduler.name:
                 engine.ready = True
         return msg
+
+    def _on_model_control(self, msg: ModelControl) -> None:
+        """The front end loads or unloads a model: its engines start or stop."""
+        entry = self.catalog.entry(msg.model) if self.catalog is not None else None
+        if entry is None:
+            log.error("the front end asked to %s an unknown model %r", msg.action, msg.model)
+            return
+        running = [e for e in self.engines if e.model == entry.name]
+        if msg.action == "unload":
+            self.engines = [e for e in self.engines if e.model != entry.name]
+            for engine in running:
+                engine.stop()
+            log.info("model %s: stopped %d engines", entry.name, len(running))
+        elif not running:
+            log.info("model %s: loading (%d engines, %s)", entry.name, entry.replicas,
+                     entry.path)
+            self._start_model(entry, on_demand=True)
 
     def _check_children(self) -> None:
         for child in self.children:
@@ -308,6 +376,8 @@ class Launcher:
                 pass
             tail = "\n".join(f"  {line}" for line in child.tail)
             engine, refusal = self._restart_refusal(child, code)
+            if refusal is not None and self._drop_failed_load(child):
+                return
             if refusal is not None:
                 raise ChildFailure(f"{child.name} process exited with code {code}{refusal}; "
                                    f"its last stderr lines:\n{tail}")
@@ -318,6 +388,18 @@ class Launcher:
             else:
                 self._restart_engine(engine)
             return
+
+    def _drop_failed_load(self, child: Child) -> bool:
+        """A model loaded while serving whose engine died before it was ready: the
+        engine is dropped (the front end's load times out), the server serves on."""
+        engine = next((e for e in self.engines if child in e.children), None)
+        if engine is None or not engine.on_demand or engine.ready:
+            return False
+        log.error("model %s failed to load: its %s process exited with code %s",
+                  engine.model, child.name, child.proc.returncode)
+        self.engines.remove(engine)
+        engine.stop()
+        return True
 
     def _restart_refusal(self, child: Child, code: int) -> tuple[EngineProcs | None, str | None]:
         """The engine of a dead `child` to restart (its worker, or with several
@@ -411,6 +493,38 @@ def speculation_method(cfg: ServerFlags) -> str:
     return "draft" if cfg.draft_model else cfg.speculative
 
 
+def given_models(argv: list[str]) -> list[str]:
+    """Every `--model` value on the command line, in order (it may be repeated)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model", action="append", default=[])
+    return parser.parse_known_args(argv)[0].model
+
+
+def served_catalog(cfg: ServerFlags, models: list[str]) -> Catalog:
+    """The models to serve (`--models FILE`, else every `--model`), resolved to
+    folders and named; or the launcher exits saying why not."""
+    try:
+        if cfg.models and len(models) > 0:
+            raise CatalogError("give either --models FILE or --model, not both")
+        if len(models) > 1 and cfg.served_model_name:
+            raise CatalogError("--served-model-name names one model; with several, "
+                               "name them in a --models file")
+        if (cfg.models or len(models) > 1) and cfg.draft_model:
+            raise CatalogError("--draft-model serves one model; it cannot be combined "
+                               "with several models")
+        given = read_models_file(cfg.models, cfg.dp) if cfg.models else \
+            [ModelEntry("", m, replicas=cfg.dp) for m in models or [cfg.model]]
+        entries = []
+        for entry in given:
+            path = model_folder(entry.model)
+            name = entry.name or (cfg.served_model_name if len(given) == 1 else "") or \
+                served_name(entry.model, path)
+            entries.append(dataclasses.replace(entry, name=name, path=path))
+        return build_catalog(entries, cfg.models_memory, cfg.mem_limit_gb, cfg.mem_fraction)
+    except CatalogError as exc:
+        sys.exit(f"mlxd: {exc}")
+
+
 def model_folder(model: str) -> str:
     """`--model` as a folder to serve, or the launcher exits saying why not."""
     try:
@@ -477,6 +591,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s launch %(levelname)s: %(message)s")
     cfg = dataclasses.replace(cfg, speculative=speculation_method(cfg))
+    models = given_models(argv[engine:])
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     die_with_parent(int(os.environ.get("MLXD_PARENT_PID", "0")) or None)
@@ -486,9 +601,11 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
-        start = launcher.start_engine if engine else launcher.start
-        start(model_folder(cfg.model),
-              model_folder(cfg.draft_model) if cfg.draft_model else "")
+        draft = model_folder(cfg.draft_model) if cfg.draft_model else ""
+        if engine:
+            launcher.start_engine(model_folder(cfg.model), draft)
+        else:
+            launcher.start(served_catalog(cfg, models), draft)
         ready = launcher.wait_ready()
         if engine:   # its address lines: the front end it joined
             print(f"{ENGINE_PREFIX}{cfg.join}\n{READY_PREFIX}{cfg.join}", flush=True)

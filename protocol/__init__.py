@@ -1,7 +1,7 @@
 """Every message exchanged between mlxd processes, grouped by the receiver."""
 
 from .codec import Decoder, ProtocolError, encode
-from .control import Ready
+from .control import ModelControl, Ready
 from .sampling import PARAMS, REPETITION_CONTEXT, Param, SamplingParams
 from .to_client import ErrorReply, StatsReply, StreamChunk
 from .to_scheduler import (
@@ -16,7 +16,7 @@ from .to_worker import PrefillInput, Step
 
 __all__ = [
     "MAX_PINS", "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "PARAMS", "Param", "Pin", "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready",
+    "ModelControl", "PARAMS", "Param", "Pin", "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready",
     "SamplingParams", "SchedulerReady", "Stats",
     "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
     "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",

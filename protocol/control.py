@@ -15,3 +15,16 @@ class Ready:
     address: str | None = wire(Opt(Str()), default=None)
     http_address: str | None = wire(Opt(Str()), default=None)
     engine_address: str | None = wire(Opt(Str()), default=None)   # where engines join
+
+
+MODEL_ACTIONS = ("load", "unload")
+
+
+@message
+class ModelControl:
+    """The front end asks the launcher to start (`load`) or stop (`unload`) the
+    engines of a served model (by its name in the catalog)."""
+
+    TAG = 2
+    action: str = wire(Str(choices=MODEL_ACTIONS))
+    model: str = wire(Str(max_len=256))

@@ -10,6 +10,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_RID_CHARS = 256      # a client's request id
 MAX_MESSAGES = 4096      # chat messages in one request
 MAX_API_KEY_CHARS = 512
+MAX_MODEL_CHARS = 256    # a model's name
 
 
 @message(rid_in_errors=True)
@@ -25,6 +26,7 @@ class GenerateRequest:
     params: dict = wire(Map(), default_factory=dict)
     stream: bool = wire(Bool(), default=False)
     api_key: str = wire(Str(max_len=MAX_API_KEY_CHARS), default="", repr=False)   # see --api-key
+    model: str | None = wire(Opt(Str(max_len=MAX_MODEL_CHARS)), default=None)   # None: the first
 
 
 @message
@@ -36,11 +38,13 @@ class AbortRequest:
 
 @message
 class StatsRequest:
-    """A client asks for the server's counters; answered with StatsReply(rid)."""
+    """A client asks for the server's counters (of `model`, by default the first
+    served); answered with StatsReply(rid)."""
 
     TAG = 12
     rid: str = wire(Str(max_len=MAX_RID_CHARS))
     api_key: str = wire(Str(max_len=MAX_API_KEY_CHARS), default="", repr=False)
+    model: str | None = wire(Opt(Str(max_len=MAX_MODEL_CHARS)), default=None)
 
 
 @message
@@ -54,11 +58,13 @@ class Stats:
 
 @message
 class SchedulerReady:
-    """The scheduler is up: the worker's limits, and how many requests run at once."""
+    """The scheduler is up: the worker's limits, how many requests run at once, and
+    the name of the model it serves ("": the front end's first)."""
 
     TAG = 42
     limits: WorkerLimits = wire(Struct(WorkerLimits))
     max_running_requests: int = wire(Int(minimum=1))
+    model: str = wire(Str(max_len=MAX_MODEL_CHARS), default="")
 
 
 @message

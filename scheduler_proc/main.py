@@ -58,6 +58,7 @@ class SchedulerConfig:
     ready_addr: str = ""
     engine: str = "engine0"   # the engine's name: its routing id at the front end
     name: str = SCHEDULER     # in its Ready to the launcher (one per engine)
+    model_name: str = ""      # the model's name at the front end ("": its first model)
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the scheduler
     parent_pid: int = 0
 
@@ -111,8 +112,8 @@ class SchedulerLoop:
     def _announce(self) -> None:
         """Join the front end: the worker's limits, then (with the next batch) the
         whole prefix cache."""
-        self.frontend.send(encode(SchedulerReady(self.worker_limits,
-                                                 self.cfg.flags.max_running_requests)))
+        self.frontend.send(encode(SchedulerReady(
+            self.worker_limits, self.cfg.flags.max_running_requests, self.cfg.model_name)))
         self.scheduler.announce_cache()
 
     def _on_frontend_events(self) -> None:

@@ -115,11 +115,12 @@ class TokenizerCore:
                  limits: ModelLimits | None = None, request_timeout: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
                  syntax: OutputSyntax = OutputSyntax(),
-                 offload: Callable[["Pending"], None] | None = None):
+                 offload: Callable[["Pending"], None] | None = None, first_id: int = 1):
         """`syntax`: the tool-call format and reasoning markup the model writes.
         `offload`: takes a validated request with a long prompt (INLINE_CHARS or
         more) to `encode` it off the event loop and `admit` it; without it every
-        prompt is encoded at once."""
+        prompt is encoded at once. `first_id`: where its rids and stats query ids
+        start (each served model's core has ids of its own)."""
         self.codec = codec
         self._offload = offload
         self.syntax = syntax
@@ -136,7 +137,7 @@ class TokenizerCore:
         self._rids: dict[Hashable, dict[str, list[int]]] = {}
         self._stats_queries: dict[int, _StatsQuery] = {}
         self._pending: dict[int, Pending] = {}   # validated, not yet admitted
-        self._next_id = itertools.count(1)   # rids and stats query ids
+        self._next_id = itertools.count(first_id)   # rids and stats query ids
 
     # ---- from clients ------------------------------------------------------
 

@@ -92,6 +92,23 @@ class EngineSet:
             out.append((self._place(request, self._choose(request)), request))
         return out, failed
 
+    def retire_all(self) -> tuple[Outgoing, list[int]]:
+        """Every engine leaves on purpose (its model is unloaded): the aborts of its
+        unfinished requests, and their rids (the core ends them). Whoever joins next
+        sets the limits anew."""
+        out: Outgoing = [(engine, Abort(rid)) for rid, engine in self._engine_of.items()]
+        rids = sorted(self._engine_of)
+        for name in list(self.engines):
+            self.router.index.drop(name)
+        for query_id in list(self._stats):   # answered with what came so far
+            self._stats[query_id].waiting.clear()
+            out += self._stats_reply(query_id, None, None)
+        self.engines.clear()
+        self._engine_of.clear()
+        self._unstarted.clear()
+        self.first = None
+        return out, rids
+
     @property
     def up(self) -> list[str]:
         return sorted(self.engines)
@@ -188,7 +205,7 @@ class EngineSet:
         one engine: its own stats), each engine's under "engines", and the router's."""
         merged: dict = {}
         for name in sorted(replies):
-            _add(merged, replies[name])
+            add_stats(merged, replies[name])
         merged["engines"] = {name: {**replies[name], "load": self.engines[name].load,
                                     "routed": self.engines[name].routed}
                              for name in sorted(replies) if name in self.engines}
@@ -207,11 +224,11 @@ class EngineSet:
 SUMMED_GROUPS = ("speculative",)   # nested stats whose numbers add up too
 
 
-def _add(total: dict, stats: dict) -> None:
+def add_stats(total: dict, stats: dict) -> None:
     """Sum `stats`' numbers into `total`; other values: the first engine's."""
     for key, value in stats.items():
         if key in SUMMED_GROUPS and isinstance(value, dict):
-            _add(total.setdefault(key, {}), value)
+            add_stats(total.setdefault(key, {}), value)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             total[key] = total.get(key, 0) + value
         else:

@@ -13,11 +13,16 @@ The client socket is bound once `expected_engines` engines have joined and their
 limits are known: its frames are capped at `max_frame_bytes` (ZMQ_MAXMSGSIZE: ZeroMQ
 drops the connection of a peer that sends a bigger one, before buffering it). Which
 engine each message goes to is the EngineSet's to say (engines.py).
+
+Several models (`catalog`, written by the launcher): each has its own core and engine
+set (models.py); a request's `model` picks them, and one for a model not loaded waits
+for its load (model_loader.py), which the launcher is asked for over `ready_addr`.
 """
 
 import asyncio
 import logging
 import signal
+from pathlib import Path
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,14 +33,16 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import (
-    AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, Ready,
-    SchedulerReady, Stats, StatsRequest, TokenBatch, TokenizedRequest, encode,
+    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ModelControl,
+    ProtocolError, Ready, SchedulerReady, Stats, StatsRequest, TokenBatch, TokenizedRequest,
+    encode,
 )
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import TOKENIZER, ServerFlags
 from mlxd.runtime.keys import BadKey, randomize_routing_ids, read_secret_key, serve_with_curve
 from mlxd.runtime.lifecycle import die_with_parent, setup_logging
+from mlxd.runtime.model_catalog import Catalog, ModelEntry
 from mlxd.runtime.sockets import decode_from, monitor_pair
 
 from .auth import key_matches
@@ -43,6 +50,8 @@ from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
 from .engine_links import EngineLink, RemoteEngines
 from .engines import EngineSet
+from .model_loader import ModelLoader, ModelUnavailable
+from .models import LOADED, UNLOADING, ModelTable, Served, first_id
 from .router import RoutePolicy, Router
 from .http import HttpFrontEnd
 from .text import TextCodec
@@ -60,6 +69,7 @@ FRAMES_PER_TURN = 64           # client frames handled before the other loop get
 ENCODE_THREADS = 2
 DEADLINE_CHECK_SECONDS = 0.1
 BACKLOG_RETRY_SECONDS = 0.02   # how often a slow client's backlog is offered again
+UNLOADED_FRAME_BYTES = 64 << 20   # the cap while a model's context is not known yet
 
 
 def max_frame_bytes(limits: ModelLimits, chars_per_token: int | None) -> int:
@@ -76,6 +86,7 @@ class TokenizerConfig:
     engines_addr: str
     ready_addr: str = ""
     expected_engines: int = 1   # engines to wait for before serving (the --dp replicas)
+    catalog: str = ""   # the served models (runtime/model_catalog.py); "": --model alone
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the tokenizer
     parent_pid: int = 0
 
@@ -85,7 +96,7 @@ class TokenizerServer:
     sends what it returns. Replies to ZeroMQ clients are queued by their sinks and
     sent after each call into the core."""
 
-    def __init__(self, cfg: TokenizerConfig, codec: TextCodec, ctx: zmq.asyncio.Context):
+    def __init__(self, cfg: TokenizerConfig, catalog: Catalog, ctx: zmq.asyncio.Context):
         self.cfg = cfg
         # a token batch in and a chunk per stream out every decode step: the cheaper
         # path per message (runtime/aio.py)
@@ -114,23 +125,36 @@ class TokenizerServer:
         if self.remote is not None:
             self.links.append(self.remote.link)
         self._link_of: dict[str, EngineLink] = {}   # each joined engine's
-        flags = cfg.flags
-        self.engines = EngineSet(Router(RoutePolicy(
-            flags.route_balance_abs, flags.route_balance_rel, flags.route_min_match,
-            flags.route_policy)))
+        self._model_of: dict[str, Served] = {}      # each joined engine's
         self._serving = asyncio.Event()   # enough engines joined: clients are served
         self.client_decoder = Decoder(GenerateRequest, AbortRequest, StatsRequest)
         self.engine_decoder = Decoder(TokenBatch, SchedulerReady, Stats)
-        syntax = resolve(codec.chat_template_text, cfg.flags.tool_call_parser,
-                         cfg.flags.reasoning_parser, codec.tokenizer.get_vocab)
-        self.core = TokenizerCore(codec, cfg.flags.default_max_tokens,
-                                  request_timeout=cfg.flags.request_timeout, syntax=syntax,
-                                  offload=self._offload)
+        self.models = ModelTable.of(catalog, self._model_parts)
+        flags = cfg.flags
+        self.loader = ModelLoader(self.models, self, flags.model_load_timeout,
+                                  flags.unload_grace_seconds, flags.unload_idle_seconds)
+        self.loader.started(catalog.at_start)
+        self._parked: set[tuple[bytes, str]] = set()   # ZeroMQ requests waiting for a load
+        self._tasks: set[asyncio.Task] = set()
         self._replies: deque[tuple[bytes, Reply]] = deque()   # (client identity, reply)
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
         self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
         self._log_bad_frame = ThrottledLog(log, logging.ERROR)
         self.http_address: str | None = None   # the HTTP front end's, once bound
+
+    def _model_parts(self, index: int, entry: ModelEntry) -> tuple[TokenizerCore, EngineSet]:
+        """A served model's core (its tokenizer, ids from `first_id(index)`) and
+        engine set."""
+        flags = self.cfg.flags
+        codec = TextCodec(entry.path)
+        syntax = resolve(codec.chat_template_text, flags.tool_call_parser,
+                         flags.reasoning_parser, codec.tokenizer.get_vocab)
+        core = TokenizerCore(codec, flags.default_max_tokens,
+                             request_timeout=flags.request_timeout, syntax=syntax,
+                             offload=self._offload, first_id=first_id(index))
+        router = Router(RoutePolicy(flags.route_balance_abs, flags.route_balance_rel,
+                                    flags.route_min_match, flags.route_policy))
+        return core, EngineSet(router)
 
     def _secure_client_socket(self, flags: ServerFlags) -> None:
         """CURVE with the key in `--curve-secret-key` (the launcher always gives one);
@@ -168,7 +192,7 @@ class TokenizerServer:
 
     @property
     def engines_up(self) -> int:
-        return len(self.engines.up)
+        return len(self._model_of)
 
     @property
     def engine_address(self) -> str | None:
@@ -184,10 +208,13 @@ class TokenizerServer:
         await self._serving.wait()
         self._bind_client_socket()
         await asyncio.gather(self._client_loop(), self._connection_loop(),
-                             self._deadline_loop())
+                             self._deadline_loop(), self.loader.unload_idle())
 
     def _bind_client_socket(self) -> None:
-        max_bytes = max_frame_bytes(self.core.limits, self.core.codec.max_chars_per_token)
+        caps = [max_frame_bytes(s.core.limits, s.core.codec.max_chars_per_token)
+                if s.core.limits is not None else UNLOADED_FRAME_BYTES
+                for s in self.models.models]
+        max_bytes = max(caps)
         self.clients.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         self.clients.sock.bind(self.cfg.client_addr)
         log.info("client frames are capped at %d bytes", max_bytes)
@@ -231,7 +258,43 @@ class TokenizerServer:
             self._replies.append((client, ErrorReply(
                 msg.rid, "unauthorized", "missing or wrong API key (the server has --api-key)")))
             return []
-        return self.core.handle(client, msg, self._sink(client))
+        if isinstance(msg, AbortRequest):   # rids are the client's: any model may hold it
+            self._parked.discard((client, msg.rid))
+            return [a for s in self.models.models for a in s.core.abort(client, msg.rid)]
+        served = self.models.find(msg.model)
+        if served is None:
+            self._replies.append((client, ErrorReply(msg.rid, "model_not_found", (
+                f"the model {msg.model!r} does not exist; this server serves "
+                f"{', '.join(map(repr, self.models.names()))}"), "model")))
+            return []
+        if served.state != LOADED:
+            self._parked.add((client, msg.rid))
+            self._spawn(self._handle_when_loaded(served, client, msg))
+            return []
+        served.last_used = self.loader.clock()
+        return served.core.handle(client, msg, self._sink(client))
+
+    async def _handle_when_loaded(self, served: Served, client: bytes, msg) -> None:
+        """A ZeroMQ client's message for a model not loaded: handled once it is
+        (unless the client aborted it or left meanwhile)."""
+        try:
+            await self.loader.ready(served)
+        except ModelUnavailable as exc:
+            if (client, msg.rid) in self._parked:
+                self._replies.append((client, ErrorReply(msg.rid, "unavailable", str(exc),
+                                                         "model")))
+            self._parked.discard((client, msg.rid))
+            await self.send()
+            return
+        if (client, msg.rid) not in self._parked:
+            return
+        self._parked.discard((client, msg.rid))
+        await self.send(served.core.handle(client, msg, self._sink(client)))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _offload(self, pending: Pending) -> None:
         """The core's long prompts: encoded in a thread, then admitted."""
@@ -240,16 +303,17 @@ class TokenizerServer:
         task.add_done_callback(self._encoding.discard)
 
     async def _encode_and_admit(self, pending: Pending) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            self._encoder, self.core.encode, pending)
-        await self.send(self.core.admit(pending))
+        core = self.models.owner(pending.rid).core
+        await asyncio.get_running_loop().run_in_executor(self._encoder, core.encode, pending)
+        await self.send(core.admit(pending))
 
     async def _deadline_loop(self) -> None:
         """Requests past their deadline end (checked every DEADLINE_CHECK_SECONDS)."""
         while True:
             await asyncio.sleep(DEADLINE_CHECK_SECONDS)
-            if self.core.has_deadlines:
-                await self.send(self.core.expire())
+            for served in self.models.models:
+                if served.core.has_deadlines:
+                    await self.send(served.core.expire())
 
     async def _connection_loop(self) -> None:
         while True:
@@ -268,7 +332,8 @@ class TokenizerServer:
             return []
         aborts = []
         for client in self.connections.closed(event["value"]):
-            aborts += self.core.forget(client)
+            aborts += [a for s in self.models.models for a in s.core.forget(client)]
+            self._parked = {(c, rid) for c, rid in self._parked if c != client}
             self._backlogs.pop(client, None)
         if aborts:
             log.info("a client connection ended: aborted %d requests", len(aborts))
@@ -286,12 +351,14 @@ class TokenizerServer:
             if isinstance(msg, SchedulerReady):
                 self._on_join(name, link, msg)
                 await self.send()
-            elif name not in self.engines.engines:   # not (or no longer) joined
                 continue
-            elif isinstance(msg, TokenBatch):
-                await self.send(self.core.on_batch(self.engines.on_batch(name, msg)))
+            served = self._model_of.get(name)
+            if served is None:   # not (or no longer) joined
+                continue
+            if isinstance(msg, TokenBatch):
+                await self.send(served.core.on_batch(served.engines.on_batch(name, msg)))
             elif isinstance(msg, Stats):
-                self._route_back(self.engines.on_stats(name, msg))
+                self._route_back(served, served.engines.on_stats(name, msg))
                 await self.send()
 
     def _on_join(self, name: str, link: EngineLink, msg: SchedulerReady) -> None:
@@ -301,16 +368,26 @@ class TokenizerServer:
             return
         if other is not None:   # joining again (restarted) before its old link's end was seen
             self._on_lost(name)
-        why = self.engines.join(name, msg)
+        served = self.models.find(msg.model or None)
+        why = self._join_refusal(served, msg) or served.engines.join(name, msg)
         if why:
             log.error("refused engine %s: %s", name, why)
             return
-        self._link_of[name] = link
-        self.core.limits = self.engines.first.limits
-        log.info("engine %s joined (%d up): kv_capacity=%d", name, len(self.engines.up),
-                 msg.limits.kv_capacity)
-        if len(self.engines.up) >= self.cfg.expected_engines:
+        self._link_of[name], self._model_of[name] = link, served
+        served.core.limits = served.engines.first.limits
+        log.info("engine %s of model %s joined (%d up): kv_capacity=%d", name, served.name,
+                 len(served.engines.up), msg.limits.kv_capacity)
+        self.loader.joined(served)
+        if self.engines_up >= self.cfg.expected_engines:
             self._serving.set()
+
+    def _join_refusal(self, served: Served | None, msg: SchedulerReady) -> str | None:
+        if served is None:
+            return (f"it serves the model {msg.model!r}, which this front end does not "
+                    f"(it serves {', '.join(map(repr, self.models.names()))})")
+        if served.state == UNLOADING:
+            return f"its model {served.name!r} is being unloaded"
+        return None
 
     async def _engine_event_loop(self, link: EngineLink) -> None:
         while True:
@@ -320,30 +397,74 @@ class TokenizerServer:
 
     def _on_lost(self, name: str) -> None:
         """An engine's link ended: its requests run elsewhere or end."""
-        if self._link_of.pop(name, None) is None:
+        self._link_of.pop(name, None)
+        served = self._model_of.pop(name, None)
+        if served is None:
             return
-        out, failed = self.engines.lost(name)
-        log.error("engine %s was lost (%d up): %d requests run again elsewhere, %d end "
-                  "with an error", name, len(self.engines.up),
+        out, failed = served.engines.lost(name)
+        log.error("engine %s of model %s was lost (%d up): %d requests run again "
+                  "elsewhere, %d end with an error", name, served.name,
+                  len(served.engines.up),
                   sum(1 for _, m in out if isinstance(m, TokenizedRequest)), len(failed))
-        self._deliver_to_engines(out)
-        self.core.end_requests(failed, f"the engine running the request ({name}) was "
-                                       "lost; the request was lost")
+        self._deliver_to_engines(served, out)
+        served.core.end_requests(failed, f"the engine running the request ({name}) was "
+                                         "lost; the request was lost")
 
-    def _deliver_to_engines(self, out) -> None:
-        """Send each (engine, message); an engine that cannot be reached is lost."""
+    def _deliver_to_engines(self, served: Served, out) -> None:
+        """Send each (engine, message) of `served`'s; an engine that cannot be reached
+        is lost."""
         for name, msg in out:
             if name == "":
-                self._route_back([(name, msg)])
+                self._route_back(served, [(name, msg)])
                 continue
             link = self._link_of.get(name)
             if link is None or not link.send(name, encode(msg)):
                 self._on_lost(name)
 
-    def _route_back(self, out) -> None:
-        """The EngineSet's answers for the core (merged stats)."""
+    def _route_back(self, served: Served, out) -> None:
+        """The EngineSet's answers for its core (merged stats)."""
         for _, msg in out:
-            self.core.on_stats(msg)
+            served.core.on_stats(msg)
+
+    # ---- models (model_loader.LoaderHost, http.context.Directory) -------------------
+
+    def control(self, action: str, model: str) -> bool:
+        if self.to_launcher is None:
+            return False
+        self.to_launcher.send(encode(ModelControl(action, model)))
+        return True
+
+    def stop_serving(self, served: Served, message: str) -> None:
+        out, rids = served.engines.retire_all()
+        self._deliver_to_engines(served, out)
+        for name in [n for n, s in self._model_of.items() if s is served]:
+            self._link_of.pop(name, None)
+            self._model_of.pop(name, None)
+        served.core.end_requests(rids, message)
+
+    def find(self, name: str | None) -> Served | None:
+        return self.models.find(name)
+
+    def names(self) -> list[str]:
+        return self.models.names()
+
+    def listing(self) -> list[Served]:
+        return self.models.models
+
+    async def ready(self, served: Served) -> None:
+        await self.loader.ready(served)
+
+    def front(self, served: Served) -> "ModelFront":
+        return ModelFront(self, served)
+
+    async def unload(self, served: Served) -> None:
+        await self.loader.unload(served, "admin")
+
+    def status(self) -> str:
+        if not self._serving.is_set():
+            return "starting"
+        lost = any(s.state == LOADED and not s.engines.engines for s in self.models.models)
+        return "no engine" if lost else "ok"
 
     def _sink(self, client: bytes) -> Sink:
         return lambda reply: self._replies.append((client, reply))
@@ -353,14 +474,23 @@ class TokenizerServer:
         any front end sharing the core on this loop."""
         to_scheduler = list(to_scheduler)
         while to_scheduler or self._replies:
-            out, failed = self.engines.dispatch(to_scheduler)
-            self._deliver_to_engines(out)
-            self.core.end_requests(failed, "no engine is serving the model now; "
-                                           "try again later")
+            for served, messages in self._by_model(to_scheduler):
+                out, failed = served.engines.dispatch(messages)
+                self._deliver_to_engines(served, out)
+                served.core.end_requests(failed, "no engine is serving the model now; "
+                                                 "try again later")
             to_scheduler = []
             while self._replies:
                 client, reply = self._replies.popleft()
                 to_scheduler += self._deliver(client, reply)
+
+    def _by_model(self, messages: list[ToScheduler]) -> list[tuple[Served, list]]:
+        """The core's messages by the model whose core made them (its ids say)."""
+        groups: dict[int, tuple[Served, list]] = {}
+        for msg in messages:
+            served = self.models.owner(msg.query_id if isinstance(msg, GetStats) else msg.rid)
+            groups.setdefault(id(served), (served, []))[1].append(msg)
+        return list(groups.values())
 
     def _deliver(self, client: bytes, reply: Reply) -> list[ToScheduler]:
         """Send a reply, or queue it behind the client's backlog; a client whose queue
@@ -376,9 +506,9 @@ class TokenizerServer:
             self._flusher = asyncio.create_task(self._flush_backlogs())
         log.warning("client %s fell behind reading its replies; its requests are ended",
                     client.hex())
-        return self.core.fail_client(client, (
-            f"the client fell behind reading its replies ({self.cfg.flags.client_queue_limit}"
-            " queued); the request was ended"))
+        message = (f"the client fell behind reading its replies "
+                   f"({self.cfg.flags.client_queue_limit} queued); the request was ended")
+        return [a for s in self.models.models for a in s.core.fail_client(client, message)]
 
     def _try_send(self, client: bytes, reply: Reply) -> bool:
         try:
@@ -401,6 +531,35 @@ class TokenizerServer:
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
 
+class ModelFront:
+    """One served model as a front end sees it (http.calls.Front): its core, its
+    engines, and the server's `send`."""
+
+    def __init__(self, server: TokenizerServer, served: Served):
+        self.server, self.served = server, served
+
+    @property
+    def core(self) -> TokenizerCore:
+        return self.served.core
+
+    @property
+    def engines_up(self) -> int:
+        return len(self.served.engines.engines)
+
+    async def send(self, to_scheduler: list[ToScheduler] = ()) -> None:
+        await self.server.send(to_scheduler)
+
+
+def catalog_of(cfg: TokenizerConfig) -> Catalog:
+    """The launcher's catalog, or `--model` alone (the process started by hand)."""
+    if cfg.catalog:
+        return Catalog.load(cfg.catalog)
+    flags = cfg.flags
+    name = flags.served_model_name or Path(flags.model).name
+    entry = ModelEntry(name=name, model=flags.model, path=flags.model)
+    return Catalog((entry,), at_start=(name,))
+
+
 
 async def serve(cfg: TokenizerConfig) -> None:
     # Signals cancel the main task: an exception raised from a plain signal
@@ -408,17 +567,16 @@ async def serve(cfg: TokenizerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
-    codec = TextCodec(cfg.flags.model)
     ctx = zmq.asyncio.Context()
     try:
-        server = TokenizerServer(cfg, codec, ctx)
+        server = TokenizerServer(cfg, catalog_of(cfg), ctx)
     except (BadKey, ValueError) as exc:   # a bad key file, an unknown parser name
         ctx.destroy(linger=0)
         raise SystemExit(f"mlxd tokenizer: {exc}") from None
     flags = cfg.flags
-    http = HttpFrontEnd(server, flags.http_host, flags.http_port,
-                        flags.served_model_name or codec.path.name, flags.api_key,
-                        flags.access_log)
+    first = server.models.first
+    http = HttpFrontEnd(server.front(first), flags.http_host, flags.http_port, first.name,
+                        flags.api_key, flags.access_log, directory=server)
     try:
         server.http_address = await http.start()   # 503 until the scheduler is ready
         await server.run()

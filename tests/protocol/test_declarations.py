@@ -152,8 +152,8 @@ def test_only_messages_of_one_wire_type_have_no_swap_cases():
     """The swap cases are not vacuous: each message whose fields are not all of one
     wire type (or that has one field) contributes some."""
     without = {cls.__name__ for cls in MESSAGES} - {cls.__name__ for cls, _, _ in SWAPS}
-    assert without == {"Abort", "AbortRequest", "ErrorReply", "GetStats", "Pin", "Ready",
-                       "StatsRequest", "Usage", "WorkerReady"}
+    assert without == {"Abort", "AbortRequest", "ErrorReply", "GetStats", "ModelControl",
+                       "Pin", "Ready", "StatsRequest", "Usage", "WorkerReady"}
 
 
 # ---- the declaration machinery itself ------------------------------------------------

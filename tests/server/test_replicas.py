@@ -269,11 +269,15 @@ def test_metrics_and_stats_per_engine(replicas):
         stats = c.stats()
     assert stats["capacity"] == sum(e["capacity"] for e in stats["engines"].values())
     text = httpx.get(f"{replicas.http_url}/metrics", timeout=30).text
+    model = httpx.get(f"{replicas.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
     for engine in ("engine0", "engine1"):
-        assert f'mlxd_engine_kv_slots_capacity{{engine="{engine}"}} 4096.0' in text
-        assert f'mlxd_engine_routed_total{{engine="{engine}"}}' in text
-    assert 'mlxd_router_decisions_total{reason="load"}' in text
-    assert "mlxd_engines_up 2.0" in text
+        labels = f'engine="{engine}",model="{model}"'
+        assert f'mlxd_engine_kv_slots_capacity{{{labels}}} 4096.0' in text
+        assert f'mlxd_engine_routed_total{{{labels}}}' in text
+    assert f'mlxd_router_decisions_total{{model="{model}",reason="load"}}' in text
+    assert f'mlxd_engines_up{{model="{model}"}} 2.0' in text
+    assert f'mlxd_model_kv_slots_capacity{{model="{model}"}} 8192.0' in text
+    assert f'mlxd_model_state{{model="{model}",state="loaded"}} 1.0' in text
 
 
 def test_openai_client_choices_share_a_replica(replicas, llama_model):

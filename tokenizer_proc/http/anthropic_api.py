@@ -209,7 +209,7 @@ def _controls(body: dict):
 
 async def messages(api: Api, request: Request):
     body = await read_body(request, MessagesRequest, _policy(api))
-    api.check_model(body.model)
+    api = await api.for_model(body.model)
     api.check_ready()
     params = core_params(body)
     gen = Generation(api.front, api.metrics, anthropic_error, access_note(request))
@@ -224,7 +224,7 @@ async def count_tokens(api: Api, request: Request):
     """`{"input_tokens": N}`: the prompt a request of this body would have (its
     template, tools and system prompt), counted without running it."""
     body = await read_body(request, CountTokensRequest, _policy(api))
-    api.check_model(body.model)
+    api = await api.for_model(body.model)
     params = {k: v for k, v in core_params(body).items() if k != "max_tokens"}
     req = GenerateRequest("count", params=params, messages=chat_messages(body))
     try:   # off the event loop: a long prompt holds up no other request

@@ -8,6 +8,7 @@ from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.routing import compile_path
 
 from mlxd.tokenizer_proc.auth import key_matches
@@ -68,6 +69,8 @@ def build_app(api: Api, access_log: bool = False) -> FastAPI:
               ("POST", "/v1/messages/count_tokens"): anthropic_api.count_tokens,
               ("GET", "/v1/models"): models,
               ("GET", "/v1/models/{model:path}"): model,
+              ("POST", "/admin/models/load"): load_model,
+              ("POST", "/admin/models/unload"): unload_model,
               ("POST", "/tokenize"): tokenize,
               ("POST", "/detokenize"): detokenize,
               **Responses().routes()}
@@ -110,60 +113,115 @@ class CountRequests:
         await self.app(scope, receive, counting_send)
 
 
-def _model_card(api: Api, request: Request) -> dict:
+def _model_card(api: Api, request: Request, served=None) -> dict:
     """OpenAI's model object, or Anthropic's to a client that sends the
-    `anthropic-version` header (as Anthropic's SDK does)."""
-    limits = api.limits
+    `anthropic-version` header (as Anthropic's SDK does); with several models, each
+    with its state (loaded, loading, unloading, unloaded) and aliases."""
+    name = served.name if served is not None else api.model_name
+    limits = served.core.limits if served is not None else api.limits
     context = limits.max_context if limits is not None and limits.max_context else None
+    extra = served.card() if served is not None else {}
     if "anthropic-version" in request.headers:
-        card = {"type": "model", "id": api.model_name, "display_name": api.model_name,
+        card = {"type": "model", "id": name, "display_name": name,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(api.started))}
-        return {**card, "max_input_tokens": context} if context else card
-    card = {"id": api.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "mlxd"}
+        return {**card, "max_input_tokens": context, **extra} if context else {**card, **extra}
+    card = {"id": name, "object": "model", "created": int(api.started), "owned_by": "mlxd",
+            **extra}
     return {**card, "max_model_len": context} if context else card
 
 
+def _cards(api: Api, request: Request) -> list[dict]:
+    if api.directory is None:
+        return [_model_card(api, request)]
+    return [_model_card(api, request, served) for served in api.directory.listing()]
+
+
 async def models(api: Api, request: Request):
-    card = _model_card(api, request)
+    cards = _cards(api, request)
     if "anthropic-version" in request.headers:
-        return JSONResponse({"data": [card], "has_more": False, "first_id": card["id"],
-                             "last_id": card["id"]})
-    return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"data": cards, "has_more": False, "first_id": cards[0]["id"],
+                             "last_id": cards[-1]["id"]})
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def model(api: Api, request: Request):
-    api.check_model(request.path_params["model"])
-    return JSONResponse(_model_card(api, request))
+    name = request.path_params["model"]
+    if api.directory is None:
+        api.check_model(name)
+        return JSONResponse(_model_card(api, request))
+    served = api.directory.find(name)
+    if served is None:
+        await api.for_model(name)   # the 404 naming the served models
+    return JSONResponse(_model_card(api, request, served))
 
 
 async def health(api: Api, request: Request):
-    if api.limits is None:
-        return JSONResponse({"status": "starting"}, status_code=503)
-    if not api.front.engines_up:   # every engine was lost; requests fail until one joins
-        return JSONResponse({"status": "no engine"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    status = api.status()
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 
 async def metrics(api: Api, request: Request):
-    stats = None
-    if api.limits is not None:
-        call = Call(api.front)
+    stats: dict[str, dict] = {}
+    served_models = api.directory.listing() if api.directory is not None else [None]
+    for served in served_models:
+        view = api if served is None else api.view(served)
+        if view.limits is None or (served is not None and served.state != "loaded"):
+            continue
+        call = Call(view.front)
         try:
-            stats = await call.stats()
+            stats[view.model_name] = await call.stats()
         except TimeoutError:   # the scheduler is busy: the front end's own figures
             pass
         finally:
             await call.close()
-    return Response(api.metrics.render(stats),
+    return Response(api.metrics.render(stats, _model_states(api)),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class ModelAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+
+
+async def _admin_target(api: Api, request: Request):
+    body = await read_body(request, ModelAction)
+    if api.directory is None:
+        raise bad_request("this server serves one model, loaded while it runs", "model")
+    served = api.directory.find(body.model)
+    if served is None:
+        await api.for_model(body.model)   # the 404 naming the served models
+    return served
+
+
+async def load_model(api: Api, request: Request):
+    """Load a model now (unloading the least recently used to make room, as a
+    request for it would); answers its card once loaded, 503 past the load timeout."""
+    served = await _admin_target(api, request)
+    await api.for_model(served.name)
+    return JSONResponse(_model_card(api, request, served))
+
+
+async def unload_model(api: Api, request: Request):
+    """Unload a model (pinned ones too): its running requests finish first, within
+    --unload-grace-seconds; answers its card once unloaded."""
+    served = await _admin_target(api, request)
+    assert api.directory is not None
+    await api.directory.unload(served)
+    return JSONResponse(_model_card(api, request, served))
+
+
+def _model_states(api: Api) -> list[dict]:
+    if api.directory is None:
+        return []
+    return [{"model": s.name, "state": s.state, "loads": s.loads, "unloads": s.unloads}
+            for s in api.directory.listing()]
 
 
 async def tokenize(api: Api, request: Request):
     """vLLM's /tokenize: a prompt (as /v1/completions encodes it) or chat messages
     (as /v1/chat/completions renders them)."""
     body = await read_body(request, TokenizeRequest)
-    api.check_model(body.model)
+    api = await api.for_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of prompt or messages")
     limits = api.limits
@@ -186,7 +244,7 @@ async def tokenize(api: Api, request: Request):
 
 async def detokenize(api: Api, request: Request):
     body = await read_body(request, DetokenizeRequest)
-    api.check_model(body.model)
+    api = await api.for_model(body.model)
     vocab = model_vocab_size(api.limits, api.codec)
     if any(not 0 <= t < vocab for t in body.tokens):
         raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")

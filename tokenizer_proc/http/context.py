@@ -1,11 +1,15 @@
 """What every route needs: the tokenizer process it submits to, the served model's
-name, the API key, the metrics; and reading a JSON body into its model."""
+name, the API key, the metrics; and reading a JSON body into its model.
+
+With several models (`directory` set), a route first resolves the request's `model`
+(`Api.for_model`): it gets the view of the API for that model (its core, codec,
+limits and name), once the model is loaded."""
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -18,7 +22,36 @@ from .compat import Compat, without_nulls
 from .errors import ApiError, bad_request, validation_error
 from .metrics import Metrics
 
+if TYPE_CHECKING:
+    from ..models import Served
+
 MAX_BODY_BYTES = 64 << 20
+
+
+class Directory(Protocol):
+    """The served models (the tokenizer process, TokenizerServer)."""
+
+    def find(self, name: str | None) -> "Served | None":
+        """The model `name` (or an alias) names; None: the first."""
+        ...
+
+    def names(self) -> list[str]: ...
+
+    def listing(self) -> "list[Served]": ...
+
+    async def ready(self, served: "Served") -> None:
+        """Once `served` is loaded; raises model_loader.ModelUnavailable."""
+        ...
+
+    def front(self, served: "Served") -> Front: ...
+
+    async def unload(self, served: "Served") -> None:
+        """Once `served` is unloaded (by an administrator)."""
+        ...
+
+    def status(self) -> str:
+        """`ok`, `starting`, or `no engine` (a loaded model lost every engine)."""
+        ...
 
 
 @dataclass
@@ -29,9 +62,42 @@ class Api:
     metrics: Metrics = field(default_factory=Metrics)
     compat: Compat = field(default_factory=Compat)   # the compatibility policy (compat.py)
     started: float = field(default_factory=time.time)   # when the server started
+    directory: Directory | None = None   # several models: where `for_model` looks
+    _views: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+
+    async def for_model(self, name: str | None) -> "Api":
+        """The API as it serves the model `name` (None: the first), waiting for it
+        to load: 404 naming the served models for an unknown name, 503 with
+        Retry-After if it does not load in time."""
+        if self.directory is None:
+            self.check_model(name)
+            return self
+        served = self.directory.find(name)
+        if served is None:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.directory.names()))}", "model",
+                           "model_not_found")
+        from ..model_loader import ModelUnavailable
+
+        try:
+            await self.directory.ready(served)
+        except ModelUnavailable as exc:
+            raise ApiError(503, str(exc), "model", "model_not_loaded",
+                           {"Retry-After": str(exc.retry_after)}) from None
+        return self.view(served)
+
+    def view(self, served: "Served") -> "Api":
+        """The API for one served model (made once per model)."""
+        view = self._views.get(served.name)
+        if view is None:
+            assert self.directory is not None
+            view = self._views[served.name] = replace(
+                self, front=self.directory.front(served), model_name=served.name,
+                directory=None)
+        return view
 
     @property
     def codec(self) -> TextCodec:
@@ -54,6 +120,14 @@ class Api:
     def check_ready(self) -> None:
         if self.limits is None:
             raise ApiError(503, "the server is starting: the model is not ready yet")
+
+    def status(self) -> str:
+        """`ok`, `starting` (no limits yet) or `no engine` (every engine was lost)."""
+        if self.directory is not None:
+            return self.directory.status()
+        if self.limits is None:
+            return "starting"
+        return "ok" if self.front.engines_up else "no engine"
 
 
 async def read_body(request: Request, model: type[BaseModel],

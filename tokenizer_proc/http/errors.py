@@ -30,9 +30,10 @@ class ApiError(Exception):
     """An answer other than 200: `param` names the offending parameter, if one did."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers   # e.g. Retry-After on a 503
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -55,7 +56,7 @@ def error_body(path: str, err: ApiError) -> dict:
 
 
 def error_response(path: str, err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(path, err), status_code=err.status)
+    return JSONResponse(error_body(path, err), status_code=err.status, headers=err.headers)
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:

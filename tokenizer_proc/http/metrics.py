@@ -4,12 +4,15 @@ in a registry of the front end's own.
 Counters and histograms are fed as requests run; the scheduler's counters (running,
 waiting, KV slots, pinned slots and refused pins, retractions, step time, and the
 speculative-decoding counters) are read from its stats at each scrape; with several
-engines, the same gauges labelled by engine, and the router's decisions by reason."""
+engines, the same gauges labelled by model and engine, and the router's decisions by
+reason; with several models, each model's gauges and state."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mlxd.protocol import StreamChunk
+
+from ..engines import add_stats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -64,36 +67,82 @@ ENGINE_GAUGES = {
 }
 
 
+MODEL_GAUGES = {key: STATS_GAUGES[key] for key in
+                ("running", "waiting", "used_slots", "cached_slots", "capacity")}
+MODEL_STATES = ("loaded", "loading", "unloading", "unloaded")
+
+
 class _EngineMetrics:
-    """Per-engine gauges and the router's counters, as of the latest stats (an
-    engine that left has no series)."""
+    """Per-model and per-engine gauges, the router's counters and the models' states,
+    as of the latest stats (an engine that left has no series)."""
 
     def __init__(self):
-        self.latest: dict = {}
+        self.latest: dict[str, dict] = {}   # model -> its merged stats
+        self.states: list[dict] = []        # each model's state, loads, unloads
 
     def collect(self):
-        engines = self.latest.get("engines") or {}
-        for key, (name, text) in ENGINE_GAUGES.items():
-            family = GaugeMetricFamily(name, text, labels=["engine"])
-            for engine, stats in sorted(engines.items()):
+        yield from self._per_model()
+        yield from self._per_engine()
+        yield from self._router()
+        yield from self._states()
+
+    def _per_model(self):
+        for key, (name, text) in MODEL_GAUGES.items():
+            family = GaugeMetricFamily(name.replace("mlxd_", "mlxd_model_", 1),
+                                       f"{text}, per model", labels=["model"])
+            for model, stats in sorted(self.latest.items()):
                 if isinstance(stats.get(key), (int, float)):
-                    family.add_metric([engine], stats[key])
+                    family.add_metric([model], stats[key])
+            yield family
+
+    def _engines(self):
+        for model, stats in sorted(self.latest.items()):
+            for engine, figures in sorted((stats.get("engines") or {}).items()):
+                yield model, engine, figures
+
+    def _per_engine(self):
+        for key, (name, text) in ENGINE_GAUGES.items():
+            family = GaugeMetricFamily(name, text, labels=["model", "engine"])
+            for model, engine, figures in self._engines():
+                if isinstance(figures.get(key), (int, float)):
+                    family.add_metric([model, engine], figures[key])
             yield family
         routed = CounterMetricFamily("mlxd_engine_routed", "requests routed to the engine",
-                                     labels=["engine"])
-        for engine, stats in sorted(engines.items()):
-            routed.add_metric([engine], stats.get("routed", 0))
+                                     labels=["model", "engine"])
+        for model, engine, figures in self._engines():
+            routed.add_metric([model, engine], figures.get("routed", 0))
         yield routed
-        router = self.latest.get("router") or {}
+
+    def _router(self):
         decisions = CounterMetricFamily("mlxd_router_decisions", "routing decisions by "
                                         "reason (cache, load, affinity, rerun)",
-                                        labels=["reason"])
-        for reason, n in sorted((router.get("decisions") or {}).items()):
-            decisions.add_metric([reason], n)
-        yield decisions
-        yield GaugeMetricFamily("mlxd_engines_up", "engines serving", router.get("engines_up", 0))
-        yield CounterMetricFamily("mlxd_engine_losses", "engines lost (died, vanished)",
-                                  router.get("losses", 0))
+                                        labels=["model", "reason"])
+        up = GaugeMetricFamily("mlxd_engines_up", "engines serving", labels=["model"])
+        losses = CounterMetricFamily("mlxd_engine_losses", "engines lost (died, vanished)",
+                                     labels=["model"])
+        for model, stats in sorted(self.latest.items()):
+            router = stats.get("router") or {}
+            for reason, n in sorted((router.get("decisions") or {}).items()):
+                decisions.add_metric([model, reason], n)
+            up.add_metric([model], router.get("engines_up", 0))
+            losses.add_metric([model], router.get("losses", 0))
+        yield from (decisions, up, losses)
+
+    def _states(self):
+        state = GaugeMetricFamily("mlxd_model_state", "1 for each model's state (loaded, "
+                                  "loading, unloading, unloaded)", labels=["model", "state"])
+        loads = CounterMetricFamily("mlxd_model_loads", "times the model was loaded",
+                                    labels=["model"])
+        unloads = CounterMetricFamily("mlxd_model_unloads", "times the model was unloaded, "
+                                      "by reason (memory, idle, admin)",
+                                      labels=["model", "reason"])
+        for model in self.states:
+            for name in MODEL_STATES:
+                state.add_metric([model["model"], name], float(model["state"] == name))
+            loads.add_metric([model["model"]], model["loads"])
+            for reason, n in sorted(model["unloads"].items()):
+                unloads.add_metric([model["model"], reason], n)
+        yield from (state, loads, unloads)
 
 
 class Metrics:
@@ -136,16 +185,23 @@ class Metrics:
             self.cached_tokens.inc(chunk.usage.get("cached_tokens", 0))
             self.pinned_tokens.inc(chunk.usage.get("pinned_tokens", 0))
 
-    def render(self, stats: dict | None) -> bytes:
-        """The text exposition, the gauges set from the scheduler's `stats` if given."""
+    def render(self, by_model: dict[str, dict], states: list[dict] = ()) -> bytes:
+        """The text exposition, the gauges set from each model's merged stats (the
+        unlabelled ones: all models together) and `states` (each model's)."""
+        total: dict = {}
+        for stats in by_model.values():
+            add_stats(total, stats)
         for key, gauge in self.gauges.items():
-            if isinstance((stats or {}).get(key), (int, float)):
-                gauge.set(stats[key])
-        self.engines.latest = stats or {}
-        spec = (stats or {}).get("speculative")
-        if isinstance(spec, dict):
-            self.spec.latest = spec
-        compute = ((stats or {}).get("timing") or {}).get("compute_ms")
-        if isinstance(compute, dict) and isinstance(compute.get("mean"), (int, float)):
-            self.step_ms.set(compute["mean"])
+            if isinstance(total.get(key), (int, float)):
+                gauge.set(total[key])
+        self.engines.latest = by_model
+        self.engines.states = list(states)
+        if isinstance(total.get("speculative"), dict):
+            self.spec.latest = total["speculative"]
+        means = [((s.get("timing") or {}).get("compute_ms") or {}).get("mean")
+                 for s in by_model.values()]
+        means = [m for m in means if isinstance(m, (int, float))]
+        if means:
+            self.step_ms.set(max(means))
         return generate_latest(self.registry)
+

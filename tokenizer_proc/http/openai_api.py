@@ -66,7 +66,7 @@ def continues_final(body: ChatRequest) -> bool | None:
 
 async def chat_completions(api: Api, request: Request):
     body = await read_body(request, ChatRequest, lambda b: api.compat.apply(CHAT, b))
-    api.check_model(body.model)
+    api = await api.for_model(body.model)
     api.check_ready()
     n = choices_per_request(body)
     include_usage = usage_in_stream(body)
@@ -94,7 +94,7 @@ async def chat_completions(api: Api, request: Request):
 async def completions(api: Api, request: Request):
     body = await read_body(request, CompletionRequest,
                            lambda b: api.compat.apply(COMPLETIONS, b))
-    api.check_model(body.model)
+    api = await api.for_model(body.model)
     api.check_ready()
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported: prompt tokens' logprobs "

@@ -52,7 +52,7 @@ class Responses:
     async def create(self, api: Api, request: Request):
         body = await read_body(request, ResponsesRequest)
         note_ignored(api, body)
-        api.check_model(body.model)
+        api = await api.for_model(body.model)
         api.check_ready()
         owner = owner_of(request)
         history = self._history(owner, body.previous_response_id)

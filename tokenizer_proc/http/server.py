@@ -14,7 +14,7 @@ import uvicorn
 
 from .app import build_app
 from .calls import Front
-from .context import Api
+from .context import Api, Directory
 
 log = logging.getLogger("mlxd.http")
 STOP_SECONDS = 2.0
@@ -51,8 +51,9 @@ class HttpFrontEnd:
     """`start()` binds and serves; `url` is then the bound address; `stop()` ends it."""
 
     def __init__(self, front: Front, host: str, port: int, model_name: str, api_key: str,
-                 access_log: bool = True):
-        self.api = Api(front, model_name, api_key)
+                 access_log: bool = True, directory: Directory | None = None):
+        """`front` and `model_name`: the first model's; `directory`: all served models."""
+        self.api = Api(front, model_name, api_key, directory=directory)
         self.access_log = access_log
         self.host, self.port = host or "127.0.0.1", port
         self.url: str | None = None

@@ -1,0 +1,188 @@
+"""Loading and unloading served models on the front end's event loop.
+
+The front end decides (models.ModelTable's plan), the launcher acts: `load` and
+`unload` go to it as ModelControl messages, and a model counts as loaded when its
+first engine joins. A request for a model that is not loaded waits in `ready`
+(before admission: its limits are known only once an engine joined) for at most
+`--model-load-timeout`, then gets ModelUnavailable (HTTP 503 with Retry-After).
+Unloading first stops new requests from reaching the model (they wait, and load it
+again), lets its running requests finish for `--unload-grace-seconds`, ends the rest
+with an error, then has the launcher stop its engines.
+"""
+
+import asyncio
+import logging
+import time
+from typing import Callable, Protocol
+
+from .models import LOADED, LOADING, UNLOADED, UNLOADING, ModelTable, Served
+
+log = logging.getLogger("mlxd.tokenizer")
+
+DRAIN_POLL_SECONDS = 0.05
+RETRY_AFTER_SECONDS = 5
+
+
+class ModelUnavailable(Exception):
+    """The model did not load in time; the client may retry after `retry_after` s."""
+
+    def __init__(self, message: str, retry_after: int = RETRY_AFTER_SECONDS):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class LoaderHost(Protocol):
+    """What the loader needs of the tokenizer process."""
+
+    def control(self, action: str, model: str) -> bool:
+        """Ask the launcher to load or unload `model`; False: no launcher to ask."""
+        ...
+
+    def stop_serving(self, served: Served, message: str) -> None:
+        """End `served`'s unfinished requests with `message`; take its engines out."""
+        ...
+
+    async def send(self) -> None:
+        """Deliver what is queued (the ended requests' replies)."""
+        ...
+
+
+class ModelLoader:
+    def __init__(self, table: ModelTable, host: LoaderHost, load_timeout: float,
+                 grace: float, idle_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.table, self.host = table, host
+        self.load_timeout, self.grace, self.idle_seconds = load_timeout, grace, idle_seconds
+        self.clock = clock
+        self._changed = asyncio.Event()   # replaced on every state change
+        self._load_started: dict[Served, float] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- states ------------------------------------------------------------------
+
+    def _set(self, served: Served, state: str) -> None:
+        served.state = state
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def started(self, names: tuple[str, ...]) -> None:
+        """The models the launcher loads at start are loading."""
+        for served in self.table.models:
+            if served.name in names:
+                self._set(served, LOADING)
+                self._load_started[served] = self.clock()
+
+    def joined(self, served: Served) -> None:
+        """An engine of `served` joined: it serves."""
+        if served.state == LOADED:
+            return
+        if served.state == LOADING:
+            served.loads += 1
+            log.info("model %s loaded in %.1f s", served.name,
+                     self.clock() - self._load_started.pop(served, self.clock()))
+        self._set(served, LOADED)
+
+    # ---- loading -----------------------------------------------------------------
+
+    async def ready(self, served: Served) -> None:
+        """Return once `served` is loaded (loading it, and unloading others to make
+        room, if need be); ModelUnavailable past the load timeout."""
+        served.last_used = self.clock()
+        if served.state == LOADED:
+            return
+        try:
+            await asyncio.wait_for(self._until_loaded(served), self.load_timeout)
+        except asyncio.TimeoutError:
+            self._give_up_if_stuck(served)
+            raise ModelUnavailable(
+                f"the model {served.name!r} is not loaded yet ({served.state}); "
+                "retry later") from None
+        served.last_used = self.clock()
+
+    async def _until_loaded(self, served: Served) -> None:
+        while served.state != LOADED:
+            changed = self._changed
+            if served.state == UNLOADED:
+                victims = self.table.plan_load(served)
+                if victims is not None:
+                    self._begin_load(served, victims)
+                    continue
+                log.info("model %s waits for memory: %.2f of %.2f GiB are used by models "
+                         "that cannot be unloaded now", served.name, self.table.used_gb(),
+                         self.table.budget_gb)
+            await changed.wait()
+
+    def _begin_load(self, served: Served, victims: list[Served]) -> None:
+        log.info("loading model %s (%.2f GiB)%s", served.name, served.memory_gb,
+                 f"; first unloading {', '.join(v.name for v in victims)} (least recently "
+                 "used)" if victims else "")
+        for victim in victims:
+            self._set(victim, UNLOADING)
+        self._set(served, LOADING)
+        self._load_started[served] = self.clock()
+        self._spawn(self._load(served, victims))
+
+    async def _load(self, served: Served, victims: list[Served]) -> None:
+        await asyncio.gather(*(self._drain_and_stop(v, "memory") for v in victims))
+        if not self.host.control("load", served.name):
+            log.error("model %s cannot be loaded: no launcher to start its engines",
+                      served.name)
+
+    def _give_up_if_stuck(self, served: Served) -> None:
+        """A load that had no engine join within the timeout failed (its worker died
+        loading, or never fits): the model is unloaded, and its next request tries
+        again."""
+        started = self._load_started.get(served)
+        if served.state != LOADING or started is None or \
+                self.clock() - started < self.load_timeout:
+            return
+        log.error("model %s did not load within %.0f s (--model-load-timeout); its "
+                  "engines are stopped", served.name, self.load_timeout)
+        self._load_started.pop(served, None)
+        self.host.stop_serving(served, f"the model {served.name!r} failed to load")
+        self.host.control("unload", served.name)
+        self._set(served, UNLOADED)
+
+    # ---- unloading ---------------------------------------------------------------
+
+    async def unload(self, served: Served, reason: str) -> bool:
+        """Unload `served` (its running requests finish first, within the grace);
+        False if it was not loaded (or loading)."""
+        if served.state in (UNLOADED, UNLOADING):
+            return False
+        if served.state == LOADING:
+            self._load_started.pop(served, None)
+        self._set(served, UNLOADING)
+        await self._drain_and_stop(served, reason)
+        return True
+
+    async def _drain_and_stop(self, served: Served, reason: str) -> None:
+        deadline = self.clock() + self.grace
+        while served.busy and self.clock() < deadline:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        if served.busy:
+            log.warning("model %s: %d requests still running after %.0f s "
+                        "(--unload-grace-seconds) end with an error", served.name,
+                        served.busy, self.grace)
+        self.host.stop_serving(served, f"the model {served.name!r} was unloaded "
+                                       f"({reason}) before the request finished")
+        await self.host.send()
+        self.host.control("unload", served.name)
+        served.unloads[reason] = served.unloads.get(reason, 0) + 1
+        log.info("model %s unloaded (%s)", served.name, reason)
+        self._set(served, UNLOADED)
+
+    async def unload_idle(self) -> None:
+        """Unload the models idle past `--unload-idle-seconds`, checking now and then."""
+        if not self.idle_seconds:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, self.idle_seconds / 4))
+            for served in self.table.idle(self.clock(), self.idle_seconds):
+                self._set(served, UNLOADING)
+                self._spawn(self._drain_and_stop(served, "idle"))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
