@@ -104,12 +104,16 @@ class AsyncStream:
 class AsyncClient:
     """`server_key`: the server's CURVE public key; by default MLXD_SERVER_KEY, or for
     a loopback address the key the local server published (runtime/keys.py).
-    `api_key`: the server's `--api-key`, by default MLXD_API_KEY."""
+    `api_key`: the server's `--api-key`, by default MLXD_API_KEY. `model`: the served
+    model requests ask for unless they name one (`model=`); by default the server's
+    first."""
 
     def __init__(self, address: str, timeout: float | None = 600.0, *,
-                 server_key: str | bytes | None = None, api_key: str | None = None):
+                 server_key: str | bytes | None = None, api_key: str | None = None,
+                 model: str | None = None):
         self.address = address
         self.timeout = timeout
+        self.model = model
         self.api_key = api_key if api_key is not None else os.environ.get("MLXD_API_KEY", "")
         try:
             key = server_key_for(address, server_key)
@@ -137,8 +141,9 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                        messages: list[dict] | None = None, rid: str | None = None,
-                       **params) -> Result | list[Result]:
-        """Run one request to its end. `params` use OpenAI's names (each declared in
+                       model: str | None = None, **params) -> Result | list[Result]:
+        """Run one request to its end, on `model` (a served model's name or alias; by
+        default the client's). `params` use OpenAI's names (each declared in
         protocol/sampling.py): max_tokens,
         temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
         skip_special_tokens (default true: special tokens' text is left out), logprobs, top_logprobs, timeout, presence_penalty, frequency_penalty,
@@ -153,7 +158,7 @@ class AsyncClient:
         range or constraint that does not compile (`invalid_request`, the MlxdError's
         `param` naming it).
         With n > 1, the n choices' Results, in `index` order."""
-        request = self._request(prompt, input_ids, messages, rid, params, False)
+        request = self._request(prompt, input_ids, messages, rid, params, False, model)
         stream = AsyncStream(self, request)
         n = _choices(params)
         results = [Result(stream.rid, index=i) for i in range(n)]
@@ -169,18 +174,21 @@ class AsyncClient:
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                messages: list[dict] | None = None, rid: str | None = None,
-               **params) -> AsyncStream:
+               model: str | None = None, **params) -> AsyncStream:
         """`async for chunk in client.stream(...)`: the request's output as it is made."""
-        return AsyncStream(self, self._request(prompt, input_ids, messages, rid, params, True))
+        return AsyncStream(self, self._request(prompt, input_ids, messages, rid, params,
+                                               True, model))
 
     async def abort(self, rid: str) -> None:
         await self._channel().send(encode(AbortRequest(rid, self.api_key)))
 
-    async def stats(self) -> dict:
-        """The server's counters: waiting / running requests, free / cached / used KV
-        slots, retractions, and the worker's memory and last step timing."""
+    async def stats(self, model: str | None = None) -> dict:
+        """The server's counters for `model` (by default the client's): waiting /
+        running requests, free / cached / used KV slots, retractions, and the worker's
+        memory and last step timing."""
         rid = uuid.uuid4().hex
-        queue = await self._register(rid, encode(StatsRequest(rid, self.api_key)))
+        queue = await self._register(rid, encode(StatsRequest(rid, self.api_key,
+                                                              model or self.model)))
         try:
             msg = await asyncio.wait_for(queue.get(), self.timeout)
         except asyncio.TimeoutError:
@@ -218,9 +226,10 @@ class AsyncClient:
 
     # ---- internals ---------------------------------------------------------
 
-    def _request(self, prompt, input_ids, messages, rid, params, stream) -> GenerateRequest:
+    def _request(self, prompt, input_ids, messages, rid, params, stream,
+                 model) -> GenerateRequest:
         return GenerateRequest(rid or uuid.uuid4().hex, prompt, messages, input_ids, params,
-                               stream, self.api_key)
+                               stream, self.api_key, model or self.model)
 
     async def _send(self, request: GenerateRequest) -> asyncio.Queue:
         return await self._register(request.rid, _encode_request(request))

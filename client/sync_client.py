@@ -43,14 +43,16 @@ class Stream:
 
 class Client:
     def __init__(self, address: str, timeout: float | None = 600.0, *,
-                 server_key: str | bytes | None = None, api_key: str | None = None):
-        """See AsyncClient for `server_key` and `api_key`."""
+                 server_key: str | bytes | None = None, api_key: str | None = None,
+                 model: str | None = None):
+        """See AsyncClient for `server_key`, `api_key` and `model`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mlxd-client",
                                         daemon=True)
         self._thread.start()
         try:
-            self._inner: AsyncClient = self._call(_make(address, timeout, server_key, api_key))
+            self._inner: AsyncClient = self._call(
+                _make(address, timeout, server_key, api_key, model))
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
@@ -77,8 +79,8 @@ class Client:
     def abort(self, rid: str) -> None:
         self._call(self._inner.abort(rid))
 
-    def stats(self) -> dict:
-        return self._call(self._inner.stats())
+    def stats(self, model: str | None = None) -> dict:
+        return self._call(self._inner.stats(model))
 
     @property
     def closed(self) -> bool:
@@ -112,5 +114,6 @@ async def _finish_calls(grace: float) -> None:
         await asyncio.gather(*late, return_exceptions=True)
 
 
-async def _make(address: str, timeout: float | None, server_key, api_key) -> AsyncClient:
-    return AsyncClient(address, timeout, server_key=server_key, api_key=api_key)
+async def _make(address: str, timeout: float | None, server_key, api_key,
+                model) -> AsyncClient:
+    return AsyncClient(address, timeout, server_key=server_key, api_key=api_key, model=model)

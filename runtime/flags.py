@@ -107,7 +107,8 @@ class ServerFlags:
         shown="--host")
     http_port: int = flag(8000, "HTTP API port; 0 picks a free one", (TOKENIZER,), minimum=0)
     served_model_name: str = flag(
-        "", "the model name the HTTP API reports and accepts", (TOKENIZER,),
+        "", "the model name the HTTP API reports and accepts (`mlxd engine`: the model "
+        "the engine serves at the front end it joins)", (TOKENIZER,),
         shown="the id, or the model's folder or file name")
     max_running_requests: int = flag(
         64, "most requests decoded together", (WORKER, SCHEDULER), minimum=1)
@@ -227,7 +228,9 @@ class ServerFlags:
         "minutes; the next death stops the server. A worker that dies before it is "
         "ready (while loading) is never restarted", minimum=0)
     ready_timeout: float = flag(
-        300.0, "seconds to wait for all processes to report ready", positive=True)
+        300.0, "seconds to wait for all processes to report ready; with several models, "
+        "also how long a model's load may take before it counts as failed",
+        (TOKENIZER,), positive=True)
     log_level: str = flag(
         "info", "`debug`, `info`, `warning` or `error`; `debug` logs every step's "
         "timing in the worker", CHILDREN)

@@ -121,17 +121,18 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 
 
 class Server:
-    """`python launch.py ...` as a real subprocess. Always call stop()."""
+    """`python launch.py ...` as a real subprocess (`--model model_path` unless it is
+    None). Always call stop()."""
 
-    def __init__(self, model_path: str, *args: str, ready_timeout: float = 120.0,
+    def __init__(self, model_path: str | None, *args: str, ready_timeout: float = 120.0,
                  env: dict | None = None, command: list[str] | None = None,
                  cwd: Path = ROOT):
         self.stderr_lines: list[str] = []
         self.child_pids: list[int] = []
         self.proc = subprocess.Popen(
-            [*(command or [sys.executable, str(ROOT / "launch.py")]), "--model",
-             str(model_path), "--port", "0", "--http-port", "0", "--host", "127.0.0.1",
-             *args],
+            [*(command or [sys.executable, str(ROOT / "launch.py")]),
+             *(["--model", str(model_path)] if model_path is not None else []),
+             "--port", "0", "--http-port", "0", "--host", "127.0.0.1", *args],
             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True, env=env)
         threading.Thread(target=self._pump_stderr, daemon=True).start()

@@ -132,7 +132,8 @@ class TokenizerServer:
         self.models = ModelTable.of(catalog, self._model_parts)
         flags = cfg.flags
         self.loader = ModelLoader(self.models, self, flags.model_load_timeout,
-                                  flags.unload_grace_seconds, flags.unload_idle_seconds)
+                                  flags.unload_grace_seconds, flags.unload_idle_seconds,
+                                  flags.ready_timeout)
         self.loader.started(catalog.at_start)
         self._parked: set[tuple[bytes, str]] = set()   # ZeroMQ requests waiting for a load
         self._tasks: set[asyncio.Task] = set()
@@ -208,7 +209,7 @@ class TokenizerServer:
         await self._serving.wait()
         self._bind_client_socket()
         await asyncio.gather(self._client_loop(), self._connection_loop(),
-                             self._deadline_loop(), self.loader.unload_idle())
+                             self._deadline_loop(), self.loader.watch())
 
     def _bind_client_socket(self) -> None:
         caps = [max_frame_bytes(s.core.limits, s.core.codec.max_chars_per_token)

@@ -4,13 +4,16 @@ The front end decides (models.ModelTable's plan), the launcher acts: `load` and
 `unload` go to it as ModelControl messages, and a model counts as loaded when its
 first engine joins. A request for a model that is not loaded waits in `ready`
 (before admission: its limits are known only once an engine joined) for at most
-`--model-load-timeout`, then gets ModelUnavailable (HTTP 503 with Retry-After).
+`--model-load-timeout`, then gets ModelUnavailable (HTTP 503 with Retry-After); a
+load that has no engine joined after `--ready-timeout` failed (its worker died while
+loading): the model is unloaded, and its next request tries again.
 Unloading first stops new requests from reaching the model (they wait, and load it
 again), lets its running requests finish for `--unload-grace-seconds`, ends the rest
 with an error, then has the launcher stop its engines.
 """
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import Callable, Protocol
@@ -20,6 +23,7 @@ from .models import LOADED, LOADING, UNLOADED, UNLOADING, ModelTable, Served
 log = logging.getLogger("mlxd.tokenizer")
 
 DRAIN_POLL_SECONDS = 0.05
+STUCK_POLL_SECONDS = 1.0   # how often a load waiting for memory checks for failed loads
 RETRY_AFTER_SECONDS = 5
 
 
@@ -49,13 +53,18 @@ class LoaderHost(Protocol):
 
 class ModelLoader:
     def __init__(self, table: ModelTable, host: LoaderHost, load_timeout: float,
-                 grace: float, idle_seconds: float = 0.0,
+                 grace: float, idle_seconds: float = 0.0, fail_after: float = 300.0,
                  clock: Callable[[], float] = time.monotonic):
+        """`load_timeout`: how long a request waits; `fail_after`: how long a load
+        may take; `grace`: how long an unloaded model's requests may still run."""
         self.table, self.host = table, host
         self.load_timeout, self.grace, self.idle_seconds = load_timeout, grace, idle_seconds
+        self.fail_after = fail_after
         self.clock = clock
         self._changed = asyncio.Event()   # replaced on every state change
         self._load_started: dict[Served, float] = {}
+        self._loads: dict[Served, int] = {}   # each model's latest load (a ticket)
+        self._tickets = itertools.count()
         self._tasks: set[asyncio.Task] = set()
 
     # ---- states ------------------------------------------------------------------
@@ -93,13 +102,14 @@ class ModelLoader:
         try:
             await asyncio.wait_for(self._until_loaded(served), self.load_timeout)
         except asyncio.TimeoutError:
-            self._give_up_if_stuck(served)
+            self._give_up_stuck_loads()
             raise ModelUnavailable(
                 f"the model {served.name!r} is not loaded yet ({served.state}); "
                 "retry later") from None
         served.last_used = self.clock()
 
     async def _until_loaded(self, served: Served) -> None:
+        told = False
         while served.state != LOADED:
             changed = self._changed
             if served.state == UNLOADED:
@@ -107,10 +117,16 @@ class ModelLoader:
                 if victims is not None:
                     self._begin_load(served, victims)
                     continue
-                log.info("model %s waits for memory: %.2f of %.2f GiB are used by models "
-                         "that cannot be unloaded now", served.name, self.table.used_gb(),
-                         self.table.budget_gb)
-            await changed.wait()
+                if not told:
+                    log.info("model %s waits for memory: %.2f of %.2f GiB are used by "
+                             "models that cannot be unloaded now", served.name,
+                             self.table.used_gb(), self.table.budget_gb)
+                    told = True
+                self._give_up_stuck_loads()   # a failed load holds memory until then
+            try:
+                await asyncio.wait_for(changed.wait(), STUCK_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                pass
 
     def _begin_load(self, served: Served, victims: list[Served]) -> None:
         log.info("loading model %s (%.2f GiB)%s", served.name, served.memory_gb,
@@ -120,24 +136,30 @@ class ModelLoader:
             self._set(victim, UNLOADING)
         self._set(served, LOADING)
         self._load_started[served] = self.clock()
-        self._spawn(self._load(served, victims))
+        ticket = self._loads[served] = next(self._tickets)
+        self._spawn(self._load(served, victims, ticket))
 
-    async def _load(self, served: Served, victims: list[Served]) -> None:
+    async def _load(self, served: Served, victims: list[Served], ticket: int) -> None:
         await asyncio.gather(*(self._drain_and_stop(v, "memory") for v in victims))
+        if served.state != LOADING or self._loads.get(served) != ticket:
+            return   # unloaded meanwhile (by an administrator), maybe loading anew
         if not self.host.control("load", served.name):
             log.error("model %s cannot be loaded: no launcher to start its engines",
                       served.name)
 
-    def _give_up_if_stuck(self, served: Served) -> None:
-        """A load that had no engine join within the timeout failed (its worker died
+    def _give_up_stuck_loads(self) -> None:
+        """A load that had no engine join within `fail_after` failed (its worker died
         loading, or never fits): the model is unloaded, and its next request tries
         again."""
-        started = self._load_started.get(served)
-        if served.state != LOADING or started is None or \
-                self.clock() - started < self.load_timeout:
-            return
-        log.error("model %s did not load within %.0f s (--model-load-timeout); its "
-                  "engines are stopped", served.name, self.load_timeout)
+        for served in self.table.models:
+            started = self._load_started.get(served)
+            if served.state == LOADING and started is not None and \
+                    self.clock() - started >= self.fail_after:
+                self._give_up(served)
+
+    def _give_up(self, served: Served) -> None:
+        log.error("model %s did not load within %.0f s (--ready-timeout); its engines "
+                  "are stopped", served.name, self.fail_after)
         self._load_started.pop(served, None)
         self.host.stop_serving(served, f"the model {served.name!r} failed to load")
         self.host.control("unload", served.name)
@@ -148,7 +170,11 @@ class ModelLoader:
     async def unload(self, served: Served, reason: str) -> bool:
         """Unload `served` (its running requests finish first, within the grace);
         False if it was not loaded (or loading)."""
-        if served.state in (UNLOADED, UNLOADING):
+        if served.state == UNLOADING:   # already going: once it is gone
+            while served.state == UNLOADING:
+                await self._changed.wait()
+            return False
+        if served.state == UNLOADED:
             return False
         if served.state == LOADING:
             self._load_started.pop(served, None)
@@ -172,12 +198,13 @@ class ModelLoader:
         log.info("model %s unloaded (%s)", served.name, reason)
         self._set(served, UNLOADED)
 
-    async def unload_idle(self) -> None:
-        """Unload the models idle past `--unload-idle-seconds`, checking now and then."""
-        if not self.idle_seconds:
-            return
+    async def watch(self) -> None:
+        """Now and then: give up loads that failed, unload models idle past
+        `--unload-idle-seconds`."""
+        period = min(STUCK_POLL_SECONDS, self.idle_seconds / 4 or STUCK_POLL_SECONDS)
         while True:
-            await asyncio.sleep(min(1.0, self.idle_seconds / 4))
+            await asyncio.sleep(period)
+            self._give_up_stuck_loads()
             for served in self.table.idle(self.clock(), self.idle_seconds):
                 self._set(served, UNLOADING)
                 self._spawn(self._drain_and_stop(served, "idle"))

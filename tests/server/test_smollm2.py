@@ -198,3 +198,30 @@ def test_two_replicas_of_the_default_model_answer_the_openai_client(smollm2_fold
     assert [r.choices[0].message.content for r in replies] == alone
     assert all(engine["routed"] > 0 for engine in stats["engines"].values())
     assert len(stats["engines"]) == 2
+
+
+def test_the_default_model_and_a_second_model_behind_one_front_end(smollm2_folder,
+                                                                  llama_model):
+    """`--model "" --model FOLDER`: the openai client picks each by its name."""
+    import openai
+
+    from support import reference_tokens
+
+    env = {**os.environ, "MLXD_CACHE_DIR": str(default_cache_dir()), **NO_REGISTRY}
+    server = Server("", "--model", llama_model, "--kv-capacity", "4096",
+                    "--log-level", "warning", env=env, ready_timeout=300)
+    try:
+        client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct", "llama"]
+        answer = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=chat("What is the capital of France?"),
+            max_tokens=32, temperature=0).choices[0].message.content
+        prompt = [5, 17, 99, 140, 33, 61]
+        tiny = client.completions.create(model="llama", prompt=prompt, max_tokens=8,
+                                         temperature=0, logprobs=1)
+    finally:
+        server.stop()
+    assert "Paris" in answer
+    ref = reference_tokens(llama_model, prompt, 8)
+    got = tiny.choices[0].logprobs.token_logprobs
+    assert len(got) == len(ref) and max(abs(a - b) for a, (_, b) in zip(got, ref)) < 1e-3
