@@ -268,7 +268,7 @@ class TokenizerServer:
                 f"the model {msg.model!r} does not exist; this server serves "
                 f"{', '.join(map(repr, self.models.names()))}"), "model")))
             return []
-        if served.state != LOADED:
+        if served.state != LOADED and isinstance(msg, GenerateRequest):
             self._parked.add((client, msg.rid))
             self._spawn(self._handle_when_loaded(served, client, msg))
             return []

@@ -78,7 +78,7 @@ def test_the_api_key_is_required(keyed):
 
 
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize",
-             "/detokenize"]
+             "/detokenize", "/admin/models/load"]
 VALID = {
     "/v1/chat/completions": b'{"model": "llama", "messages": [{"role": "user", '
                             b'"content": "hi"}], "max_tokens": 3, "stream": true}',
@@ -88,6 +88,7 @@ VALID = {
                     b'"content": "hi"}], "stop_sequences": ["a"]}',
     "/tokenize": b'{"prompt": "hello"}',
     "/detokenize": b'{"tokens": [1, 2, 3]}',
+    "/admin/models/load": b'{"model": "llama"}',
 }
 
 

@@ -212,6 +212,9 @@ def test_admin_endpoints_load_and_unload_behind_the_api_key(one_at_a_time, small
                    timeout=120)
     assert r.status_code == 200 and r.json()["state"] == "unloaded"
     assert states_auth(server) == {"llama": "unloaded", "small": "unloaded"}
+    with Client(server.address, api_key=KEY, timeout=30) as c:   # answered, loads nothing
+        assert c.stats("small")["engines"] == {}
+    assert states_auth(server) == {"llama": "unloaded", "small": "unloaded"}
     for body, status in (({"model": "nope"}, 404), ({"name": "small"}, 400), ([], 400)):
         r = httpx.post(f"{url}/admin/models/load", json=body, headers=auth(), timeout=30)
         assert r.status_code == status, r.text

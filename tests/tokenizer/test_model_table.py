@@ -24,6 +24,13 @@ def table(*specs, budget: float = 0.0) -> ModelTable:
     return ModelTable(served, budget)
 
 
+def running(served: Served) -> Served:
+    """`served` with an engine and one request running on it."""
+    served.engines.join("e0", SchedulerReady(worker_limits(), 8))
+    served.engines.dispatch([TokenizedRequest(first_id(0), [1, 2], SamplingParams(), 4, [])])
+    return served
+
+
 def names(models) -> list[str] | None:
     return None if models is None else [m.name for m in models]
 
@@ -54,10 +61,7 @@ def test_idle_models_are_loaded_unpinned_without_requests_for_the_given_time():
               ("b", 1.0, False, LOADED, 95.0), ("u", 1.0, False, UNLOADED, 0.0))
     assert names(t.idle(100.0, 10.0)) == ["a"]
     assert t.idle(100.0, 0.0) == []   # never
-    busy = t.find("a")
-    busy.engines.join("e0", SchedulerReady(worker_limits(), 8))
-    busy.engines.dispatch([TokenizedRequest(first_id(0), [1, 2], SamplingParams(), 4, [])])
-    assert busy.busy == 1 and t.idle(100.0, 10.0) == []
+    assert running(t.find("a")).busy == 1 and t.idle(100.0, 10.0) == []
 
 
 def test_every_models_ids_are_its_own():
@@ -125,9 +129,7 @@ def test_running_requests_of_the_unloaded_model_finish_first_within_the_grace():
     async def run():
         t = two_models_one_fits()
         loader, host = loader_for(t, grace=5.0)
-        a = t.find("a")
-        a.engines.join("e0", SchedulerReady(worker_limits(), 8))
-        a.engines.dispatch([TokenizedRequest(first_id(0), [1, 2], SamplingParams(), 4, [])])
+        a = running(t.find("a"))
         asyncio.get_running_loop().call_later(0.2, a.engines.retire_all)   # it finishes
         await loader.ready(t.find("b"))
         assert host.stopped == [("a", "the model 'a' was unloaded (memory) before the "
@@ -140,9 +142,7 @@ def test_past_the_grace_the_running_requests_end_and_the_model_is_unloaded():
     async def run():
         t = two_models_one_fits()
         loader, host = loader_for(t, grace=0.1)
-        a = t.find("a")
-        a.engines.join("e0", SchedulerReady(worker_limits(), 8))
-        a.engines.dispatch([TokenizedRequest(first_id(0), [1, 2], SamplingParams(), 4, [])])
+        a = running(t.find("a"))
         assert a.busy == 1
         await loader.ready(t.find("b"))
         assert a.busy == 0 and a.state == UNLOADED   # stop_serving ended it
@@ -185,9 +185,7 @@ def test_an_unload_during_a_load_cancels_it_and_a_waiting_request_loads_it_again
     async def run():
         t = two_models_one_fits()
         loader, host = loader_for(t, grace=0.3)
-        a = t.find("a")
-        a.engines.join("e0", SchedulerReady(worker_limits(), 8))
-        a.engines.dispatch([TokenizedRequest(first_id(0), [1], SamplingParams(), 4, [])])
+        running(t.find("a"))
         waiting = asyncio.ensure_future(loader.ready(t.find("b")))
         await asyncio.sleep(0.05)   # b is loading, waiting for a to drain
         assert t.find("b").state == LOADING
