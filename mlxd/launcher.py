@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import zmq
 
@@ -48,6 +49,9 @@ from mlxd.model_store.resolve import (ModelError, fetch_model, local_models, res
 from mlxd.runtime.blas import find_blas, mlx_gpu_backend
 from mlxd.runtime.model_catalog import (Catalog, CatalogError, ModelEntry, build_catalog,
                                         read_models_file)
+from mlxd.runtime.worker_group import (free_ports, rank_input_addr, rank_name, ring_environ,
+                                       write_ring_hostfile)
+from mlxd.model_store.parallel import tensor_parallel_refusal
 from mlxd.runtime.lifecycle import die_with_parent, pid_alive
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
@@ -133,24 +137,33 @@ class RestartBudget:
 
 
 class EngineProcs:
-    """One engine's processes: a worker and the scheduler driving it, each restarted
-    with the config it started with."""
+    """One engine's processes: a worker (one process, or the ranks of a tensor-parallel
+    group) and the scheduler driving it, each restarted with the config it started
+    with; a group always restarts whole (a ring cannot be formed again in a process)."""
 
-    def __init__(self, worker: tuple["WorkerConfig", dict],
+    def __init__(self, worker: Callable[[], list[tuple["WorkerConfig", dict]]],
                  scheduler: tuple["SchedulerConfig", dict], restarts: int,
                  model: str = "", on_demand: bool = False):
-        self._worker_spec, self._scheduler_spec = worker, scheduler
+        """`worker()`: each rank's config and environment (a group's: a fresh ring)."""
+        self._worker_specs, self._scheduler_spec = worker, scheduler
         self.model = model            # its model's name
         self.on_demand = on_demand    # loaded while serving: a failed start is not fatal
         self.restarts = RestartBudget(restarts)
-        self.worker = self.spawn_worker()
+        self.workers: list[Child] = []
+        self.spawn_worker()
         self.scheduler = self.spawn_scheduler()
 
-    def spawn_worker(self) -> Child:
-        config, env = self._worker_spec
-        self.worker = Child(config.name, "mlxd.worker_proc", config, env)
+    @property
+    def worker(self) -> Child:
+        """Rank 0 (the only one without a group): the one that replies."""
+        return self.workers[0]
+
+    def spawn_worker(self) -> None:
+        """(Re)start the worker: every rank, those still alive stopped first."""
+        _stop_all(self.workers)
+        self.workers = [Child(config.name, "mlxd.worker_proc", config, env)
+                        for config, env in self._worker_specs()]
         self.worker_ready = False   # a worker that reported READY may be restarted
-        return self.worker
 
     def spawn_scheduler(self) -> Child:
         config, env = self._scheduler_spec
@@ -160,18 +173,24 @@ class EngineProcs:
 
     @property
     def children(self) -> list[Child]:
-        return [self.worker, self.scheduler]
+        return [*self.workers, self.scheduler]
 
     def stop(self) -> None:
-        for child in self.children:
-            if child.alive():
-                child.proc.terminate()
-        for child in self.children:
-            try:
-                child.proc.wait(STOP_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+        _stop_all(self.children)
+
+
+def _stop_all(children: list[Child]) -> None:
+    """Terminate, then kill what has not exited within the grace (a stopped process
+    too: SIGKILL ends it)."""
+    for child in children:
+        if child.alive():
+            child.proc.terminate()
+    for child in children:
+        try:
+            child.proc.wait(STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
 
 
 def _suffix(index: int) -> str:
@@ -287,9 +306,27 @@ class Launcher:
             frontend_addr=frontend_addr, worker_input_addr=worker.input_addr,
             worker_output_addr=worker.output_addr, ready_addr=self._ipc("launcher"),
             engine=name, name=SCHEDULER + suffix, model_name=model, flags=flags,
-            parent_pid=os.getpid())
-        return EngineProcs((worker, self._worker_env()), (scheduler, self._env()),
-                           self.cfg.worker_restarts, model, on_demand)
+            worker_ranks=self.cfg.tp, parent_pid=os.getpid())
+        env = self._worker_env()
+        return EngineProcs(lambda: self._ranks(worker, env, f"ring{suffix}.json"),
+                           (scheduler, self._env()), self.cfg.worker_restarts, model,
+                           on_demand)
+
+    def _ranks(self, worker: WorkerConfig, env: dict,
+               hostfile: str) -> list[tuple[WorkerConfig, dict]]:
+        """Each rank's config and environment: one process without `--tp`; with it,
+        N ranks on a ring of fresh ports on 127.0.0.1, each with its share of the
+        worker's memory."""
+        n = self.cfg.tp
+        if n == 1:
+            return [(worker, env)]
+        ring = write_ring_hostfile(os.path.join(self.ipc_dir, hostfile), free_ports(n))
+        flags = dataclasses.replace(worker.flags, mem_fraction=worker.flags.mem_fraction / n,
+                                    mem_limit_gb=worker.flags.mem_limit_gb / n)
+        return [(dataclasses.replace(worker, input_addr=rank_input_addr(worker.input_addr, r),
+                                     name=rank_name(worker.name, r), rank=r, ranks=n,
+                                     flags=flags),
+                 {**env, **ring_environ(r, ring)}) for r in range(n)]
 
     def _env(self) -> dict:
         # no PYTHONPATH: a child runs `python -m mlxd.<part>` from ROOT, where `mlxd`
@@ -343,7 +380,7 @@ class Launcher:
             self._on_model_control(msg)
             return None
         for engine in self.engines:
-            if msg.process == engine.worker.name:
+            if msg.process == engine.worker.name:   # rank 0: the whole group formed
                 engine.worker_ready = True
             if msg.process == engine.scheduler.name:
                 engine.ready = True
@@ -383,7 +420,7 @@ class Launcher:
                                    f"its last stderr lines:\n{tail}")
             log.error("%s process exited with code %s; starting a new one. Its last "
                       "stderr lines:\n%s", child.name, code, tail)
-            if child is engine.worker:
+            if child in engine.workers:
                 engine.spawn_worker()
             else:
                 self._restart_engine(engine)
@@ -412,7 +449,7 @@ class Launcher:
             return None, ""
         if code == 0:
             return None, " (it was told to stop)"
-        if not (engine.worker_ready if child is engine.worker else engine.ready):
+        if not (engine.worker_ready if child in engine.workers else engine.ready):
             return None, (" before it was ready; a process that fails to start is not "
                           "restarted")
         if not engine.restarts.take(time.monotonic()):
@@ -424,9 +461,10 @@ class Launcher:
     def _restart_engine(self, engine: EngineProcs) -> None:
         """A dead scheduler takes its worker along: both start again, and the new
         scheduler joins the front end as a new engine of the same name."""
-        if engine.worker.alive():
-            engine.worker.proc.kill()
-            engine.worker.proc.wait()
+        for worker in engine.workers:
+            if worker.alive():
+                worker.proc.kill()
+                worker.proc.wait()
         engine.spawn_worker()
         engine.spawn_scheduler()
 
@@ -520,6 +558,11 @@ def served_catalog(cfg: ServerFlags, models: list[str]) -> Catalog:
             name = entry.name or (cfg.served_model_name if len(given) == 1 else "") or \
                 served_name(entry.model, path)
             entries.append(dataclasses.replace(entry, name=name, path=path))
+        for entry in entries:
+            why = tensor_parallel_refusal(entry.path, cfg.tp)
+            if why:
+                raise CatalogError(f"--tp {cfg.tp}: the model {entry.name!r} cannot be "
+                                   f"split: {why}")
         return build_catalog(entries, cfg.models_memory, cfg.mem_limit_gb, cfg.mem_fraction)
     except CatalogError as exc:
         sys.exit(f"mlxd: {exc}")
@@ -601,9 +644,15 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
+        if cfg.tp > 1 and cfg.draft_model:
+            raise ChildFailure("--draft-model is not served by a --tp group yet")
         draft = model_folder(cfg.draft_model) if cfg.draft_model else ""
         if engine:
-            launcher.start_engine(model_folder(cfg.model), draft)
+            folder = model_folder(cfg.model)
+            why = tensor_parallel_refusal(folder, cfg.tp)
+            if why:
+                raise ChildFailure(f"--tp {cfg.tp}: the model cannot be split: {why}")
+            launcher.start_engine(folder, draft)
         else:
             launcher.start(served_catalog(cfg, models), draft)
         ready = launcher.wait_ready()

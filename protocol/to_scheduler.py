@@ -148,6 +148,9 @@ class WorkerLimits:
     # its decode steps costs next to one of the model's (measured; 0: not measured)
     draft_model: str = wire(Str(), default="")
     draft_cost: float = wire(Float(), default=0.0)
+    # ranks of the tensor-parallel group this worker is (--tp; 1: a single process);
+    # every figure above is one rank's (the KV of its heads), the same on each
+    tensor_parallel: int = wire(Int(minimum=1), default=1)
 
 
 @message

@@ -76,6 +76,12 @@ class ServerFlags:
         "them; each request goes to the replica caching the longest part of its prompt "
         "unless the load is imbalanced (`--route-*`). An engine whose scheduler dies is "
         "restarted; its requests run elsewhere", minimum=1)
+    tp: int = flag(
+        1, "tensor-parallel ranks per worker: N processes forming one mx.distributed group "
+        "(a ring over 127.0.0.1), each holding its share of every layer's weights and of "
+        "the KV heads, the memory limit split between them; for models mlx_lm can split "
+        "(`shard()`) whose attention and key/value heads divide by N. A rank that dies "
+        "or stops restarts the group", minimum=1)
     engine_port: int = flag(
         -1, "TCP port (on `--host`) on which engines on other machines join (`mlxd "
         "engine --join tcp://HOST:PORT`), authenticated by the front end's key pair "
@@ -217,7 +223,8 @@ class ServerFlags:
     worker_timeout: float = flag(
         60.0, "seconds a Step may go unanswered before the worker counts as "
         "unresponsive: its running requests then finish with an error, and later ones "
-        "wait for it", (SCHEDULER,), positive=True)
+        "wait for it; a rank of a `--tp` group whose step runs this long exits, and the "
+        "group is restarted", (SCHEDULER, WORKER), positive=True)
     restart_worker: bool = flag(
         True, "start a new worker when the worker process dies (crash, kill, out of "
         "memory): its running requests end with an error, waiting ones run on the new "

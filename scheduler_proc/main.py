@@ -59,6 +59,7 @@ class SchedulerConfig:
     engine: str = "engine0"   # the engine's name: its routing id at the front end
     name: str = SCHEDULER     # in its Ready to the launcher (one per engine)
     model_name: str = ""      # the model's name at the front end ("": its first model)
+    worker_ranks: int = 1     # the worker's tensor-parallel ranks: each gets every Step
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the scheduler
     parent_pid: int = 0
 
@@ -69,7 +70,7 @@ class SchedulerLoop:
         self.wakeup = wakeup   # readable when a signal arrives (see runtime.lifecycle)
         self.frontend = FrontendLink(ctx, cfg.frontend_addr, cfg.engine, frontend_curve(cfg))
         self.from_worker = bind_pull(ctx, cfg.worker_output_addr)
-        self.link = WorkerLink(ctx, cfg.worker_input_addr)
+        self.link = WorkerLink(ctx, cfg.worker_input_addr, cfg.worker_ranks)
         self.to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
         self.poller = zmq.Poller()         # run() registers the inputs
         self.request_decoder = Decoder(TokenizedRequest, Abort, GetStats)
@@ -89,7 +90,7 @@ class SchedulerLoop:
     @property
     def sockets(self):
         return [self.frontend.monitor, self.frontend.sock, self.from_worker,
-                self.link.monitor, self.link.sock, self.to_launcher]
+                *self.link.monitors, *self.link.socks, self.to_launcher]
 
     def start(self) -> None:
         """Wait for the worker's WorkerReady, then announce ourselves: its limits to
@@ -129,7 +130,7 @@ class SchedulerLoop:
 
     def run(self) -> None:
         for sock in (self.frontend.sock, self.frontend.monitor, self.from_worker,
-                     self.link.monitor, self.wakeup):
+                     *self.link.monitors, self.wakeup):
             if sock is not None:
                 self.poller.register(sock, zmq.POLLIN)
         stalled = False   # the last schedule() had nothing to send: wait for input
@@ -138,7 +139,8 @@ class SchedulerLoop:
             busy = self._worker_free and self.scheduler.has_work and not stalled
             events = dict(self.poller.poll(0 if busy else self._watchdog_ms()))
             polled_at = time.perf_counter()
-            if self.link.monitor in events and self.link.lost():   # before its last answers
+            if any(m in events for m in self.link.monitors) and self.link.lost():
+                # (before its last answers)
                 self._on_worker_lost()
             if self.frontend.monitor in events:
                 self._on_frontend_events()
@@ -220,9 +222,11 @@ class SchedulerLoop:
         self.restarting, self.in_flight, self.abandoned = True, None, False
         self._answered = None
         self.worker_memory = {}
-        self.poller.unregister(self.link.monitor)
+        for monitor in self.link.monitors:
+            self.poller.unregister(monitor)
         self.link.reopen()
-        self.poller.register(self.link.monitor, zmq.POLLIN)
+        for monitor in self.link.monitors:
+            self.poller.register(monitor, zmq.POLLIN)
 
     def _on_worker_ready(self, msg: WorkerReady) -> None:
         """A new worker, empty, takes the dead one's place under the same limits."""

@@ -8,8 +8,9 @@ prefix first, in the waiting queue's order (waiting.py). Finished requests and
 every finished chunk go into the radix tree.
 """
 
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from mlxd.protocol import (
@@ -60,9 +61,12 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
-        """`clock`: seconds, for the pins' TTLs."""
+    def __init__(self, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None):
+        """`clock`: seconds, for the pins' TTLs; `rng` draws the seeds of requests
+        that bring none."""
         self.limits = limits
+        self._rng = rng or random.Random()
         self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache,
                          limits.state_slots, limits.snapshot_slots,
                          limits.window_capacity, limits.window,
@@ -91,6 +95,9 @@ class Scheduler:
             self._outbox.append(TokenEntry(msg.rid, [], [], finish_reason="error", error=error))
             return
         max_new = max_new_tokens(len(msg.input_ids), msg.max_new_tokens, self.limits.max_context)
+        if msg.sampling.seed is None:   # every request has one: all ranks of a group
+            msg = replace(msg, sampling=replace(   # sample alike from it
+                msg.sampling, seed=self._rng.getrandbits(63)))
         self.waiting.add(Request.from_message(msg, max_new))
 
     def abort(self, rid: int) -> None:

@@ -5,6 +5,10 @@ out of memory) the kernel closes that end and the socket's monitor reports
 EVENT_DISCONNECTED at once. This needs no message from anyone, so the scheduler
 notices however the worker went, and a hung (SIGSTOP'd) worker is not mistaken for
 a dead one: that is the watchdog's case (--worker-timeout).
+
+A tensor-parallel worker group (`ranks` > 1) is one worker to the scheduler: every
+Step goes to every rank (each binds its own address, runtime/worker_group.py), and
+any rank's end counts as the worker's death (the launcher restarts the group).
 """
 
 import zmq
@@ -12,33 +16,40 @@ from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import WorkerLimits
 from mlxd.runtime.sockets import connect_push
+from mlxd.runtime.worker_group import rank_input_addr
 
 
 class WorkerLink:
-    """`sock` sends Steps; `monitor` is readable when the worker's end went away
-    (poll it, then call `lost()`)."""
+    """`send` sends a Step to every rank; each of `monitors` is readable when a rank's
+    end went away (poll them, then call `lost()`)."""
 
-    def __init__(self, ctx: zmq.Context, address: str):
-        self.ctx, self.address = ctx, address
+    def __init__(self, ctx: zmq.Context, address: str, ranks: int = 1):
+        self.ctx, self.address, self.ranks = ctx, address, ranks
         self._open()
 
     def _open(self) -> None:
-        self.sock = connect_push(self.ctx, self.address)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.socks = [connect_push(self.ctx, rank_input_addr(self.address, rank))
+                      for rank in range(self.ranks)]
+        self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                         for sock in self.socks]
+        for monitor in self.monitors:
+            monitor.setsockopt(zmq.LINGER, 0)
 
     def send(self, frame: bytes) -> None:
-        self.sock.send(frame)
+        for sock in self.socks:
+            sock.send(frame)
 
     def lost(self) -> bool:
-        """Whether the worker's end of the socket went away since the last call."""
+        """Whether a rank's end of its socket went away since the last call."""
         lost = False
-        while True:
-            try:
-                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return lost
-            lost |= event["event"] == zmq.EVENT_DISCONNECTED
+        for monitor in self.monitors:
+            while True:
+                try:
+                    event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                lost |= event["event"] == zmq.EVENT_DISCONNECTED
+        return lost
 
     def reopen(self) -> None:
         """A fresh socket for the next worker: a Step still queued for the dead one
@@ -47,9 +58,10 @@ class WorkerLink:
         self._open()
 
     def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        for sock, monitor in zip(self.socks, self.monitors):
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
 
 
 def replacement_mismatch(first: WorkerLimits, new: WorkerLimits) -> str | None:

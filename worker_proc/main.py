@@ -4,6 +4,9 @@
   output_addr  PUSH  WorkerReady, then one StepResult (or WorkerError) per Step
   ready_addr   PUSH  Ready to the launcher once serving (optional): a worker that dies
                      after it is restarted, one that dies before is not
+
+With `ranks` > 1 the process is rank `rank` of a tensor-parallel group (group.py):
+each rank has its own input address and runs every Step; rank 0 alone replies.
 """
 
 import json
@@ -37,7 +40,9 @@ class WorkerConfig:
     input_addr: str
     output_addr: str
     ready_addr: str = ""
-    name: str = WORKER   # in its Ready to the launcher (one per engine)
+    name: str = WORKER   # in its Ready to the launcher (one per engine and rank)
+    rank: int = 0        # in its tensor-parallel group (MLX_RANK says the same)
+    ranks: int = 1       # the group's size (--tp); 1: no group
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the worker
     prefill_step_size: int = 2048   # most tokens of one prefill forward (not a user flag)
     parent_pid: int = 0
@@ -76,10 +81,16 @@ def build_runner(cfg: WorkerConfig):
     from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
     from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
     from .verify_cost import measure_draft_cost, measure_verify_costs
+    from .group import agree, form_group, load_sharded
 
     flags = cfg.flags
     limit = memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb)
-    model, tokenizer, dequantize = load_for_serving(flags.model, flags.dequantize, limit)
+    group = form_group(cfg.ranks) if cfg.ranks > 1 else None
+    if group is not None:   # weights as stored: each rank reads its part only
+        model, tokenizer = load_sharded(flags.model, group)
+        dequantize = False
+    else:
+        model, tokenizer, dequantize = load_for_serving(flags.model, flags.dequantize, limit)
     draft = load_draft(flags.draft_model, flags.dequantize, limit, model, tokenizer)
     weights_bytes = mx.get_active_memory()
     geometry = probe_geometry(model)
@@ -100,6 +111,8 @@ def build_runner(cfg: WorkerConfig):
                        flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
                        capacity=flags.kv_capacity, windows=windows, page=page)
+    if group is not None:
+        budget = agree(group, budget)
     pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots,
                   budget.window_capacity)
     cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
@@ -114,8 +127,9 @@ def build_runner(cfg: WorkerConfig):
                                    "this model or --decode-layout does not take")
         drafter = drafter_for(draft[0], budget.capacity, -(-budget.decode_cache_tokens // page),
                               flags.preallocate_decode_pages, geometry=draft[1])
+    overlap = not flags.disable_overlap
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
-                         overlap=not flags.disable_overlap,
+                         overlap=overlap,
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)
     measured = runner.verifies_drafts and flags.speculative != "off" and \
         flags.spec_cost == "measured"
@@ -127,7 +141,7 @@ def build_runner(cfg: WorkerConfig):
         weights_bytes=weights_bytes, buffer_cache_bytes=cache_bytes,
         kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
         quantized=is_quantized(model), dequantize=dequantize,
-        overlap=not flags.disable_overlap, state_slots=state_slots,
+        overlap=overlap, state_slots=state_slots, tensor_parallel=cfg.ranks,
         snapshot_slots=snapshot_slots,
         state_slot_bytes=geometry.bytes_per_state,
         window_sizes=[w for w in geometry.cache_layout.windows if w],
@@ -136,7 +150,7 @@ def build_runner(cfg: WorkerConfig):
         verify_costs=measure_verify_costs(model) if measured else [],
         draft_model=Path(flags.draft_model).name if draft is not None else "",
         draft_cost=measure_draft_cost(model, draft[0]) if measured and draft is not None else 0.0)
-    return runner, limits
+    return runner, limits, group
 
 
 def load_draft(path: str, dequantize: str, limit: int, model, tokenizer):
@@ -161,21 +175,37 @@ def load_draft(path: str, dequantize: str, limit: int, model, tokenizer):
 
 def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
     steps_in = bind_pull(ctx, cfg.input_addr)
-    results_out = connect_push(ctx, cfg.output_addr)
+    results_out = connect_push(ctx, cfg.output_addr) if cfg.rank == 0 else None
     to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
     sockets += [steps_in, results_out, to_launcher]
-    runner, limits = build_runner(cfg)
+    runner, limits, group = build_runner(cfg)
+    rank = RankRole(group, cfg.flags.worker_timeout) if group is not None else None
     try:
         _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out,
-                     to_launcher, cfg.name)
+                     to_launcher, cfg.name, rank)
     finally:
         runner.close()   # never exit while the helper thread is inside MLX
 
 
-def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket,
-                 to_launcher: zmq.Socket | None = None, name: str = WORKER) -> None:
+class RankRole:
+    """What a rank of a group does beside running Steps: a digest of its tokens, and
+    a deadline on each step."""
+
+    def __init__(self, group, deadline: float):
+        from .group import Digest, Watchdog
+
+        self.digest = Digest(group)
+        self.watchdog = Watchdog(deadline)
+
+
+def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket | None,
+                 to_launcher: zmq.Socket | None = None, name: str = WORKER,
+                 rank: RankRole | None = None) -> None:
+    """Run every Step; reply (rank 0, or the only worker) with its result. In a group,
+    a failed step ends the rank (its collectives' peers are gone or out of step)."""
     log.info("ready: %s", limits.as_dict())
-    results_out.send(encode(WorkerReady(limits)))
+    if results_out is not None:
+        results_out.send(encode(WorkerReady(limits)))
     if to_launcher is not None:
         to_launcher.send(encode(Ready(name)))
     decoder = Decoder(Step)
@@ -185,16 +215,37 @@ def _serve_steps(runner, limits: WorkerLimits, recv, results_out: zmq.Socket,
         step = decode_from(decoder, frame, "scheduler", log)
         if step is None:
             continue
-        try:
-            reply = runner.run(step, arrived_at)
-            log.debug("step %d: %d decode, %d prefill, %.1f ms compute, %.1f ms idle before",
-                      step.step_id, len(step.decode_rids), len(step.prefills),
-                      reply.timing.compute_ms, reply.timing.idle_ms or 0.0)
-        except Exception as exc:  # a failed step must not kill the worker
-            log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
-            runner.reset()
-            reply = WorkerError(step.step_id, f"{type(exc).__name__}: {exc}")
-        results_out.send(encode(reply))
+        reply = _run_step(runner, step, arrived_at, rank)
+        if results_out is not None:
+            results_out.send(encode(reply))
+        if rank is not None and isinstance(reply, WorkerError):
+            raise SystemExit(f"the worker group broke at step {step.step_id}: "
+                             f"{reply.message}")
+
+
+def _run_step(runner, step: Step, arrived_at: float, rank: RankRole | None):
+    """The step's StepResult, or a WorkerError (a failed step must not kill a lone
+    worker: its state is reset)."""
+    if rank is not None:
+        rank.watchdog.begin()
+    try:
+        if rank is not None and rank.digest.due:   # no collective may be in flight
+            runner.settle()
+            rank.digest.compare()
+        reply = runner.run(step, arrived_at)
+        if rank is not None:
+            rank.digest.add(reply.rids, reply.tokens)
+        log.debug("step %d: %d decode, %d prefill, %.1f ms compute, %.1f ms idle before",
+                  step.step_id, len(step.decode_rids), len(step.prefills),
+                  reply.timing.compute_ms, reply.timing.idle_ms or 0.0)
+    except Exception as exc:
+        log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
+        runner.reset()
+        reply = WorkerError(step.step_id, f"{type(exc).__name__}: {exc}")
+    finally:
+        if rank is not None:
+            rank.watchdog.end()
+    return reply
 
 
 def main(argv=None) -> None:

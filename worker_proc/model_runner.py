@@ -212,6 +212,12 @@ class ModelRunner:
         self._returned_at = None
         self._new_grammars = {}
 
+    def settle(self) -> None:
+        """Return once nothing is in flight: the chained decode, if one was started,
+        has computed (a worker group's own collectives then run alone)."""
+        self._background.wait()
+        mx.synchronize(self.stream)
+
     def close(self) -> None:
         """Wait for the chained decode, if one is computing (its errors are moot)."""
         try:

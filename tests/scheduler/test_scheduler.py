@@ -2,6 +2,7 @@
 Scheduler, driven by the stub worker in scheduler_harness.py, which checks every Step
 against the scheduler's books and against a modelled KV pool."""
 
+import dataclasses
 import random
 import re
 from collections import defaultdict
@@ -1337,9 +1338,12 @@ def test_penalised_requests_carry_their_context_with_every_last_prefill_chunk():
                          sampling=penalised if rid % 2 else None) for rid in range(1, 7)])
     h.run_until_idle()
     last_chunks = [p for s in h.steps for p in s.prefills if p.needs_logits]
-    assert any(p.num_generated for p in last_chunks if p.sampling == penalised)
+    def unseeded(p):   # the scheduler gives every request a seed
+        return dataclasses.replace(p.sampling, seed=None)
+
+    assert any(p.num_generated for p in last_chunks if unseeded(p) == penalised)
     for p in last_chunks:
-        if p.sampling != penalised:
+        if unseeded(p) != penalised:
             assert (p.prompt_tail, p.output_ids, p.stop_token_ids) == ([], [], [])
             continue
         prompt = prompt_of(p.rid, 24 if p.rid == 1 else 4)
@@ -1349,3 +1353,14 @@ def test_penalised_requests_carry_their_context_with_every_last_prefill_chunk():
     for p in (p for s in h.steps for p in s.prefills if not p.needs_logits):
         assert (p.prompt_tail, p.output_ids, p.stop_token_ids) == ([], [], [])
     h.assert_idle()
+
+
+def test_every_request_gets_a_seed_from_the_scheduler_and_a_given_seed_is_kept():
+    """All ranks of a worker group sample alike only if every request brings its
+    seed: the scheduler draws one for those that have none."""
+    h = Harness()
+    h.add(make_request(1, n=4, max_new=2, sampling=SamplingParams(temperature=0.8)),
+          make_request(2, n=4, max_new=2, sampling=SamplingParams(temperature=0.8, seed=7)))
+    h.run_until_idle()
+    seeds = {p.rid: p.sampling.seed for s in h.steps for p in s.prefills}
+    assert seeds[2] == 7 and isinstance(seeds[1], int) and 0 <= seeds[1] < 2**63

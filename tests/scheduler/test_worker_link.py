@@ -34,7 +34,7 @@ def test_the_link_reports_the_workers_end_closing_and_reopens_for_the_next(ctx, 
         assert worker.poll(5000) and worker.recv() == b"step 1"
         assert not link.lost()
         worker.close(linger=0)                      # the worker's process dies
-        assert wait_until(lambda: link.monitor.poll(0) and link.lost(), 5)
+        assert wait_until(lambda: link.monitors[0].poll(0) and link.lost(), 5)
         link.reopen()
         worker = _bound_pull(ctx, address)          # the next worker
         link.send(b"step 2")
@@ -43,6 +43,30 @@ def test_the_link_reports_the_workers_end_closing_and_reopens_for_the_next(ctx, 
     finally:
         link.close()
         worker.close(linger=0)
+
+
+def test_every_rank_of_a_group_gets_every_step_and_any_ranks_end_is_the_workers(
+        ctx, tmp_path):
+    from mlxd.runtime.worker_group import rank_input_addr
+
+    address = f"ipc://{short_ipc_dir(tmp_path)}/worker_in"
+    ranks = [_bound_pull(ctx, rank_input_addr(address, r)) for r in range(3)]
+    link = WorkerLink(ctx, address, ranks=3)
+    try:
+        link.send(b"step 1")
+        for rank in ranks:
+            assert rank.poll(5000) and rank.recv() == b"step 1"
+        assert not link.lost()
+        ranks[2].close(linger=0)                    # rank 2 dies
+        assert wait_until(lambda: link.monitors[2].poll(0) and link.lost(), 5)
+        link.reopen()
+        ranks[2] = _bound_pull(ctx, rank_input_addr(address, 2))
+        link.send(b"step 2")
+        assert all(r.poll(5000) and r.recv() == b"step 2" for r in ranks)
+    finally:
+        link.close()
+        for rank in ranks:
+            rank.close(linger=0)
 
 
 FIRST = worker_limits(kv_capacity=256)

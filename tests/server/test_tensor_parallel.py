@@ -1,0 +1,193 @@
+"""A tensor-parallel worker group (`--tp 2`, a ring over 127.0.0.1), on real processes:
+greedy tokens and logprobs equal mlx_lm's single-process generation (concurrent, alone,
+with a prefix hit, chunked, with a tight pool); seeded sampling equals one rank's; each
+rank holds about half the layers' weights; a rank killed or stopped under load: every
+request answered, the group restarted, exact again; models that cannot be split are
+refused before anything starts."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxd.client import AsyncClient, Client
+from support import ROOT, Server, children_of, reference_tokens, wait_until
+
+MAX_TOKENS = 12
+
+
+def prompts(n: int, length: int = 24, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 500) for _ in range(length)] for _ in range(n)]
+
+
+def assert_exact(model: str, ids: list[int], result, max_tokens: int = MAX_TOKENS):
+    ref = reference_tokens(model, ids, max_tokens)
+    assert result.token_ids == [t for t, _ in ref]
+    assert max(abs(a - b) for a, (_, b) in zip(result.logprobs, ref)) < 1e-3
+
+
+def rank_pids(server: Server) -> dict[int, int]:
+    """rank -> pid of the live worker ranks."""
+    found = {}
+    for pid in children_of(server.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"mlxd.worker_proc" in cmdline:
+            rank = next((int(a.split(b"=")[1]) for a in cmdline if a.startswith(b"--rank=")), 0)
+            found[rank] = pid
+    return found
+
+
+def run_all(address: str, batch: list[list[int]], max_tokens: int = MAX_TOKENS, **params):
+    async def run():
+        async with AsyncClient(address, timeout=120) as c:
+            return await asyncio.gather(*(c.generate(
+                input_ids=p, max_tokens=max_tokens, logprobs=True, **params) for p in batch),
+                return_exceptions=True)
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def tp2(llama_model):
+    server = Server(llama_model, "--tp", "2", "--kv-capacity", "4096", "--speculative", "off",
+                    "--log-level", "warning")
+    yield server
+    server.stop()
+
+
+def test_two_ranks_decode_exactly_as_mlx_lm(tp2, llama_model):
+    assert sorted(rank_pids(tp2)) == [0, 1]
+    batch = prompts(12)
+    for ids, result in zip(batch, run_all(tp2.address, batch)):
+        assert_exact(llama_model, ids, result)
+    with Client(tp2.address, timeout=120) as c:
+        alone = c.generate(input_ids=batch[0], max_tokens=MAX_TOKENS, logprobs=True)
+        again = c.generate(input_ids=batch[0] + [7, 8], max_tokens=MAX_TOKENS, logprobs=True)
+        long_ids = prompts(1, length=700, seed=9)[0]   # chunked (512 a step)
+        chunked = c.generate(input_ids=long_ids, max_tokens=MAX_TOKENS, logprobs=True)
+        stats = c.stats()
+    assert_exact(llama_model, batch[0], alone)
+    assert again.usage["cached_tokens"] >= 16   # the prefix came from the pool
+    assert_exact(llama_model, batch[0] + [7, 8], again)
+    assert_exact(llama_model, long_ids, chunked)
+    assert stats["worker"]["tensor_parallel"] == 2 and stats["worker"]["overlap"]
+
+
+def test_without_overlap_too(llama_model):
+    server = Server(llama_model, "--tp", "2", "--kv-capacity", "4096", "--speculative",
+                    "off", "--disable-overlap", "--log-level", "warning")
+    try:
+        batch = prompts(6, seed=21)
+        for ids, result in zip(batch, run_all(server.address, batch, 40)):
+            assert_exact(llama_model, ids, result, 40)   # 40 steps: digests compared
+    finally:
+        server.stop()
+
+
+def test_a_tight_pool_retracts_and_resumes_exactly(llama_model):
+    server = Server(llama_model, "--tp", "2", "--kv-capacity", "160", "--speculative",
+                    "off", "--log-level", "warning")
+    try:
+        batch = prompts(6, length=20, seed=31)
+        for ids, result in zip(batch, run_all(server.address, batch, 30)):
+            assert_exact(llama_model, ids, result, 30)
+        with Client(server.address, timeout=60) as c:
+            assert c.stats()["retractions"] > 0
+    finally:
+        server.stop()
+
+
+def test_seeded_sampling_equals_one_rank(tp2, llama_server):
+    params = dict(temperature=0.9, top_p=0.95, seed=1234)
+    batch = prompts(4, seed=3)
+    two = run_all(tp2.address, batch, 16, **params)
+    one = run_all(llama_server.address, batch, 16, **params)
+    assert [r.token_ids for r in two] == [r.token_ids for r in one]
+
+
+def test_each_rank_holds_about_half_of_the_layers(tp2, llama_server):
+    with Client(tp2.address, timeout=60) as c:
+        split = c.stats()["worker"]["weights_bytes"]
+    with Client(llama_server.address, timeout=60) as c:
+        whole = c.stats()["worker"]["weights_bytes"]
+    assert split < 0.8 * whole   # the layers halve; embeddings and head stay whole
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_lost_rank_restarts_the_group_and_every_request_is_answered(llama_model, how):
+    server = Server(llama_model, "--tp", "2", "--kv-capacity", "4096", "--speculative",
+                    "off", "--worker-timeout", "3", "--log-level", "warning")
+    try:
+        before = rank_pids(server)
+        batch = prompts(6, seed=11)
+
+        async def run():
+            async with AsyncClient(server.address, timeout=60) as c:
+                jobs = [asyncio.ensure_future(c.generate(input_ids=p, max_tokens=400,
+                                                         ignore_eos=True)) for p in batch]
+                await asyncio.sleep(0.5)
+                os.kill(before[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                started = time.monotonic()
+                results = await asyncio.gather(*jobs, return_exceptions=True)
+                return results, time.monotonic() - started
+
+        results, took = asyncio.run(run())
+        assert took < 10 + 3, took   # answered: finished or ended with an error
+        assert all(getattr(r, "finish_reason", None) in ("length", "error") or
+                   isinstance(r, Exception) for r in results), results
+        assert wait_until(lambda: set(rank_pids(server).values()).isdisjoint(before.values())
+                          and len(rank_pids(server)) == 2, 60)
+        ids = prompts(1, seed=12)[0]
+        with Client(server.address, timeout=120) as c:
+            assert wait_until(lambda: c.stats().get("worker_status") != "restarting", 60)
+            assert_exact(llama_model, ids, c.generate(input_ids=ids, max_tokens=MAX_TOKENS,
+                                                      logprobs=True))
+    finally:
+        for pid in rank_pids(server).values():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        server.stop()
+
+
+@pytest.mark.parametrize("model,tp,says", [
+    ("llama", "4", "2 key/value heads do not divide over 4 ranks"),
+    ("llama", "3", "4 attention heads do not divide over 3 ranks"),
+    ("mamba2", "2", "has no tensor-parallel split"),
+])
+def test_models_that_cannot_be_split_are_refused_before_anything_starts(
+        llama_model, hybrid_model, model, tp, says):
+    path = llama_model if model == "llama" else hybrid_model(model)
+    before = set(children_of(os.getpid()))
+    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--model", path,
+                           "--tp", tp, "--port", "0", "--http-port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+    assert "worker" not in done.stderr.split(says)[0].lower().replace("worker group", "")
+    assert set(children_of(os.getpid())) <= before
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
+def test_other_architectures_split_exactly(arch, qwen3_model, hybrid_model):
+    """qwen3 (plain attention, q/k norms) and gpt_oss (sliding-window layers and
+    experts, each rank holding half of every expert)."""
+    path = qwen3_model if arch == "qwen3" else hybrid_model(arch)
+    server = Server(path, "--tp", "2", "--kv-capacity", "4096", "--speculative", "off",
+                    "--log-level", "warning")
+    try:
+        batch = prompts(4, seed=41)
+        for ids, result in zip(batch, run_all(server.address, batch, 20)):
+            assert_exact(path, ids, result, 20)
+    finally:
+        server.stop()
