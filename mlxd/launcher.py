@@ -49,7 +49,8 @@ from mlxd.model_store.resolve import (ModelError, fetch_model, local_models, res
 from mlxd.runtime.blas import find_blas, mlx_gpu_backend
 from mlxd.runtime.model_catalog import (Catalog, CatalogError, ModelEntry, build_catalog,
                                         read_models_file)
-from mlxd.runtime.worker_group import (free_ports, rank_input_addr, rank_name, ring_environ,
+from mlxd.runtime.worker_group import (HostfileError, free_ports, rank_input_addr, rank_name,
+                                       rank_step_addr, read_hostfile, ring_environ,
                                        write_ring_hostfile)
 from mlxd.model_store.parallel import tensor_parallel_refusal
 from mlxd.runtime.lifecycle import die_with_parent, pid_alive
@@ -204,6 +205,7 @@ class Launcher:
         self.engines: list[EngineProcs] = []
         self.tokenizer: Child | None = None
         self.catalog: Catalog | None = None
+        self.hosts = read_hostfile(cfg.hostfile) if cfg.hostfile else []   # --hostfile
         self._engine_count = 0   # engines started so far: the next one's index
         self.client_keys = self._client_keys()
         self.published_port: int | None = None   # where the public key was published
@@ -306,7 +308,9 @@ class Launcher:
             frontend_addr=frontend_addr, worker_input_addr=worker.input_addr,
             worker_output_addr=worker.output_addr, ready_addr=self._ipc("launcher"),
             engine=name, name=SCHEDULER + suffix, model_name=model, flags=flags,
-            worker_ranks=self.cfg.tp, parent_pid=os.getpid())
+            worker_ranks=self.cfg.tp, rank_addrs=",".join(
+                rank_step_addr(self.hosts, r, self.cfg.rank_port)
+                for r in range(1, len(self.hosts))), parent_pid=os.getpid())
         env = self._worker_env()
         return EngineProcs(lambda: self._ranks(worker, env, f"ring{suffix}.json"),
                            (scheduler, self._env()), self.cfg.worker_restarts, model,
@@ -320,6 +324,12 @@ class Launcher:
         n = self.cfg.tp
         if n == 1:
             return [(worker, env)]
+        if self.hosts:   # rank 0 here, the others on their machines (`mlxd rank`)
+            ring = write_ring_hostfile(os.path.join(self.ipc_dir, hostfile),
+                                       [self.cfg.ring_port + r for r in range(n)],
+                                       [h.ip for h in self.hosts])
+            return [(dataclasses.replace(worker, rank=0, ranks=n),
+                     {**env, **ring_environ(0, ring)})]
         ring = write_ring_hostfile(os.path.join(self.ipc_dir, hostfile), free_ports(n))
         flags = dataclasses.replace(worker.flags, mem_fraction=worker.flags.mem_fraction / n,
                                     mem_limit_gb=worker.flags.mem_limit_gb / n)
@@ -531,6 +541,24 @@ def speculation_method(cfg: ServerFlags) -> str:
     return "draft" if cfg.draft_model else cfg.speculative
 
 
+def with_hostfile(cfg: ServerFlags) -> ServerFlags:
+    """`--hostfile` places one rank per host: `--tp` is their number (or exits saying
+    why the two disagree, or why the hostfile cannot be used)."""
+    if not cfg.hostfile:
+        return cfg
+    try:
+        hosts = read_hostfile(cfg.hostfile)
+    except HostfileError as exc:
+        sys.exit(f"mlxd: {exc}")
+    if cfg.tp not in (1, len(hosts)):
+        sys.exit(f"mlxd: --tp {cfg.tp} but --hostfile {cfg.hostfile} lists {len(hosts)} "
+                 "hosts (one rank each)")
+    if cfg.dp > 1:
+        sys.exit("mlxd: --hostfile places one worker group; it cannot be combined with --dp")
+    return dataclasses.replace(cfg, tp=len(hosts),
+                               hostfile=os.path.abspath(cfg.hostfile))
+
+
 def given_models(argv: list[str]) -> list[str]:
     """Every `--model` value on the command line, in order (it may be repeated)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -547,6 +575,8 @@ def served_catalog(cfg: ServerFlags, models: list[str]) -> Catalog:
         if len(models) > 1 and cfg.served_model_name:
             raise CatalogError("--served-model-name names one model; with several, "
                                "name them in a --models file")
+        if (cfg.models or len(models) > 1) and cfg.hostfile:
+            raise CatalogError("--hostfile places one worker group: it serves one model")
         if (cfg.models or len(models) > 1) and cfg.draft_model:
             raise CatalogError("--draft-model serves one model; it cannot be combined "
                                "with several models")
@@ -623,6 +653,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["models"], ["pull"]):
         return models_command(argv)
+    if argv[:1] == ["rank"]:
+        from mlxd.rank import rank_main
+
+        return rank_main(argv[1:])
     engine = argv[:1] == ["engine"]
     cfg = parse_config(ServerFlags, "Start the mlxd server (also: `mlxd models`, "
                                     "`mlxd pull ID`, `mlxd engine --join tcp://HOST:PORT "
@@ -634,6 +668,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s launch %(levelname)s: %(message)s")
     cfg = dataclasses.replace(cfg, speculative=speculation_method(cfg))
+    cfg = with_hostfile(cfg)
     models = given_models(argv[engine:])
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)

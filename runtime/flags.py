@@ -67,8 +67,9 @@ class ServerFlags:
     curve_secret_key: str = flag(
         "", "a file holding the client socket's CURVE secret key (`python -m "
         "mlxd.runtime.keys FILE` makes one); by default the user's own key pair, made "
-        "on first use, whose public key local clients find on their own; engines on "
-        "other machines join with the same file", (TOKENIZER, SCHEDULER), shown="per user")
+        "on first use, whose public key local clients find on their own; engines and "
+        "`--tp` ranks on other machines join with the same file",
+        (TOKENIZER, SCHEDULER, WORKER), shown="per user")
     port: int = flag(8100, "client TCP port; 0 picks a free one", minimum=0)
     dp: int = flag(
         1, "replicas of the model on this machine (data parallel): engines of a scheduler "
@@ -82,6 +83,18 @@ class ServerFlags:
         "the KV heads, the memory limit split between them; for models mlx_lm can split "
         "(`shard()`) whose attention and key/value heads divide by N. A rank that dies "
         "or stops restarts the group", minimum=1)
+    hostfile: str = flag(
+        "", "place the `--tp` ranks on several machines: an mlx hostfile (JSON, as "
+        "`mlx.launch` reads it: a list of hosts `{\"ssh\": NAME, \"ips\": [IP]}`, "
+        "backend ring), one rank per host, rank 0 this machine; start rank R on its host "
+        "with `mlxd rank --hostfile FILE --rank R --model ... --curve-secret-key FILE`",
+        shown="none (all ranks here)")
+    ring_port: int = flag(
+        32323, "with `--hostfile`: the ring's first port (rank r listens on it + r)",
+        minimum=1)
+    rank_port: int = flag(
+        32400, "with `--hostfile`: rank r (r >= 1) receives Steps over TCP on this port + "
+        "r, CURVE under the server's key pair", (SCHEDULER,), minimum=1)
     engine_port: int = flag(
         -1, "TCP port (on `--host`) on which engines on other machines join (`mlxd "
         "engine --join tcp://HOST:PORT`), authenticated by the front end's key pair "

@@ -26,6 +26,7 @@ import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 import zmq
@@ -197,6 +198,40 @@ def server_key_for(address: str, given: str | bytes | None = None) -> bytes | No
     if port and urlsplit(address).scheme == "tcp" and is_loopback(address):
         return local_server_key(port)
     return None
+
+
+class OwnKeyOnly:
+    """A ZAP CURVE check admitting one key: the server's own public key (the peer
+    holds the same key file), for links between a server's own processes across
+    machines (engines, worker ranks)."""
+
+    def __init__(self, public: bytes, refused: Callable[[], None] = lambda: None):
+        self.public, self.refused = public, refused
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key != self.public:
+            self.refused()
+        return key == self.public
+
+
+def own_key_authenticator(ctx: zmq.Context, pair: KeyPair, domain: str,
+                          refused: Callable[[], None] = lambda: None):
+    """A started ZAP authenticator for `ctx` (ZAP is per context) admitting `pair`'s
+    public key only on `domain`; stop() it before the context ends."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain, OwnKeyOnly(pair.public, refused))
+    return auth
+
+
+def connect_as_owner(sock: zmq.Socket, pair: KeyPair) -> None:
+    """Make the (not yet connected) `sock` a CURVE client holding the server's own
+    pair: the one key an `own_key_authenticator` admits."""
+    sock.curve_serverkey = pair.public
+    sock.curve_publickey = pair.public
+    sock.curve_secretkey = pair.secret
 
 
 def connect_with_curve(sock: zmq.Socket, server_key: bytes) -> None:

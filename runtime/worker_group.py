@@ -9,6 +9,7 @@ listens, what it is called, and the environment mx.distributed reads to form a r
 
 import json
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 RING_HOST = "127.0.0.1"
@@ -36,10 +37,52 @@ def free_ports(n: int, host: str = RING_HOST) -> list[int]:
             s.close()
 
 
-def write_ring_hostfile(path: str, ports: list[int], host: str = RING_HOST) -> str:
-    """The ring backend's hostfile for one rank per port on `host`; its path."""
-    Path(path).write_text(json.dumps([[f"{host}:{port}"] for port in ports]))
+def write_ring_hostfile(path: str, ports: list[int], ips: list[str] | None = None) -> str:
+    """The ring backend's hostfile: rank r at `ips[r]` (default 127.0.0.1), `ports[r]`;
+    its path."""
+    ips = ips or [RING_HOST] * len(ports)
+    Path(path).write_text(json.dumps([[f"{ip}:{port}"] for ip, port in zip(ips, ports)]))
     return path
+
+
+class HostfileError(ValueError):
+    """A --hostfile that cannot place a group; the message says why."""
+
+
+@dataclass(frozen=True)
+class RankHost:
+    ip: str          # where its ring connection and its Step socket listen
+    ssh: str = ""    # its name in the hostfile (informative)
+
+
+def read_hostfile(path: str) -> list[RankHost]:
+    """The hosts of an mlx hostfile (`mlx.launch`'s JSON: a list of hosts, or
+    `{"backend", "envs", "hosts"}`; each `{"ssh": NAME, "ips": [IP, ...]}`), one rank
+    each, in order; rank 0 is the server's own machine. Only the ring backend."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise HostfileError(f"--hostfile {path}: {exc}") from None
+    backend = data.get("backend", "") if isinstance(data, dict) else ""
+    hosts = data.get("hosts") if isinstance(data, dict) else data
+    if backend not in ("", "ring"):
+        raise HostfileError(f"--hostfile {path}: backend {backend!r} is not served yet "
+                            "(the ring backend is)")
+    if not isinstance(hosts, list) or len(hosts) < 2:
+        raise HostfileError(f"--hostfile {path}: expected a list of at least 2 hosts")
+    out = []
+    for i, host in enumerate(hosts):
+        ips = host.get("ips") if isinstance(host, dict) else None
+        if not (isinstance(ips, list) and ips and all(isinstance(ip, str) for ip in ips)):
+            raise HostfileError(f"--hostfile {path}, host {i}: give its address in "
+                                "\"ips\" (the ring needs IPs, not host names)")
+        out.append(RankHost(ips[0], str(host.get("ssh", ""))))
+    return out
+
+
+def rank_step_addr(hosts: list[RankHost], rank: int, rank_port: int) -> str:
+    """Where rank `rank` of a group on `hosts` receives Steps over TCP."""
+    return f"tcp://{hosts[rank].ip}:{rank_port + rank}"
 
 
 def ring_environ(rank: int, hostfile: str) -> dict[str, str]:

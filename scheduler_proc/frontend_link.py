@@ -15,7 +15,7 @@ them any more).
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from mlxd.runtime.keys import KeyPair
+from mlxd.runtime.keys import KeyPair, connect_as_owner
 from mlxd.runtime.sockets import heartbeat
 
 
@@ -31,9 +31,7 @@ class FrontendLink:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, engine.encode())
         if curve is not None:   # the front end's pair: its authenticator admits it alone
-            self.sock.curve_serverkey = curve.public
-            self.sock.curve_publickey = curve.public
-            self.sock.curve_secretkey = curve.secret
+            connect_as_owner(self.sock, curve)
         if address.startswith("tcp://"):
             heartbeat(self.sock)
         self.monitor = self.sock.get_monitor_socket(

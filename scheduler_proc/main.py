@@ -60,6 +60,7 @@ class SchedulerConfig:
     name: str = SCHEDULER     # in its Ready to the launcher (one per engine)
     model_name: str = ""      # the model's name at the front end ("": its first model)
     worker_ranks: int = 1     # the worker's tensor-parallel ranks: each gets every Step
+    rank_addrs: str = ""      # ranks 1.. on other machines (tcp, comma-separated); "": local
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the scheduler
     parent_pid: int = 0
 
@@ -70,7 +71,9 @@ class SchedulerLoop:
         self.wakeup = wakeup   # readable when a signal arrives (see runtime.lifecycle)
         self.frontend = FrontendLink(ctx, cfg.frontend_addr, cfg.engine, frontend_curve(cfg))
         self.from_worker = bind_pull(ctx, cfg.worker_output_addr)
-        self.link = WorkerLink(ctx, cfg.worker_input_addr, cfg.worker_ranks)
+        remote = [a for a in cfg.rank_addrs.split(",") if a]
+        self.link = WorkerLink(ctx, cfg.worker_input_addr, cfg.worker_ranks, remote,
+                               read_secret_key(cfg.flags.curve_secret_key) if remote else None)
         self.to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
         self.poller = zmq.Poller()         # run() registers the inputs
         self.request_decoder = Decoder(TokenizedRequest, Abort, GetStats)

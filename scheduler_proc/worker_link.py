@@ -15,7 +15,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import WorkerLimits
-from mlxd.runtime.sockets import connect_push
+from mlxd.runtime.keys import KeyPair, connect_as_owner
+from mlxd.runtime.sockets import connect_push, heartbeat
 from mlxd.runtime.worker_group import rank_input_addr
 
 
@@ -23,17 +24,33 @@ class WorkerLink:
     """`send` sends a Step to every rank; each of `monitors` is readable when a rank's
     end went away (poll them, then call `lost()`)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, ranks: int = 1):
+    def __init__(self, ctx: zmq.Context, address: str, ranks: int = 1,
+                 remote: list[str] = (), curve: KeyPair | None = None):
+        """`remote`: the tcp addresses of ranks 1.. on other machines (`--hostfile`),
+        reached with the server's key pair `curve`; else every rank is local."""
         self.ctx, self.address, self.ranks = ctx, address, ranks
+        self.remote, self.curve = list(remote), curve
         self._open()
 
     def _open(self) -> None:
-        self.socks = [connect_push(self.ctx, rank_input_addr(self.address, rank))
-                      for rank in range(self.ranks)]
+        addresses = [self.address] + self.remote if self.remote else \
+            [rank_input_addr(self.address, rank) for rank in range(self.ranks)]
+        self.socks = [self._connect(address) for address in addresses]
         self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                          for sock in self.socks]
         for monitor in self.monitors:
             monitor.setsockopt(zmq.LINGER, 0)
+
+    def _connect(self, address: str) -> zmq.Socket:
+        if not address.startswith("tcp://"):
+            return connect_push(self.ctx, address)
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            connect_as_owner(sock, self.curve)
+        heartbeat(sock)   # a rank whose machine vanished ends its link within seconds
+        sock.connect(address)
+        return sock
 
     def send(self, frame: bytes) -> None:
         for sock in self.socks:

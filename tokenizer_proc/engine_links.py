@@ -14,29 +14,16 @@ message came on; on TCP, ZeroMQ heartbeats end a link whose peer vanished.
 import logging
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.runtime.aio import LoopSocket
-from mlxd.runtime.keys import KeyPair, serve_with_curve
+from mlxd.runtime.keys import KeyPair, own_key_authenticator, serve_with_curve
 from mlxd.runtime.sockets import heartbeat, monitor_pair
 
 from .connections import Connections
 
 log = logging.getLogger("mlxd.tokenizer")
 ZAP_DOMAIN = "mlxd-engines"
-
-
-class _OwnKeyOnly:
-    """ZAP's CURVE check: the front end's own public key, nothing else."""
-
-    def __init__(self, public: bytes):
-        self.public = public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key != self.public:
-            log.warning("refused an engine connection: its key is not this front end's")
-        return key == self.public
 
 
 class EngineLink:
@@ -101,9 +88,8 @@ class RemoteEngines:
 
     def __init__(self, address: str, keys: KeyPair):
         self.ctx = zmq.Context()
-        self.auth = ThreadAuthenticator(self.ctx)
-        self.auth.start()
-        self.auth.configure_curve_callback(ZAP_DOMAIN, _OwnKeyOnly(keys.public))
+        self.auth = own_key_authenticator(self.ctx, keys, ZAP_DOMAIN, lambda: log.warning(
+            "refused an engine connection: its key is not this front end's"))
         self.link = EngineLink(self.ctx, address, keys)
 
     def close(self) -> None:

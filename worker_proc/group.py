@@ -19,11 +19,17 @@ import zlib
 from dataclasses import replace
 
 import mlx.core as mx
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from mlxd.runtime.keys import own_key_authenticator, read_secret_key, serve_with_curve
+from mlxd.runtime.sockets import heartbeat
 
 log = logging.getLogger("mlxd.worker")
 
 DIGEST_STEPS = 16   # steps between digest comparisons
 GROUP_EXIT_CODE = 3
+ZAP_DOMAIN = "mlxd-ranks"
 
 
 class GroupBroken(RuntimeError):
@@ -52,14 +58,59 @@ def load_sharded(path: str, group: mx.distributed.Group):
     return model, tokenizer
 
 
-def agree(group: mx.distributed.Group, budget):
-    """The KV budget every rank can hold: each figure the group's smallest."""
+def agree(group: mx.distributed.Group, budget, settings: int):
+    """The KV budget every rank can hold: each figure the group's smallest; first,
+    every rank must run with the same `settings` (a digest: see the worker's
+    `settings_digest`), or the group refuses to start."""
+    digest = mx.array([settings], mx.int64)
+    low, high = (mx.distributed.all_min(digest, group=group).item(),
+                 mx.distributed.all_max(digest, group=group).item())
+    if low != high:
+        raise GroupBroken("the ranks of the group run with different settings (model "
+                          "config, --decode-layout, --max-running-requests, "
+                          "--max-prefill-tokens or --window-capacity): start every rank "
+                          "with the same")
     figures = mx.array([budget.capacity, budget.decode_cache_tokens,
                         budget.window_capacity], mx.int64)
     capacity, cache, window = (int(x) for x in mx.distributed.all_min(figures, group=group)
                                .tolist())
     return replace(budget, capacity=capacity, decode_cache_tokens=cache,
                    window_capacity=window)
+
+
+def bind_remote_steps(ctx: zmq.Context, address: str, key_file: str):
+    """(the Step socket of a rank on another machine, its authenticator): a CURVE
+    server under the server's key pair, admitting that pair's key only (the
+    scheduler's), with heartbeats."""
+    if not key_file:
+        raise SystemExit("mlxd worker: a Step socket over tcp needs --curve-secret-key")
+    pair = read_secret_key(key_file)
+    auth = own_key_authenticator(ctx, pair, ZAP_DOMAIN, lambda: log.warning(
+        "refused a connection to the Step socket: its key is not the server's"))
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    serve_with_curve(sock, pair)
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    heartbeat(sock)
+    sock.bind(address)
+    return sock, auth
+
+
+def exit_when_scheduler_leaves(steps_in: zmq.Socket) -> None:
+    """A rank ends when the scheduler's connection to it ends: the scheduler reopens
+    its links when the group broke (a rank died), and a rank idle in its receive would
+    otherwise never notice that its ring is gone; its end has the launcher (rank 0,
+    or every rank here) or `mlxd rank` start the next group."""
+    monitor = steps_in.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def watch():
+        event = parse_monitor_message(monitor.recv_multipart())
+        log.warning("the scheduler's connection ended (event %s): the group is being "
+                    "restarted; this rank exits", event["event"])
+        logging.shutdown()
+        os._exit(GROUP_EXIT_CODE)
+
+    threading.Thread(target=watch, name="group-watch", daemon=True).start()
 
 
 class Digest:

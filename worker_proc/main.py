@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import traceback
+import zlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
@@ -112,7 +113,7 @@ def build_runner(cfg: WorkerConfig):
                        ceiling=flags.max_running_requests * max_context,
                        capacity=flags.kv_capacity, windows=windows, page=page)
     if group is not None:
-        budget = agree(group, budget)
+        budget = agree(group, budget, settings_digest(cfg))
     pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots,
                   budget.window_capacity)
     cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
@@ -131,8 +132,9 @@ def build_runner(cfg: WorkerConfig):
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
                          overlap=overlap,
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)
+    # measuring runs forwards (collectives, in a group) of rank 0's choosing: not there
     measured = runner.verifies_drafts and flags.speculative != "off" and \
-        flags.spec_cost == "measured"
+        flags.spec_cost == "measured" and group is None
     limits = WorkerLimits(
         kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
         max_context=max_context, vocab_size=vocab_size,
@@ -151,6 +153,17 @@ def build_runner(cfg: WorkerConfig):
         draft_model=Path(flags.draft_model).name if draft is not None else "",
         draft_cost=measure_draft_cost(model, draft[0]) if measured and draft is not None else 0.0)
     return runner, limits, group
+
+
+def settings_digest(cfg: WorkerConfig) -> int:
+    """What every rank of a group must share to run a Step alike (the same forwards,
+    so the same collectives in the same order): the model's config and the flags
+    that shape the work."""
+    flags = cfg.flags
+    shared = [(Path(flags.model) / "config.json").read_text(), flags.decode_layout,
+              flags.max_running_requests, flags.max_prefill_tokens, cfg.prefill_step_size,
+              flags.window_capacity, flags.preallocate_decode_pages]
+    return zlib.crc32(json.dumps(shared).encode()) & 0x7FFFFFFF
 
 
 def load_draft(path: str, dequantize: str, limit: int, model, tokenizer):
@@ -174,17 +187,31 @@ def load_draft(path: str, dequantize: str, limit: int, model, tokenizer):
 
 
 def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
-    steps_in = bind_pull(ctx, cfg.input_addr)
+    auth = None
+    if cfg.input_addr.startswith("tcp://"):   # a rank on another machine (mlxd rank)
+        from .group import bind_remote_steps
+
+        steps_in, auth = bind_remote_steps(ctx, cfg.input_addr, cfg.flags.curve_secret_key)
+    else:
+        steps_in = bind_pull(ctx, cfg.input_addr)
     results_out = connect_push(ctx, cfg.output_addr) if cfg.rank == 0 else None
     to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
     sockets += [steps_in, results_out, to_launcher]
-    runner, limits, group = build_runner(cfg)
-    rank = RankRole(group, cfg.flags.worker_timeout) if group is not None else None
     try:
-        _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out,
-                     to_launcher, cfg.name, rank)
+        runner, limits, group = build_runner(cfg)
+        rank = RankRole(group, cfg.flags.worker_timeout) if group is not None else None
+        if rank is not None:
+            from .group import exit_when_scheduler_leaves
+
+            exit_when_scheduler_leaves(steps_in)
+        try:
+            _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out,
+                         to_launcher, cfg.name, rank)
+        finally:
+            runner.close()   # never exit while the helper thread is inside MLX
     finally:
-        runner.close()   # never exit while the helper thread is inside MLX
+        if auth is not None:
+            auth.stop()
 
 
 class RankRole:

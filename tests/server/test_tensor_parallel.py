@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.client import AsyncClient, Client
+from mlxd.client import AsyncClient, Client, MlxdError
 from support import ROOT, Server, children_of, reference_tokens, wait_until
 
 MAX_TOKENS = 12
@@ -191,3 +191,96 @@ def test_other_architectures_split_exactly(arch, qwen3_model, hybrid_model):
             assert_exact(path, ids, result, 20)
     finally:
         server.stop()
+
+
+def _key_file(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "mlxd.runtime.keys", str(path)], check=True,
+                   cwd=ROOT, capture_output=True)
+    return path
+
+
+def test_ranks_on_other_machines_join_through_a_hostfile(llama_model, tmp_path):
+    """`--hostfile` with two hosts (both 127.0.0.1 here): rank 0 runs with the server,
+    rank 1 under `mlxd rank`, its Steps over TCP with CURVE. Exact; a rank's worker
+    killed: `mlxd rank` starts another, the server restarts rank 0, the group forms
+    again and serves exactly; a rank without the key never gets a Step."""
+    from mlxd.runtime.worker_group import free_ports
+
+    import json
+    import random
+
+    base = random.Random().randrange(33000, 60000, 10)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [
+        {"ssh": "here", "ips": ["127.0.0.1"]}, {"ssh": "there", "ips": ["127.0.0.1"]}]}))
+    key = _key_file(tmp_path / "server.key")
+    ports = ["--ring-port", str(base), "--rank-port", str(base + 5)]
+    rank = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "rank", "--hostfile", str(hostfile),
+         "--rank", "1", "--model", llama_model, "--curve-secret-key", str(key),
+         "--kv-capacity", "4096", *ports], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    server = None
+    try:
+        server = Server(llama_model, "--hostfile", str(hostfile), "--curve-secret-key",
+                        str(key), "--kv-capacity", "4096", "--speculative", "off",
+                        "--worker-timeout", "5", "--log-level", "warning", *ports)
+        batch = prompts(6, seed=51)
+        for ids, result in zip(batch, run_all(server.address, batch, 20)):
+            assert_exact(llama_model, ids, result, 20)
+        remote = [p for p in children_of(rank.pid)]
+        assert len(remote) == 1
+        os.kill(remote[0], signal.SIGKILL)
+        assert wait_until(lambda: len(children_of(rank.pid)) == 1 and
+                          children_of(rank.pid)[0] != remote[0], 30)
+        ids = prompts(1, seed=52)[0]
+
+        def serves() -> bool:
+            try:
+                with Client(server.address, timeout=30) as c:
+                    result = c.generate(input_ids=ids, max_tokens=MAX_TOKENS)
+            except MlxdError:
+                return False
+            return result.finish_reason == "length"
+        assert wait_until(serves, 90, 1.0)
+        with Client(server.address, timeout=60) as c:
+            assert_exact(llama_model, ids, c.generate(input_ids=ids, max_tokens=MAX_TOKENS,
+                                                      logprobs=True))
+    finally:
+        if server is not None:
+            server.stop()
+        rank.terminate()
+        try:
+            rank.wait(10)
+        except subprocess.TimeoutExpired:
+            rank.kill()
+        for pid in children_of(rank.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("hosts,args,says", [
+    ('[{"ips": ["127.0.0.1"]}]', [], "at least 2 hosts"),
+    ('{"backend": "mpi", "hosts": []}', [], "backend 'mpi' is not served"),
+    ('[{"ssh": "a"}, {"ssh": "b"}]', [], "give its address in"),
+    ('[{"ips": ["127.0.0.1"]}, {"ips": ["127.0.0.1"]}]', ["--tp", "3"], "lists 2 hosts"),
+])
+def test_hostfiles_that_cannot_place_a_group_are_refused(llama_model, tmp_path, hosts, args,
+                                                         says):
+    (tmp_path / "h.json").write_text(hosts)
+    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--model", llama_model,
+                           "--hostfile", str(tmp_path / "h.json"), "--port", "0",
+                           "--http-port", "0", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--rank", "2"], "--rank must be in [1, 1]"),
+    (["--rank", "1"], "--curve-secret-key (the server's key file) is required"),
+])
+def test_a_rank_that_cannot_join_is_refused(llama_model, tmp_path, args, says):
+    (tmp_path / "h.json").write_text('[{"ips": ["127.0.0.1"]}, {"ips": ["127.0.0.1"]}]')
+    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "rank", "--hostfile",
+                           str(tmp_path / "h.json"), "--model", llama_model, *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
