@@ -12,10 +12,9 @@ import argparse
 import statistics
 
 from bench.common import (
-    MlxdServer, add_workload_arguments, bench_model, machine_summary, random_prompts,
-    tokenizer_vocab,
+    MlxdServer, add_workload_arguments, bench_model, machine_summary, tokenizer_vocab,
 )
-from bench.throughput import run_mlxd
+from bench.throughput import alternating_runs
 
 
 def main() -> None:
@@ -29,15 +28,7 @@ def main() -> None:
     flags = ["--max-running-requests", str(args.n), "--kv-capacity", str(capacity),
              *args.server_args.split()]
     servers = {dp: MlxdServer(model, *flags, "--dp", str(dp)) for dp in (1, 2)}
-    runs: dict[int, list[float]] = {1: [], 2: []}
-    try:
-        for seed in range(args.repeats):   # fresh prompts: no prefix-cache hits
-            prompts = random_prompts(args.n, args.prompt_len, vocab, seed=100 + seed)
-            for dp, server in servers.items():
-                runs[dp].append(run_mlxd(server.address, prompts, args.gen_len))
-    finally:
-        for server in servers.values():
-            server.stop()
+    runs = alternating_runs(servers, args, vocab, seed_base=100)
     med = {dp: statistics.median(values) for dp, values in runs.items()}
     print(f"N={args.n} P={args.prompt_len} G={args.gen_len} on {machine_summary()}")
     for dp in (1, 2):

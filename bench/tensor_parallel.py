@@ -22,10 +22,9 @@ import tempfile
 from pathlib import Path
 
 from bench.common import (
-    ROOT, MlxdServer, add_workload_arguments, bench_model, machine_summary, random_prompts,
-    tokenizer_vocab,
+    ROOT, MlxdServer, add_workload_arguments, bench_model, machine_summary, tokenizer_vocab,
 )
-from bench.throughput import run_mlxd
+from bench.throughput import alternating_runs
 from mlxd.runtime.worker_group import free_ports, ring_environ, write_ring_hostfile
 
 COLLECTIVE_STEPS = 200
@@ -107,18 +106,15 @@ def main() -> None:
     flags = ["--max-running-requests", str(args.n), "--kv-capacity", str(capacity),
              "--speculative", "off", *args.server_args.split()]
     servers = {tp: MlxdServer(model, *flags, "--tp", str(tp)) for tp in (1, 2)}
-    runs: dict[int, list[float]] = {1: [], 2: []}
     try:
         memory = {tp: rank_memory(server) for tp, server in servers.items()}
         weights = {tp: worker_stats(server.address)["weights_bytes"] / 2**20
                    for tp, server in servers.items()}
-        for seed in range(args.repeats):   # fresh prompts: no prefix-cache hits
-            prompts = random_prompts(args.n, args.prompt_len, vocab, seed=200 + seed)
-            for tp, server in servers.items():
-                runs[tp].append(run_mlxd(server.address, prompts, args.gen_len))
-    finally:
+    except BaseException:
         for server in servers.values():
             server.stop()
+        raise
+    runs = alternating_runs(servers, args, vocab, seed_base=200)
     med = {tp: statistics.median(values) for tp, values in runs.items()}
     print(f"N={args.n} P={args.prompt_len} G={args.gen_len} on {machine_summary()}")
     for tp in (1, 2):

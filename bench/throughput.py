@@ -70,6 +70,21 @@ def run_mlxd(address: str, prompts, gen_len: int) -> float:
     return asyncio.run(_drive_mlxd(address, prompts, gen_len))
 
 
+def alternating_runs(servers: dict, args, vocab: int, seed_base: int) -> dict[object, list]:
+    """Output tok/s of each server, `args.repeats` times in turn, each repeat on fresh
+    random prompts (no prefix-cache hits); the servers are stopped at the end."""
+    runs: dict[object, list[float]] = {key: [] for key in servers}
+    try:
+        for seed in range(args.repeats):
+            prompts = random_prompts(args.n, args.prompt_len, vocab, seed=seed_base + seed)
+            for key, server in servers.items():
+                runs[key].append(run_mlxd(server.address, prompts, args.gen_len))
+    finally:
+        for server in servers.values():
+            server.stop()
+    return runs
+
+
 def baseline_in_child(args, seed: int) -> float:
     cmd = [sys.executable, "-m", __spec__.name, "--model", args.model, "--n", str(args.n),
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),

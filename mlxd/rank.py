@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 
 from mlxd.runtime.config import parse_config
@@ -65,7 +66,9 @@ def rank_main(argv: list[str]) -> int:
     die_with_parent(int(os.environ.get("MLXD_PARENT_PID", "0")) or None)
     flags = dataclasses.replace(cfg, model=model_folder(cfg.model),
                                 curve_secret_key=os.path.abspath(cfg.curve_secret_key))
-    ring = write_ring_hostfile(os.path.abspath(f".mlxd-ring-{os.getpid()}.json"),
+    fd, path = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")
+    os.close(fd)
+    ring = write_ring_hostfile(path,
                                [cfg.ring_port + i for i in range(len(hosts))],
                                [h.ip for h in hosts])
     worker = WorkerConfig(input_addr=rank_step_addr(hosts, mine.rank, cfg.rank_port),

@@ -284,3 +284,21 @@ def test_a_rank_that_cannot_join_is_refused(llama_model, tmp_path, args, says):
                            str(tmp_path / "h.json"), "--model", llama_model, *args],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+
+
+def test_constraints_and_penalties_run_as_on_one_process(tp2, llama_server):
+    """A grammar (regex), penalties and min_tokens: the group's output equals one
+    process's, greedy and seeded."""
+    batch = prompts(3, seed=61)
+    cases = [dict(response_format={"type": "regex", "regex": "[a-z ]{4,20}"},
+                  max_tokens=24),
+             dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                  min_tokens=10, max_tokens=16),
+             dict(temperature=0.8, seed=5, top_k=20, repetition_penalty=1.1,
+                  max_tokens=16)]
+
+    def outputs(address):
+        with Client(address, timeout=120) as c:
+            return [c.generate(input_ids=ids, **case).token_ids
+                    for ids in batch for case in cases]
+    assert outputs(tp2.address) == outputs(llama_server.address)
