@@ -19,7 +19,7 @@ from mlxd.protocol import (
     AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StatsReply,
     StatsRequest, StreamChunk, encode,
 )
-from mlxd.runtime.aio import LoopSocket
+from mlxd.runtime.aio import LoopSocket, TaskSet
 from mlxd.runtime.keys import BadKey, connect_with_curve, server_key_for
 
 from .connection import EVENTS, Connection
@@ -134,7 +134,7 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}   # rid -> its replies, while in flight
         self._decoder = Decoder(StreamChunk, ErrorReply, StatsReply)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()
         self._closed = False
 
     # ---- public surface ----------------------------------------------------
@@ -209,8 +209,7 @@ class AsyncClient:
             return
         self._closed = True
         linger = self._abort_in_flight()
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         if self._io is not None:
@@ -258,14 +257,9 @@ class AsyncClient:
             self._io = LoopSocket(self._sock)
             self._connection = Connection(self._monitor, self.address, self._fail_all,
                                           self._encrypted)
-            self._spawn(self._read_replies(self._io))
-            self._spawn(self._connection.watch())
+            self._tasks.spawn(self._read_replies(self._io))
+            self._tasks.spawn(self._connection.watch())
         return self._io
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _read_replies(self, channel: LoopSocket) -> None:
         while True:
@@ -306,7 +300,7 @@ class AsyncClient:
 
     def _abort_abandoned(self, rid: str) -> None:
         if not self._closed and self._queues.pop(rid, None) is not None:
-            self._spawn(self._abort_quietly(rid))
+            self._tasks.spawn(self._abort_quietly(rid))
 
     def _abort_in_flight(self) -> int:
         """Queue an abort for each request in flight and fail its caller; the linger

@@ -194,6 +194,13 @@ def _stop_all(children: list[Child]) -> None:
             child.proc.wait()
 
 
+def memory_share(flags: ServerFlags, parts: int) -> ServerFlags:
+    """`flags` with a `parts`-th of the memory limit (`--mem-fraction`, or
+    `--mem-limit-gb` where given)."""
+    return dataclasses.replace(flags, mem_fraction=flags.mem_fraction / parts,
+                               mem_limit_gb=flags.mem_limit_gb / parts)
+
+
 def _suffix(index: int) -> str:
     """Engine 0's processes keep the plain names ("worker", "scheduler")."""
     return str(index) if index else ""
@@ -279,9 +286,7 @@ class Launcher:
             worker_flags = dataclasses.replace(flags, mem_limit_gb=entry.memory_gb /
                                                entry.replicas)
         else:   # an equal share of the limit for every model and replica
-            share = len(self.catalog.entries) * entry.replicas
-            worker_flags = dataclasses.replace(flags, mem_fraction=flags.mem_fraction / share,
-                                               mem_limit_gb=flags.mem_limit_gb / share)
+            worker_flags = memory_share(flags, len(self.catalog.entries) * entry.replicas)
         for _ in range(entry.replicas):
             index = self._engine_count
             self._engine_count += 1
@@ -331,8 +336,7 @@ class Launcher:
             return [(dataclasses.replace(worker, rank=0, ranks=n),
                      {**env, **ring_environ(0, ring)})]
         ring = write_ring_hostfile(os.path.join(self.ipc_dir, hostfile), free_ports(n))
-        flags = dataclasses.replace(worker.flags, mem_fraction=worker.flags.mem_fraction / n,
-                                    mem_limit_gb=worker.flags.mem_limit_gb / n)
+        flags = memory_share(worker.flags, n)
         return [(dataclasses.replace(worker, input_addr=rank_input_addr(worker.input_addr, r),
                                      name=rank_name(worker.name, r), rank=r, ranks=n,
                                      flags=flags),

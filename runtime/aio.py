@@ -19,6 +19,24 @@ from collections import deque
 import zmq
 
 
+class TaskSet:
+    """Tasks started and not awaited: the event loop keeps only weak references to
+    tasks, so they are held here until they end."""
+
+    def __init__(self):
+        self._tasks: set[asyncio.Future] = set()
+
+    def spawn(self, work) -> asyncio.Future:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
 class LoopSocket:
     """Wraps a plain (not `zmq.asyncio`) socket; use it from one event loop only, with
     one coroutine receiving (any number may send). `close()` cancels every waiter.

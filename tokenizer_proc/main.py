@@ -33,11 +33,11 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import (
-    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ModelControl,
+    AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ModelControl,
     ProtocolError, Ready, SchedulerReady, Stats, StatsRequest, TokenBatch, TokenizedRequest,
     encode,
 )
-from mlxd.runtime.aio import LoopSocket
+from mlxd.runtime.aio import LoopSocket, TaskSet
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import TOKENIZER, ServerFlags
 from mlxd.runtime.keys import BadKey, randomize_routing_ids, read_secret_key, serve_with_curve
@@ -51,7 +51,7 @@ from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_err
 from .engine_links import EngineLink, RemoteEngines
 from .engines import EngineSet
 from .model_loader import ModelLoader, ModelUnavailable
-from .models import LOADED, UNLOADING, ModelTable, Served, first_id
+from .models import LOADED, UNLOADING, ModelTable, Served, first_id, not_served
 from .router import RoutePolicy, Router
 from .http import HttpFrontEnd
 from .text import TextCodec
@@ -136,10 +136,9 @@ class TokenizerServer:
                                   flags.ready_timeout)
         self.loader.started(catalog.at_start)
         self._parked: set[tuple[bytes, str]] = set()   # ZeroMQ requests waiting for a load
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()   # ZeroMQ requests waiting for a load, long prompts encoding
         self._replies: deque[tuple[bytes, Reply]] = deque()   # (client identity, reply)
         self._encoder = ThreadPoolExecutor(ENCODE_THREADS, "encode")
-        self._encoding: set[asyncio.Task] = set()   # long prompts being encoded
         self._log_bad_frame = ThrottledLog(log, logging.ERROR)
         self.http_address: str | None = None   # the HTTP front end's, once bound
 
@@ -264,13 +263,13 @@ class TokenizerServer:
             return [a for s in self.models.models for a in s.core.abort(client, msg.rid)]
         served = self.models.find(msg.model)
         if served is None:
-            self._replies.append((client, ErrorReply(msg.rid, "model_not_found", (
-                f"the model {msg.model!r} does not exist; this server serves "
-                f"{', '.join(map(repr, self.models.names()))}"), "model")))
+            self._replies.append((client, ErrorReply(
+                msg.rid, "model_not_found", not_served(msg.model, self.models.names()),
+                "model")))
             return []
         if served.state != LOADED and isinstance(msg, GenerateRequest):
             self._parked.add((client, msg.rid))
-            self._spawn(self._handle_when_loaded(served, client, msg))
+            self._tasks.spawn(self._handle_when_loaded(served, client, msg))
             return []
         served.last_used = self.loader.clock()
         return served.core.handle(client, msg, self._sink(client))
@@ -292,16 +291,9 @@ class TokenizerServer:
         self._parked.discard((client, msg.rid))
         await self.send(served.core.handle(client, msg, self._sink(client)))
 
-    def _spawn(self, work) -> None:
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _offload(self, pending: Pending) -> None:
         """The core's long prompts: encoded in a thread, then admitted."""
-        task = asyncio.create_task(self._encode_and_admit(pending))
-        self._encoding.add(task)
-        task.add_done_callback(self._encoding.discard)
+        self._tasks.spawn(self._encode_and_admit(pending))
 
     async def _encode_and_admit(self, pending: Pending) -> None:
         core = self.models.owner(pending.rid).core

@@ -13,10 +13,12 @@ with an error, then has the launcher stop its engines.
 """
 
 import asyncio
-import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
+
+from mlxd.runtime.aio import TaskSet
 
 from .models import LOADED, LOADING, UNLOADED, UNLOADING, ModelTable, Served
 
@@ -33,6 +35,14 @@ class ModelUnavailable(Exception):
     def __init__(self, message: str, retry_after: int = RETRY_AFTER_SECONDS):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class _Load:
+    """A model's load in progress (each is a new object: a load started again is
+    another one)."""
+
+    started: float
 
 
 class LoaderHost(Protocol):
@@ -62,10 +72,8 @@ class ModelLoader:
         self.fail_after = fail_after
         self.clock = clock
         self._changed = asyncio.Event()   # replaced on every state change
-        self._load_started: dict[Served, float] = {}
-        self._loads: dict[Served, int] = {}   # each model's latest load (a ticket)
-        self._tickets = itertools.count()
-        self._tasks: set[asyncio.Task] = set()
+        self._loads: dict[Served, _Load] = {}   # the loads in progress
+        self._tasks = TaskSet()
 
     # ---- states ------------------------------------------------------------------
 
@@ -79,7 +87,7 @@ class ModelLoader:
         for served in self.table.models:
             if served.name in names:
                 self._set(served, LOADING)
-                self._load_started[served] = self.clock()
+                self._loads[served] = _Load(self.clock())
 
     def joined(self, served: Served) -> None:
         """An engine of `served` joined: it serves."""
@@ -87,8 +95,9 @@ class ModelLoader:
             return
         if served.state == LOADING:
             served.loads += 1
+            load = self._loads.pop(served, None)
             log.info("model %s loaded in %.1f s", served.name,
-                     self.clock() - self._load_started.pop(served, self.clock()))
+                     self.clock() - load.started if load else 0.0)
         self._set(served, LOADED)
 
     # ---- loading -----------------------------------------------------------------
@@ -135,13 +144,12 @@ class ModelLoader:
         for victim in victims:
             self._set(victim, UNLOADING)
         self._set(served, LOADING)
-        self._load_started[served] = self.clock()
-        ticket = self._loads[served] = next(self._tickets)
-        self._spawn(self._load(served, victims, ticket))
+        load = self._loads[served] = _Load(self.clock())
+        self._tasks.spawn(self._load(served, victims, load))
 
-    async def _load(self, served: Served, victims: list[Served], ticket: int) -> None:
+    async def _load(self, served: Served, victims: list[Served], load: _Load) -> None:
         await asyncio.gather(*(self._drain_and_stop(v, "memory") for v in victims))
-        if served.state != LOADING or self._loads.get(served) != ticket:
+        if served.state != LOADING or self._loads.get(served) is not load:
             return   # unloaded meanwhile (by an administrator), maybe loading anew
         if not self.host.control("load", served.name):
             log.error("model %s cannot be loaded: no launcher to start its engines",
@@ -152,15 +160,15 @@ class ModelLoader:
         loading, or never fits): the model is unloaded, and its next request tries
         again."""
         for served in self.table.models:
-            started = self._load_started.get(served)
-            if served.state == LOADING and started is not None and \
-                    self.clock() - started >= self.fail_after:
+            load = self._loads.get(served)
+            if served.state == LOADING and load is not None and \
+                    self.clock() - load.started >= self.fail_after:
                 self._give_up(served)
 
     def _give_up(self, served: Served) -> None:
         log.error("model %s did not load within %.0f s (--ready-timeout); its engines "
                   "are stopped", served.name, self.fail_after)
-        self._load_started.pop(served, None)
+        self._loads.pop(served, None)
         self.host.stop_serving(served, f"the model {served.name!r} failed to load")
         self.host.control("unload", served.name)
         self._set(served, UNLOADED)
@@ -176,8 +184,7 @@ class ModelLoader:
             return False
         if served.state == UNLOADED:
             return False
-        if served.state == LOADING:
-            self._load_started.pop(served, None)
+        self._loads.pop(served, None)   # a load in progress is called off
         self._set(served, UNLOADING)
         await self._drain_and_stop(served, reason)
         return True
@@ -207,9 +214,4 @@ class ModelLoader:
             self._give_up_stuck_loads()
             for served in self.table.idle(self.clock(), self.idle_seconds):
                 self._set(served, UNLOADING)
-                self._spawn(self._drain_and_stop(served, "idle"))
-
-    def _spawn(self, work) -> None:
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+                self._tasks.spawn(self._drain_and_stop(served, "idle"))

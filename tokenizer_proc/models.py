@@ -21,6 +21,12 @@ LOADED, LOADING, UNLOADING, UNLOADED = "loaded", "loading", "unloading", "unload
 ID_SPACE = 1 << 40   # model k's core numbers its rids and queries from k * ID_SPACE + 1
 
 
+def not_served(name: str | None, names: list[str]) -> str:
+    """What a client asking for a model that is not served is told."""
+    return (f"the model {name!r} does not exist; this server serves "
+            f"{', '.join(map(repr, names))}")
+
+
 def first_id(index: int) -> int:
     """Where the core of the `index`-th model starts its ids: every model's ids are
     its own, so an id names its model (`ModelTable.owner`)."""

@@ -105,12 +105,17 @@ def exit_when_scheduler_leaves(steps_in: zmq.Socket) -> None:
 
     def watch():
         event = parse_monitor_message(monitor.recv_multipart())
-        log.warning("the scheduler's connection ended (event %s): the group is being "
-                    "restarted; this rank exits", event["event"])
-        logging.shutdown()
-        os._exit(GROUP_EXIT_CODE)
+        _end_rank(f"the scheduler's connection ended (event {event['event']}): the "
+                  "group is being restarted; this rank exits")
 
     threading.Thread(target=watch, name="group-watch", daemon=True).start()
+
+
+def _end_rank(why: str) -> None:
+    """Exit at once, from any thread (the main one may be stuck in a collective)."""
+    log.error("%s", why)
+    logging.shutdown()
+    os._exit(GROUP_EXIT_CODE)
 
 
 class Digest:
@@ -168,8 +173,6 @@ class Watchdog:
             with self._lock:
                 started = self._started
             if started is not None and time.monotonic() - started > self.seconds:
-                log.error("a step has run for more than %.0f s (--worker-timeout): a rank "
-                          "of the group is stuck; this rank exits so that the group is "
-                          "restarted", self.seconds)
-                logging.shutdown()
-                os._exit(GROUP_EXIT_CODE)
+                _end_rank(f"a step has run for more than {self.seconds:.0f} s "
+                          "(--worker-timeout): a rank of the group is stuck; this rank "
+                          "exits so that the group is restarted")

@@ -128,9 +128,8 @@ def build_runner(cfg: WorkerConfig):
                                    "this model or --decode-layout does not take")
         drafter = drafter_for(draft[0], budget.capacity, -(-budget.decode_cache_tokens // page),
                               flags.preallocate_decode_pages, geometry=draft[1])
-    overlap = not flags.disable_overlap
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
-                         overlap=overlap,
+                         overlap=not flags.disable_overlap,
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)
     # measuring runs forwards (collectives, in a group) of rank 0's choosing: not there
     measured = runner.verifies_drafts and flags.speculative != "off" and \
@@ -143,7 +142,8 @@ def build_runner(cfg: WorkerConfig):
         weights_bytes=weights_bytes, buffer_cache_bytes=cache_bytes,
         kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
         quantized=is_quantized(model), dequantize=dequantize,
-        overlap=overlap, state_slots=state_slots, tensor_parallel=cfg.ranks,
+        overlap=not flags.disable_overlap, state_slots=state_slots,
+        tensor_parallel=cfg.ranks,
         snapshot_slots=snapshot_slots,
         state_slot_bytes=geometry.bytes_per_state,
         window_sizes=[w for w in geometry.cache_layout.windows if w],

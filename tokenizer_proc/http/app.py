@@ -149,10 +149,7 @@ async def model(api: Api, request: Request):
     if api.directory is None:
         api.check_model(name)
         return JSONResponse(_model_card(api, request))
-    served = api.directory.find(name)
-    if served is None:
-        await api.for_model(name)   # the 404 naming the served models
-    return JSONResponse(_model_card(api, request, served))
+    return JSONResponse(_model_card(api, request, api.served(name)))
 
 
 async def health(api: Api, request: Request):
@@ -187,10 +184,7 @@ async def _admin_target(api: Api, request: Request):
     body = await read_body(request, ModelAction)
     if api.directory is None:
         raise bad_request("this server serves one model, loaded while it runs", "model")
-    served = api.directory.find(body.model)
-    if served is None:
-        await api.for_model(body.model)   # the 404 naming the served models
-    return served
+    return api.served(body.model)
 
 
 async def load_model(api: Api, request: Request):

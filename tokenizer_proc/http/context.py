@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from ..model_loader import ModelUnavailable
+from ..models import not_served
 from ..text import TextCodec
 from ..validation import ModelLimits
 from .access_log import access_note
@@ -75,19 +77,23 @@ class Api:
         if self.directory is None:
             self.check_model(name)
             return self
-        served = self.directory.find(name)
-        if served is None:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, self.directory.names()))}", "model",
-                           "model_not_found")
-        from ..model_loader import ModelUnavailable
-
+        served = self.served(name)
         try:
             await self.directory.ready(served)
         except ModelUnavailable as exc:
             raise ApiError(503, str(exc), "model", "model_not_loaded",
                            {"Retry-After": str(exc.retry_after)}) from None
         return self.view(served)
+
+    def served(self, name: str | None) -> "Served":
+        """The served model `name` names (with a `directory`), loaded or not; 404
+        naming the served models for an unknown name."""
+        assert self.directory is not None
+        served = self.directory.find(name)
+        if served is None:
+            raise ApiError(404, not_served(name, self.directory.names()), "model",
+                           "model_not_found")
+        return served
 
     def view(self, served: "Served") -> "Api":
         """The API for one served model (made once per model)."""
@@ -114,8 +120,8 @@ class Api:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
+            raise ApiError(404, not_served(name, [self.model_name]), "model",
+                           "model_not_found")
 
     def check_ready(self) -> None:
         if self.limits is None:
