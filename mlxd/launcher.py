@@ -52,7 +52,7 @@ from mlxd.runtime.model_catalog import (Catalog, CatalogError, ModelEntry, build
 from mlxd.runtime.worker_group import (HostfileError, free_ports, rank_input_addr, rank_name,
                                        rank_step_addr, read_hostfile, ring_environ,
                                        write_ring_hostfile)
-from mlxd.model_store.parallel import tensor_parallel_refusal
+from mlxd.model_store.parallel import split_refusal
 from mlxd.runtime.lifecycle import die_with_parent, pid_alive
 from mlxd.scheduler_proc.main import SchedulerConfig
 from mlxd.tokenizer_proc.main import TokenizerConfig
@@ -313,7 +313,7 @@ class Launcher:
             frontend_addr=frontend_addr, worker_input_addr=worker.input_addr,
             worker_output_addr=worker.output_addr, ready_addr=self._ipc("launcher"),
             engine=name, name=SCHEDULER + suffix, model_name=model, flags=flags,
-            worker_ranks=self.cfg.tp, rank_addrs=",".join(
+            worker_ranks=self.cfg.group_ranks, rank_addrs=",".join(
                 rank_step_addr(self.hosts, r, self.cfg.rank_port)
                 for r in range(1, len(self.hosts))), parent_pid=os.getpid())
         env = self._worker_env()
@@ -326,7 +326,7 @@ class Launcher:
         """Each rank's config and environment: one process without `--tp`; with it,
         N ranks on a ring of fresh ports on 127.0.0.1, each with its share of the
         worker's memory."""
-        n = self.cfg.tp
+        n = self.cfg.group_ranks
         if n == 1:
             return [(worker, env)]
         if self.hosts:   # rank 0 here, the others on their machines (`mlxd rank`)
@@ -546,21 +546,28 @@ def speculation_method(cfg: ServerFlags) -> str:
 
 
 def with_hostfile(cfg: ServerFlags) -> ServerFlags:
-    """`--hostfile` places one rank per host: `--tp` is their number (or exits saying
-    why the two disagree, or why the hostfile cannot be used)."""
+    """`--hostfile` places one rank per host: `--pp` (when given) or `--tp` is their
+    number (or exits saying why the two disagree, or why the hostfile cannot be used)."""
     if not cfg.hostfile:
         return cfg
     try:
         hosts = read_hostfile(cfg.hostfile)
     except HostfileError as exc:
         sys.exit(f"mlxd: {exc}")
-    if cfg.tp not in (1, len(hosts)):
-        sys.exit(f"mlxd: --tp {cfg.tp} but --hostfile {cfg.hostfile} lists {len(hosts)} "
-                 "hosts (one rank each)")
+    split = "pp" if cfg.pp > 1 else "tp"
+    if cfg.group_ranks not in (1, len(hosts)):
+        sys.exit(f"mlxd: --{split} {cfg.group_ranks} but --hostfile {cfg.hostfile} lists "
+                 f"{len(hosts)} hosts (one rank each)")
     if cfg.dp > 1:
         sys.exit("mlxd: --hostfile places one worker group; it cannot be combined with --dp")
-    return dataclasses.replace(cfg, tp=len(hosts),
+    return dataclasses.replace(cfg, **{split: len(hosts)},
                                hostfile=os.path.abspath(cfg.hostfile))
+
+
+def split_flags(cfg: ServerFlags) -> str:
+    """How the worker group was asked for, as the user wrote it."""
+    return " ".join(f"--{name} {n}" for name, n in (("tp", cfg.tp), ("pp", cfg.pp))
+                    if n > 1) or "--tp 1"
 
 
 def given_models(argv: list[str]) -> list[str]:
@@ -593,10 +600,10 @@ def served_catalog(cfg: ServerFlags, models: list[str]) -> Catalog:
                 served_name(entry.model, path)
             entries.append(dataclasses.replace(entry, name=name, path=path))
         for entry in entries:
-            why = tensor_parallel_refusal(entry.path, cfg.tp)
+            why = split_refusal(entry.path, cfg.tp, cfg.pp)
             if why:
-                raise CatalogError(f"--tp {cfg.tp}: the model {entry.name!r} cannot be "
-                                   f"split: {why}")
+                raise CatalogError(f"{split_flags(cfg)}: the model {entry.name!r} cannot "
+                                   f"be split: {why}")
         return build_catalog(entries, cfg.models_memory, cfg.mem_limit_gb, cfg.mem_fraction)
     except CatalogError as exc:
         sys.exit(f"mlxd: {exc}")
@@ -683,14 +690,15 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
-        if cfg.tp > 1 and cfg.draft_model:
-            raise ChildFailure("--draft-model is not served by a --tp group yet")
+        if cfg.group_ranks > 1 and cfg.draft_model:
+            raise ChildFailure(f"--draft-model is not served by a {split_flags(cfg)} group "
+                               "yet")
         draft = model_folder(cfg.draft_model) if cfg.draft_model else ""
         if engine:
             folder = model_folder(cfg.model)
-            why = tensor_parallel_refusal(folder, cfg.tp)
+            why = split_refusal(folder, cfg.tp, cfg.pp)
             if why:
-                raise ChildFailure(f"--tp {cfg.tp}: the model cannot be split: {why}")
+                raise ChildFailure(f"{split_flags(cfg)}: the model cannot be split: {why}")
             launcher.start_engine(folder, draft)
         else:
             launcher.start(served_catalog(cfg, models), draft)

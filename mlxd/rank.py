@@ -1,6 +1,7 @@
-"""`mlxd rank`: a rank of a tensor-parallel worker group, on another machine.
+"""`mlxd rank`: a rank of a tensor- or pipeline-parallel worker group, on another
+machine.
 
-    mlxd rank --hostfile hosts.json --rank 1 --model PATH --curve-secret-key KEY
+    mlxd rank --hostfile hosts.json --rank 1 --model PATH --curve-secret-key KEY [--pp 2]
 
 The server (`mlxd --hostfile hosts.json --model PATH ...`) runs rank 0 beside its
 scheduler; each other host of the hostfile runs `mlxd rank` with its rank. The rank's
@@ -47,8 +48,9 @@ def rank_main(argv: list[str]) -> int:
     own.add_argument("--rank", type=int, required=True,
                      help="this machine's rank in the --hostfile group (1, 2, ...)")
     mine, argv = own.parse_known_args(argv)
-    cfg = parse_config(ServerFlags, "mlxd rank --rank R: a rank of a --tp worker group "
-                                    "on another machine (see --hostfile)", argv)
+    cfg = parse_config(ServerFlags, "mlxd rank --rank R: a rank of a --tp (or, with --pp, "
+                                    "a pipeline) worker group on another machine (see "
+                                    "--hostfile)", argv)
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s rank %(levelname)s: %(message)s")
     try:
@@ -65,6 +67,7 @@ def rank_main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     die_with_parent(int(os.environ.get("MLXD_PARENT_PID", "0")) or None)
     flags = dataclasses.replace(cfg, model=model_folder(cfg.model),
+                                pp=len(hosts) if cfg.pp > 1 else 1,
                                 curve_secret_key=os.path.abspath(cfg.curve_secret_key))
     fd, path = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")
     os.close(fd)

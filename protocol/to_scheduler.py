@@ -151,6 +151,10 @@ class WorkerLimits:
     # ranks of the tensor-parallel group this worker is (--tp; 1: a single process);
     # every figure above is one rank's (the KV of its heads), the same on each
     tensor_parallel: int = wire(Int(minimum=1), default=1)
+    # stages of the pipeline-parallel group this worker is (--pp; 1: none)
+    pipeline_parallel: int = wire(Int(minimum=1), default=1)
+    # the worker runs grammar-constrained requests (llguidance reads its tokenizer)
+    constraints: bool = wire(Bool(), default=True)
 
 
 @message

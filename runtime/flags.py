@@ -83,8 +83,14 @@ class ServerFlags:
         "the KV heads, the memory limit split between them; for models mlx_lm can split "
         "(`shard()`) whose attention and key/value heads divide by N. A rank that dies "
         "or stops restarts the group", minimum=1)
+    pp: int = flag(
+        1, "pipeline-parallel ranks per worker: N processes forming one mx.distributed "
+        "group, each holding a contiguous share of the layers (and their KV), the "
+        "memory limit split between them; for models mlx_lm can pipeline (`pipeline()`) "
+        "with at least N layers; not with --tp. A rank that dies or stops restarts the "
+        "group", (WORKER,), minimum=1)
     hostfile: str = flag(
-        "", "place the `--tp` ranks on several machines: an mlx hostfile (JSON, as "
+        "", "place the `--tp` (or `--pp`) ranks on several machines: an mlx hostfile (JSON, as "
         "`mlx.launch` reads it: a list of hosts `{\"ssh\": NAME, \"ips\": [IP]}`, "
         "backend ring), one rank per host, rank 0 this machine; start rank R on its host "
         "with `mlxd rank --hostfile FILE --rank R --model ... --curve-secret-key FILE`",
@@ -254,6 +260,11 @@ class ServerFlags:
     log_level: str = flag(
         "info", "`debug`, `info`, `warning` or `error`; `debug` logs every step's "
         "timing in the worker", CHILDREN)
+
+    @property
+    def group_ranks(self) -> int:
+        """The processes of one worker: its tensor- or pipeline-parallel ranks."""
+        return self.tp * self.pp
 
 
 def used_by(field: dataclasses.Field, process: str | None) -> bool:

@@ -307,7 +307,7 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
                                flags.spec_ngram_max, flags.spec_max_batch),
         verifies_drafts=worker.verifies_drafts, worker_overlaps=worker.overlap,
         verify_costs=tuple(worker.verify_costs), draft_model=bool(worker.draft_model),
-        draft_cost=worker.draft_cost)
+        draft_cost=worker.draft_cost, constraints=worker.constraints)
 
 
 def frontend_curve(cfg: SchedulerConfig):

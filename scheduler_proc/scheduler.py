@@ -58,6 +58,7 @@ class SchedulerLimits:
     verify_costs: tuple[float, ...] = ()   # the worker's (WorkerLimits; empty: drafts free)
     draft_model: bool = False     # the worker holds a draft model (WorkerLimits.draft_model)
     draft_cost: float = 0.0       # its forward next to the model's (WorkerLimits)
+    constraints: bool = True      # the worker runs grammars (WorkerLimits.constraints)
 
 
 class Scheduler:
@@ -427,6 +428,10 @@ class Scheduler:
             return f"the prompt has token ids outside the model's vocabulary [0, {vocab})"
         if any(p.offset > n for p in msg.pin):
             return "a cache_control pin ends past the end of the prompt"
+        if msg.sampling.grammar is not None and not self.limits.constraints:
+            return ("this model's worker cannot run constrained requests (llguidance "
+                    "cannot read its tokenizer): send it without response_format or a "
+                    "required tool call")
         return None
 
     def _finish(self, req: Request, reason: str, entry: TokenEntry, keep_kv: bool = True) -> None:

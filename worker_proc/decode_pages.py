@@ -318,6 +318,17 @@ class PagedLayerCache:
     def make_mask(self, *args, **kwargs):
         return None
 
+    # mlx_lm's pipeline stages tie their send to the last layer's cache
+    # (`cache[-1].keys = mx.depends(cache[-1].keys, h)`): the newest keys stand for it
+    @property
+    def keys(self) -> mx.array | None:
+        return self.newest[0] if self.newest else None
+
+    @keys.setter
+    def keys(self, keys: mx.array) -> None:
+        if self.newest:
+            self.newest = (keys, self.newest[1])
+
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.attended = True
         if self.span is not None:

@@ -1,9 +1,10 @@
-"""One rank of a tensor-parallel worker group (`--tp N`) over mx.distributed.
+"""One rank of a worker group (`--tp N` or `--pp N`) over mx.distributed.
 
 Every rank receives every Step and runs it alike (the same model split, the same
 seeds: sampling is identical on all ranks); rank 0 alone replies. The ranks meet only
 inside the model's collectives (mlx_lm's `shard()` puts an all_sum after each
-attention and MLP), plus the few this module adds: agreeing on the KV budget at
+attention and MLP; its `pipeline()` passes the hidden state from stage to stage and
+gathers the last stage's on every rank), plus the few this module adds: agreeing on the KV budget at
 start (the group's capacity is its smallest rank's) and comparing a digest of the
 sampled tokens every DIGEST_STEPS steps, so that ranks that diverge are an error, not
 silent. A group cannot be formed again inside a process: whatever breaks it (a peer
@@ -11,6 +12,7 @@ lost, a step past the deadline, a digest mismatch) ends the rank, and the launch
 restarts the whole group.
 """
 
+import contextlib
 import logging
 import os
 import threading
@@ -45,37 +47,105 @@ def form_group(ranks: int) -> mx.distributed.Group:
     return group
 
 
-def load_sharded(path: str, group: mx.distributed.Group):
-    """(model, tokenizer): the weights loaded lazily, split with mlx_lm's `shard()`,
-    then read: each rank reads only its part of the layers."""
+def load_sharded(path: str, group: mx.distributed.Group, pipeline: bool = False):
+    """(model, tokenizer): the weights loaded lazily, split with mlx_lm's `shard()`
+    (or, with `pipeline`, its `model.model.pipeline()`: this rank's stage of the
+    layers), then read: each rank reads only its part."""
     from mlx_lm import load
 
     model, tokenizer = load(path, lazy=True)
-    if not hasattr(model, "shard"):
+    if pipeline:
+        body = getattr(model, "model", None)
+        if not hasattr(body, "pipeline"):
+            raise GroupBroken(f"the model at {path} has no pipeline split")
+        body.pipeline(group)
+        stage_forwards(body)
+        log.info("rank %d runs layers %d to %d", group.rank(), body.start_idx,
+                 body.end_idx - 1)
+    elif hasattr(model, "shard"):
+        model.shard(group)
+    else:
         raise GroupBroken(f"the model at {path} has no tensor-parallel split")
-    model.shard(group)
     mx.eval(model.parameters())
     return model, tokenizer
 
 
-def agree(group: mx.distributed.Group, budget, settings: int):
+def stage_forwards(body) -> None:
+    """Queue every forward of a pipeline stage for evaluation as soon as it is built.
+
+    A stage's graph differs per rank (rank r receives from r+1, runs its layers, sends
+    to r-1; all gather the result), so when several forwards are evaluated together
+    (a step's prefills and decode, a prompt's chunks) each rank may order their
+    sends, receives and gathers differently and the group deadlocks. Evaluating each
+    forward when it is built fixes the order: the Step's order, the same on every
+    rank. mlx_lm's model bodies are called by their Model (and by the chunked
+    prefill directly), so the body's class is the one place to do it."""
+    base = type(body)
+
+    def __call__(self, *args, **kwargs):
+        out = base.__call__(self, *args, **kwargs)
+        mx.async_eval(out)
+        return out
+
+    body.__class__ = type(f"Staged{base.__name__}", (base,), {"__call__": __call__})
+
+
+def agree(group: mx.distributed.Group, budget, settings: int, layers: int):
     """The KV budget every rank can hold: each figure the group's smallest; first,
     every rank must run with the same `settings` (a digest: see the worker's
-    `settings_digest`), or the group refuses to start."""
-    digest = mx.array([settings], mx.int64)
-    low, high = (mx.distributed.all_min(digest, group=group).item(),
-                 mx.distributed.all_max(digest, group=group).item())
-    if low != high:
+    `settings_digest`) and hold the same kinds of layers (`layers`: see
+    `layer_kinds`), or the group refuses to start."""
+    if not _same(group, settings):
         raise GroupBroken("the ranks of the group run with different settings (model "
                           "config, --decode-layout, --max-running-requests, "
-                          "--max-prefill-tokens or --window-capacity): start every rank "
-                          "with the same")
+                          "--max-prefill-tokens, --window-capacity or --pp): start every "
+                          "rank with the same")
+    if not _same(group, layers):
+        raise GroupBroken("the pipeline stages hold different kinds of layers (attention, "
+                          "sliding-window attention, recurrent state): every stage must "
+                          "hold each kind the model has, so that every rank runs a Step "
+                          "the same way; serve this model with another --pp (or without)")
     figures = mx.array([budget.capacity, budget.decode_cache_tokens,
                         budget.window_capacity], mx.int64)
     capacity, cache, window = (int(x) for x in mx.distributed.all_min(figures, group=group)
                                .tolist())
     return replace(budget, capacity=capacity, decode_cache_tokens=cache,
                    window_capacity=window)
+
+
+def _same(group: mx.distributed.Group, value: int) -> bool:
+    """Whether every rank of the group holds the same `value` (a 63-bit digest)."""
+    mine = mx.array([value], mx.int64)
+    return (mx.distributed.all_min(mine, group=group).item()
+            == mx.distributed.all_max(mine, group=group).item())
+
+
+def layer_kinds(geometry, page: int) -> int:
+    """A digest of what decides how a rank runs a Step: which kinds of layers it holds
+    (KV, sliding windows and their sizes, recurrent states and their shapes) and its
+    decode layout, not how many of each. Pipeline stages hold different layers; each
+    must still run the Step's forwards alike, or their sends and receives mismatch."""
+    layout = geometry.cache_layout
+    kinds = (layout.num_kv > 0, sorted(set(layout.windows)),
+             sorted({repr(shapes) for shapes in geometry.state_shapes}), page)
+    return zlib.crc32(repr(kinds).encode()) & 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def local_stage(model):
+    """Within: a pipeline stage's forwards run its own layers only, with no sends,
+    receives or gathers: for the start-up probes (cache kinds, KV shapes, vocabulary,
+    whether decode in pages reaches every layer), whose number and shapes depend on
+    the rank's layers, so the ranks would not meet in them. No-op for other models."""
+    body = getattr(model, "model", None)
+    placed = getattr(body, "pipeline_size", 1), getattr(body, "pipeline_rank", 0)
+    if placed[0] > 1:
+        body.pipeline_size, body.pipeline_rank = 1, 0
+    try:
+        yield
+    finally:
+        if placed[0] > 1:
+            body.pipeline_size, body.pipeline_rank = placed
 
 
 def bind_remote_steps(ctx: zmq.Context, address: str, key_file: str):

@@ -5,7 +5,8 @@
   ready_addr   PUSH  Ready to the launcher once serving (optional): a worker that dies
                      after it is restarted, one that dies before is not
 
-With `ranks` > 1 the process is rank `rank` of a tensor-parallel group (group.py):
+With `ranks` > 1 the process is rank `rank` of a tensor- or pipeline-parallel group
+(group.py):
 each rank has its own input address and runs every Step; rank 0 alone replies.
 """
 
@@ -43,7 +44,7 @@ class WorkerConfig:
     ready_addr: str = ""
     name: str = WORKER   # in its Ready to the launcher (one per engine and rank)
     rank: int = 0        # in its tensor-parallel group (MLX_RANK says the same)
-    ranks: int = 1       # the group's size (--tp); 1: no group
+    ranks: int = 1       # the group's size (--tp or --pp); 1: no group
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the worker
     prefill_step_size: int = 2048   # most tokens of one prefill forward (not a user flag)
     parent_pid: int = 0
@@ -82,20 +83,22 @@ def build_runner(cfg: WorkerConfig):
     from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
     from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
     from .verify_cost import measure_draft_cost, measure_verify_costs
-    from .group import agree, form_group, load_sharded
+    from .group import agree, form_group, layer_kinds, load_sharded, local_stage
 
     flags = cfg.flags
     limit = memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb)
     group = form_group(cfg.ranks) if cfg.ranks > 1 else None
     if group is not None:   # weights as stored: each rank reads its part only
-        model, tokenizer = load_sharded(flags.model, group)
+        model, tokenizer = load_sharded(flags.model, group, pipeline=flags.pp > 1)
         dequantize = False
     else:
         model, tokenizer, dequantize = load_for_serving(flags.model, flags.dequantize, limit)
     draft = load_draft(flags.draft_model, flags.dequantize, limit, model, tokenizer)
     weights_bytes = mx.get_active_memory()
-    geometry = probe_geometry(model)
-    page = decode_page_for(model, geometry, flags.decode_layout)   # 0: padded
+    with local_stage(model):   # a pipeline stage probes its own layers
+        geometry = probe_geometry(model)
+        page = decode_page_for(model, geometry, flags.decode_layout)   # 0: padded
+        vocab_size = probe_vocab_size(model)
     max_context = model_max_context(flags.model)
     # Recurrent-state models: a state slot per running request, as many for snapshots
     # of prompts' states (prefix reuse), taken from memory first.
@@ -113,14 +116,13 @@ def build_runner(cfg: WorkerConfig):
                        ceiling=flags.max_running_requests * max_context,
                        capacity=flags.kv_capacity, windows=windows, page=page)
     if group is not None:
-        budget = agree(group, budget, settings_digest(cfg))
+        budget = agree(group, budget, settings_digest(cfg), layer_kinds(geometry, page))
     pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots,
                   budget.window_capacity)
     cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
     mx.set_cache_limit(cache_bytes)
     batch = decode_rows(geometry, page, -(-budget.decode_cache_tokens // page) if page else 0,
                         flags.preallocate_decode_pages, share=not pool.uses_windows)
-    vocab_size = probe_vocab_size(model)
     drafter = None
     if draft is not None:   # in pages beside the model's
         if not page:
@@ -143,7 +145,8 @@ def build_runner(cfg: WorkerConfig):
         kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
         quantized=is_quantized(model), dequantize=dequantize,
         overlap=not flags.disable_overlap, state_slots=state_slots,
-        tensor_parallel=cfg.ranks,
+        tensor_parallel=cfg.ranks if flags.pp == 1 else 1, pipeline_parallel=flags.pp,
+        constraints=runner.grammars is not None,
         snapshot_slots=snapshot_slots,
         state_slot_bytes=geometry.bytes_per_state,
         window_sizes=[w for w in geometry.cache_layout.windows if w],
@@ -162,7 +165,7 @@ def settings_digest(cfg: WorkerConfig) -> int:
     flags = cfg.flags
     shared = [(Path(flags.model) / "config.json").read_text(), flags.decode_layout,
               flags.max_running_requests, flags.max_prefill_tokens, cfg.prefill_step_size,
-              flags.window_capacity, flags.preallocate_decode_pages]
+              flags.window_capacity, flags.preallocate_decode_pages, flags.pp]
     return zlib.crc32(json.dumps(shared).encode()) & 0x7FFFFFFF
 
 

@@ -656,6 +656,19 @@ def test_token_ids_outside_the_models_vocabulary_are_rejected_alone():
     assert all(p.rid in (1, 4) for step in h.steps for p in step.prefills)
 
 
+def test_constrained_requests_to_a_worker_without_grammars_are_rejected_alone():
+    """A worker whose tokenizer llguidance cannot read fails any step carrying a
+    grammar (and a worker group ends on a failed step): such requests never reach it."""
+    h = Harness(constraints=False)
+    h.add(make_request(1, max_new=3))
+    h.add(make_request(2, sampling=SamplingParams(grammar="start: /[a-z]+/")))
+    assert h.final[2].finish_reason == "error"
+    assert "cannot run constrained requests" in h.final[2].error
+    h.run_until_idle()
+    assert len(h.output(1)) == 3
+    assert all(p.rid == 1 for step in h.steps for p in step.prefills)
+
+
 def test_duplicate_rid_is_rejected_without_touching_the_original():
     h = Harness(max_running_requests=1)
     h.add(make_request(1, max_new=3), make_request(2, max_new=3))

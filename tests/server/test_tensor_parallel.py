@@ -5,56 +5,17 @@ rank holds about half the layers' weights; a rank killed or stopped under load: 
 request answered, the group restarted, exact again; models that cannot be split are
 refused before anything starts."""
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from mlxd.client import AsyncClient, Client, MlxdError
-from support import ROOT, Server, children_of, reference_tokens, wait_until
-
-MAX_TOKENS = 12
-
-
-def prompts(n: int, length: int = 24, seed: int = 0) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(10, 500) for _ in range(length)] for _ in range(n)]
-
-
-def assert_exact(model: str, ids: list[int], result, max_tokens: int = MAX_TOKENS):
-    ref = reference_tokens(model, ids, max_tokens)
-    assert result.token_ids == [t for t, _ in ref]
-    assert max(abs(a - b) for a, (_, b) in zip(result.logprobs, ref)) < 1e-3
-
-
-def rank_pids(server: Server) -> dict[int, int]:
-    """rank -> pid of the live worker ranks."""
-    found = {}
-    for pid in children_of(server.proc.pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"mlxd.worker_proc" in cmdline:
-            rank = next((int(a.split(b"=")[1]) for a in cmdline if a.startswith(b"--rank=")), 0)
-            found[rank] = pid
-    return found
-
-
-def run_all(address: str, batch: list[list[int]], max_tokens: int = MAX_TOKENS, **params):
-    async def run():
-        async with AsyncClient(address, timeout=120) as c:
-            return await asyncio.gather(*(c.generate(
-                input_ids=p, max_tokens=max_tokens, logprobs=True, **params) for p in batch),
-                return_exceptions=True)
-    return asyncio.run(run())
+from group_support import (MAX_TOKENS, assert_exact, hostfile_group, lose_a_rank, prompts,
+                           rank_pids, refused_at_start, run_all)
+from mlxd.client import Client, MlxdError
+from support import ROOT, Server, children_of, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -125,40 +86,7 @@ def test_each_rank_holds_about_half_of_the_layers(tp2, llama_server):
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_lost_rank_restarts_the_group_and_every_request_is_answered(llama_model, how):
-    server = Server(llama_model, "--tp", "2", "--kv-capacity", "4096", "--speculative",
-                    "off", "--worker-timeout", "3", "--log-level", "warning")
-    try:
-        before = rank_pids(server)
-        batch = prompts(6, seed=11)
-
-        async def run():
-            async with AsyncClient(server.address, timeout=60) as c:
-                jobs = [asyncio.ensure_future(c.generate(input_ids=p, max_tokens=400,
-                                                         ignore_eos=True)) for p in batch]
-                await asyncio.sleep(0.5)
-                os.kill(before[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-                started = time.monotonic()
-                results = await asyncio.gather(*jobs, return_exceptions=True)
-                return results, time.monotonic() - started
-
-        results, took = asyncio.run(run())
-        assert took < 10 + 3, took   # answered: finished or ended with an error
-        assert all(getattr(r, "finish_reason", None) in ("length", "error") or
-                   isinstance(r, Exception) for r in results), results
-        assert wait_until(lambda: set(rank_pids(server).values()).isdisjoint(before.values())
-                          and len(rank_pids(server)) == 2, 60)
-        ids = prompts(1, seed=12)[0]
-        with Client(server.address, timeout=120) as c:
-            assert wait_until(lambda: c.stats().get("worker_status") != "restarting", 60)
-            assert_exact(llama_model, ids, c.generate(input_ids=ids, max_tokens=MAX_TOKENS,
-                                                      logprobs=True))
-    finally:
-        for pid in rank_pids(server).values():
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        server.stop()
+    lose_a_rank(llama_model, how, "--tp", "2")
 
 
 @pytest.mark.parametrize("model,tp,says", [
@@ -169,13 +97,9 @@ def test_a_lost_rank_restarts_the_group_and_every_request_is_answered(llama_mode
 def test_models_that_cannot_be_split_are_refused_before_anything_starts(
         llama_model, hybrid_model, model, tp, says):
     path = llama_model if model == "llama" else hybrid_model(model)
-    before = set(children_of(os.getpid()))
-    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--model", path,
-                           "--tp", tp, "--port", "0", "--http-port", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
-    assert "worker" not in done.stderr.split(says)[0].lower().replace("worker group", "")
-    assert set(children_of(os.getpid())) <= before
+    stderr = refused_at_start("--model", path, "--tp", tp)
+    assert says in stderr, stderr[-2000:]
+    assert "worker" not in stderr.split(says)[0].lower().replace("worker group", "")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
@@ -193,38 +117,12 @@ def test_other_architectures_split_exactly(arch, qwen3_model, hybrid_model):
         server.stop()
 
 
-def _key_file(path: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "mlxd.runtime.keys", str(path)], check=True,
-                   cwd=ROOT, capture_output=True)
-    return path
-
-
 def test_ranks_on_other_machines_join_through_a_hostfile(llama_model, tmp_path):
     """`--hostfile` with two hosts (both 127.0.0.1 here): rank 0 runs with the server,
     rank 1 under `mlxd rank`, its Steps over TCP with CURVE. Exact; a rank's worker
     killed: `mlxd rank` starts another, the server restarts rank 0, the group forms
-    again and serves exactly; a rank without the key never gets a Step."""
-    from mlxd.runtime.worker_group import free_ports
-
-    import json
-    import random
-
-    base = random.Random().randrange(33000, 60000, 10)
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [
-        {"ssh": "here", "ips": ["127.0.0.1"]}, {"ssh": "there", "ips": ["127.0.0.1"]}]}))
-    key = _key_file(tmp_path / "server.key")
-    ports = ["--ring-port", str(base), "--rank-port", str(base + 5)]
-    rank = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "rank", "--hostfile", str(hostfile),
-         "--rank", "1", "--model", llama_model, "--curve-secret-key", str(key),
-         "--kv-capacity", "4096", *ports], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    server = None
-    try:
-        server = Server(llama_model, "--hostfile", str(hostfile), "--curve-secret-key",
-                        str(key), "--kv-capacity", "4096", "--speculative", "off",
-                        "--worker-timeout", "5", "--log-level", "warning", *ports)
+    again and serves exactly."""
+    with hostfile_group(llama_model, tmp_path) as (server, rank):
         batch = prompts(6, seed=51)
         for ids, result in zip(batch, run_all(server.address, batch, 20)):
             assert_exact(llama_model, ids, result, 20)
@@ -246,16 +144,6 @@ def test_ranks_on_other_machines_join_through_a_hostfile(llama_model, tmp_path):
         with Client(server.address, timeout=60) as c:
             assert_exact(llama_model, ids, c.generate(input_ids=ids, max_tokens=MAX_TOKENS,
                                                       logprobs=True))
-    finally:
-        if server is not None:
-            server.stop()
-        rank.terminate()
-        try:
-            rank.wait(10)
-        except subprocess.TimeoutExpired:
-            rank.kill()
-        for pid in children_of(rank.pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("hosts,args,says", [
