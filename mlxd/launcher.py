@@ -212,7 +212,7 @@ class Launcher:
         self.engines: list[EngineProcs] = []
         self.tokenizer: Child | None = None
         self.catalog: Catalog | None = None
-        self.hosts = read_hostfile(cfg.hostfile) if cfg.hostfile else []   # --hostfile
+        self.hostfile = read_hostfile(cfg.hostfile) if cfg.hostfile else None
         self._engine_count = 0   # engines started so far: the next one's index
         self.client_keys = self._client_keys()
         self.published_port: int | None = None   # where the public key was published
@@ -314,8 +314,9 @@ class Launcher:
             worker_output_addr=worker.output_addr, ready_addr=self._ipc("launcher"),
             engine=name, name=SCHEDULER + suffix, model_name=model, flags=flags,
             worker_ranks=self.cfg.group_ranks, rank_addrs=",".join(
-                rank_step_addr(self.hosts, r, self.cfg.rank_port)
-                for r in range(1, len(self.hosts))), parent_pid=os.getpid())
+                rank_step_addr(self.hostfile.hosts, r, self.cfg.rank_port)
+                for r in range(1, self.cfg.group_ranks) if self.hostfile),
+            parent_pid=os.getpid())
         env = self._worker_env()
         return EngineProcs(lambda: self._ranks(worker, env, f"ring{suffix}.json"),
                            (scheduler, self._env()), self.cfg.worker_restarts, model,
@@ -323,18 +324,17 @@ class Launcher:
 
     def _ranks(self, worker: WorkerConfig, env: dict,
                hostfile: str) -> list[tuple[WorkerConfig, dict]]:
-        """Each rank's config and environment: one process without `--tp`; with it,
-        N ranks on a ring of fresh ports on 127.0.0.1, each with its share of the
-        worker's memory."""
+        """Each rank's config and environment: one process without `--tp`/`--pp`;
+        with one, N ranks on a ring of fresh ports on 127.0.0.1, each with its share
+        of the worker's memory; with `--hostfile`, rank 0 (the others run on their
+        machines under `mlxd rank`) in the hostfile's group."""
         n = self.cfg.group_ranks
         if n == 1:
             return [(worker, env)]
-        if self.hosts:   # rank 0 here, the others on their machines (`mlxd rank`)
-            ring = write_ring_hostfile(os.path.join(self.ipc_dir, hostfile),
-                                       [self.cfg.ring_port + r for r in range(n)],
-                                       [h.ip for h in self.hosts])
-            return [(dataclasses.replace(worker, rank=0, ranks=n),
-                     {**env, **ring_environ(0, ring)})]
+        if self.hostfile:
+            return [(dataclasses.replace(worker, rank=0, ranks=n,
+                                         backend=self.hostfile.backend),
+                     {**env, **self.hostfile.environ(0, self.ipc_dir, self.cfg.ring_port)})]
         ring = write_ring_hostfile(os.path.join(self.ipc_dir, hostfile), free_ports(n))
         flags = memory_share(worker.flags, n)
         return [(dataclasses.replace(worker, input_addr=rank_input_addr(worker.input_addr, r),
@@ -551,7 +551,7 @@ def with_hostfile(cfg: ServerFlags) -> ServerFlags:
     if not cfg.hostfile:
         return cfg
     try:
-        hosts = read_hostfile(cfg.hostfile)
+        hosts = read_hostfile(cfg.hostfile).hosts
     except HostfileError as exc:
         sys.exit(f"mlxd: {exc}")
     split = "pp" if cfg.pp > 1 else "tp"

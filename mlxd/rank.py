@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,8 +26,7 @@ import time
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import WORKER, ServerFlags
 from mlxd.runtime.lifecycle import die_with_parent
-from mlxd.runtime.worker_group import (HostfileError, rank_name, rank_step_addr,
-                                       read_hostfile, ring_environ, write_ring_hostfile)
+from mlxd.runtime.worker_group import HostfileError, rank_name, rank_step_addr, read_hostfile
 
 log = logging.getLogger("mlxd.rank")
 RESTART_DELAY_SECONDS = 1.0
@@ -54,9 +54,10 @@ def rank_main(argv: list[str]) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s rank %(levelname)s: %(message)s")
     try:
-        hosts = read_hostfile(cfg.hostfile)
+        hostfile = read_hostfile(cfg.hostfile)
     except HostfileError as exc:
         sys.exit(f"mlxd rank: {exc}")
+    hosts = hostfile.hosts
     if not 1 <= mine.rank < len(hosts):
         sys.exit(f"mlxd rank: --rank must be in [1, {len(hosts) - 1}] for this hostfile "
                  "(rank 0 runs with the server)")
@@ -69,15 +70,13 @@ def rank_main(argv: list[str]) -> int:
     flags = dataclasses.replace(cfg, model=model_folder(cfg.model),
                                 pp=len(hosts) if cfg.pp > 1 else 1,
                                 curve_secret_key=os.path.abspath(cfg.curve_secret_key))
-    fd, path = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")
-    os.close(fd)
-    ring = write_ring_hostfile(path,
-                               [cfg.ring_port + i for i in range(len(hosts))],
-                               [h.ip for h in hosts])
+    folder = tempfile.mkdtemp(prefix="mlxd-rank-")
+    group_env = hostfile.environ(mine.rank, folder, cfg.ring_port)
     worker = WorkerConfig(input_addr=rank_step_addr(hosts, mine.rank, cfg.rank_port),
                           output_addr="", name=rank_name(WORKER, mine.rank), rank=mine.rank,
-                          ranks=len(hosts), flags=flags, parent_pid=os.getpid())
-    env = {**os.environ, **ring_environ(mine.rank, ring)}
+                          ranks=len(hosts), backend=hostfile.backend, flags=flags,
+                          parent_pid=os.getpid())
+    env = {**os.environ, **group_env}
     child = None
     try:
         while True:
@@ -99,4 +98,4 @@ def rank_main(argv: list[str]) -> int:
                 child.proc.wait(5)
             except Exception:
                 child.proc.kill()
-        os.unlink(ring)
+        shutil.rmtree(folder, ignore_errors=True)

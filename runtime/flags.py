@@ -92,11 +92,13 @@ class ServerFlags:
     hostfile: str = flag(
         "", "place the `--tp` (or `--pp`) ranks on several machines: an mlx hostfile (JSON, as "
         "`mlx.launch` reads it: a list of hosts `{\"ssh\": NAME, \"ips\": [IP]}`, "
-        "backend ring), one rank per host, rank 0 this machine; start rank R on its host "
+        "backend ring, or jaccl / jaccl-ring over Thunderbolt 5 with each host's `rdma` "
+        "devices), one rank per host, rank 0 this machine; start rank R on its host "
         "with `mlxd rank --hostfile FILE --rank R --model ... --curve-secret-key FILE`",
         shown="none (all ranks here)")
     ring_port: int = flag(
-        32323, "with `--hostfile`: the ring's first port (rank r listens on it + r)",
+        32323, "with `--hostfile`: the ring's first port (rank r listens on it + r); "
+        "with JACCL, the coordinator's port on rank 0's host",
         minimum=1)
     rank_port: int = flag(
         32400, "with `--hostfile`: rank r (r >= 1) receives Steps over TCP on this port + "

@@ -38,12 +38,21 @@ class GroupBroken(RuntimeError):
     """The group cannot go on (ranks diverged); the rank exits and is restarted."""
 
 
-def form_group(ranks: int) -> mx.distributed.Group:
-    """Join the ring described by MLX_RANK / MLX_HOSTFILE (the launcher sets them)."""
-    group = mx.distributed.init(strict=True, backend="ring")
+def form_group(ranks: int, backend: str = "ring") -> mx.distributed.Group:
+    """Join the group the environment describes (the launcher, or `mlxd rank`, sets
+    it: MLX_RANK and MLX_HOSTFILE for the ring; MLX_IBV_DEVICES and
+    MLX_JACCL_COORDINATOR for JACCL)."""
+    mx_backend = "jaccl" if backend.startswith("jaccl") else backend
+    try:
+        group = mx.distributed.init(strict=True, backend=mx_backend)
+    except RuntimeError as exc:
+        raise GroupBroken(f"the {backend} backend of mx.distributed cannot start here "
+                          f"({exc})" + (": JACCL needs macOS 26.2 or later with RDMA over "
+                                        "Thunderbolt 5 enabled (see the README)"
+                                        if mx_backend == "jaccl" else "")) from None
     if group.size() != ranks:
         raise GroupBroken(f"the ring has {group.size()} ranks, not {ranks}")
-    log.info("rank %d of %d joined the ring", group.rank(), group.size())
+    log.info("rank %d of %d joined the group (%s)", group.rank(), group.size(), backend)
     return group
 
 

@@ -45,6 +45,7 @@ class WorkerConfig:
     name: str = WORKER   # in its Ready to the launcher (one per engine and rank)
     rank: int = 0        # in its tensor-parallel group (MLX_RANK says the same)
     ranks: int = 1       # the group's size (--tp or --pp); 1: no group
+    backend: str = "ring"   # the group's mx.distributed backend (a --hostfile's)
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the worker
     prefill_step_size: int = 2048   # most tokens of one prefill forward (not a user flag)
     parent_pid: int = 0
@@ -87,7 +88,7 @@ def build_runner(cfg: WorkerConfig):
 
     flags = cfg.flags
     limit = memory_limit_bytes(flags.mem_fraction, flags.mem_limit_gb)
-    group = form_group(cfg.ranks) if cfg.ranks > 1 else None
+    group = form_group(cfg.ranks, cfg.backend) if cfg.ranks > 1 else None
     if group is not None:   # weights as stored: each rank reads its part only
         model, tokenizer = load_sharded(flags.model, group, pipeline=flags.pp > 1)
         dequantize = False

@@ -5,11 +5,13 @@ rank holds about half the layers' weights; a rank killed or stopped under load: 
 request answered, the group restarted, exact again; models that cannot be split are
 refused before anything starts."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 
 from group_support import (MAX_TOKENS, assert_exact, hostfile_group, lose_a_rank, prompts,
@@ -129,8 +131,10 @@ def test_ranks_on_other_machines_join_through_a_hostfile(llama_model, tmp_path):
         remote = [p for p in children_of(rank.pid)]
         assert len(remote) == 1
         os.kill(remote[0], signal.SIGKILL)
-        assert wait_until(lambda: len(children_of(rank.pid)) == 1 and
-                          children_of(rank.pid)[0] != remote[0], 30)
+        def replaced() -> bool:   # a new worker under `mlxd rank` (it may end and be
+            kids = children_of(rank.pid)   # replaced again while rank 0 restarts)
+            return bool(kids) and remote[0] not in kids
+        assert wait_until(replaced, 30)
         ids = prompts(1, seed=52)[0]
 
         def serves() -> bool:
@@ -160,6 +164,18 @@ def test_hostfiles_that_cannot_place_a_group_are_refused(llama_model, tmp_path, 
                            "--http-port", "0", *args],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(mx.distributed.is_available("jaccl"), reason="JACCL would wait for peers")
+def test_a_jaccl_group_where_jaccl_cannot_run_says_why(llama_model, tmp_path):
+    """A valid JACCL hostfile on a machine without RDMA over Thunderbolt: rank 0
+    cannot join, and the server exits saying what JACCL needs."""
+    rdma = [[None, "rdma_en2"], ["rdma_en2", None]]
+    (tmp_path / "h.json").write_text(json.dumps({"backend": "jaccl", "hosts": [
+        {"ssh": f"m{i}", "ips": ["127.0.0.1"], "rdma": rdma[i]} for i in range(2)]}))
+    stderr = refused_at_start("--model", llama_model, "--hostfile", str(tmp_path / "h.json"))
+    assert "the jaccl backend of mx.distributed cannot start here" in stderr, stderr[-2000:]
+    assert "macOS 26.2 or later with RDMA over Thunderbolt 5" in stderr
 
 
 @pytest.mark.parametrize("args,says", [
