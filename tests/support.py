@@ -250,3 +250,19 @@ class RawDealer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def send_raw_garbage(address: str) -> None:
+    """Raw bytes at a tcp:// ZeroMQ port: no handshake, a bad greeting followed by
+    nothing, a little, and 1 MiB; each peer vanishes after sending."""
+    import random
+    import socket
+
+    host, port = address[len("tcp://"):].rsplit(":", 1)
+    rng = random.Random(5)
+    for size in (0, 10, 64, 1 << 20):
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            try:
+                raw.sendall(b"\xff" + bytes(8) + b"\x7f" + rng.randbytes(size))
+            except OSError:   # the peer may drop it part way: that is the point
+                pass

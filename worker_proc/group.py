@@ -179,13 +179,22 @@ def exit_when_scheduler_leaves(steps_in: zmq.Socket) -> None:
     """A rank ends when the scheduler's connection to it ends: the scheduler reopens
     its links when the group broke (a rank died), and a rank idle in its receive would
     otherwise never notice that its ring is gone; its end has the launcher (rank 0,
-    or every rank here) or `mlxd rank` start the next group."""
-    monitor = steps_in.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    or every rank here) or `mlxd rank` start the next group.
+
+    On this machine's ipc only the scheduler can connect, so its disconnection is the
+    sign. A remote rank's tcp port can be reached by anyone on the network, whose
+    connections (refused by CURVE) come and go: there the sign is the scheduler
+    connecting a second time (it reopened its links, or it is a new scheduler), since
+    only the server's key pair completes a handshake."""
+    remote = steps_in.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://")
+    monitor = steps_in.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED if remote else zmq.EVENT_DISCONNECTED)
 
     def watch():
-        event = parse_monitor_message(monitor.recv_multipart())
-        _end_rank(f"the scheduler's connection ended (event {event['event']}): the "
-                  "group is being restarted; this rank exits")
+        for _ in range(2 if remote else 1):
+            event = parse_monitor_message(monitor.recv_multipart())
+        _end_rank(f"the scheduler's connection ended or was made anew (event "
+                  f"{event['event']}): the group is being restarted; this rank exits")
 
     threading.Thread(target=watch, name="group-watch", daemon=True).start()
 

@@ -201,13 +201,13 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
     results_out = connect_push(ctx, cfg.output_addr) if cfg.rank == 0 else None
     to_launcher = connect_push(ctx, cfg.ready_addr) if cfg.ready_addr else None
     sockets += [steps_in, results_out, to_launcher]
+    if cfg.ranks > 1:   # watched from the start: the scheduler may connect while we load
+        from .group import exit_when_scheduler_leaves
+
+        exit_when_scheduler_leaves(steps_in)
     try:
         runner, limits, group = build_runner(cfg)
         rank = RankRole(group, cfg.flags.worker_timeout) if group is not None else None
-        if rank is not None:
-            from .group import exit_when_scheduler_leaves
-
-            exit_when_scheduler_leaves(steps_in)
         try:
             _serve_steps(runner, limits, waking_receiver(steps_in, wakeup), results_out,
                          to_launcher, cfg.name, rank)

@@ -105,9 +105,10 @@ def refused_at_start(*args: str) -> str:
 
 @contextlib.contextmanager
 def hostfile_group(model: str, folder: Path, *split: str):
-    """(server, `mlxd rank` process): a 2-host `--hostfile` group, both hosts
-    127.0.0.1: rank 0 runs with the server, rank 1 under `mlxd rank`, its Steps over
-    TCP with CURVE under the server's key. Both stopped on the way out."""
+    """(server, `mlxd rank` process, rank 1's Step address): a 2-host `--hostfile`
+    group, both hosts 127.0.0.1: rank 0 runs with the server, rank 1 under `mlxd
+    rank`, its Steps over TCP with CURVE under the server's key. Both stopped on the
+    way out."""
     base = random.Random().randrange(33000, 60000, 10)
     hostfile = folder / "hosts.json"
     hostfile.write_text(json.dumps({"backend": "ring", "hosts": [
@@ -126,7 +127,7 @@ def hostfile_group(model: str, folder: Path, *split: str):
         server = Server(model, "--hostfile", str(hostfile), "--curve-secret-key", str(key),
                         "--kv-capacity", "4096", "--speculative", "off", "--worker-timeout",
                         "5", "--log-level", "warning", *split, *ports)
-        yield server, rank
+        yield server, rank, f"tcp://127.0.0.1:{base + 5 + 1}"
     finally:
         if server is not None:
             server.stop()

@@ -8,6 +8,7 @@ every request answered, the group restarted, exact again; models that cannot be
 pipelined are refused with the reason."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from group_support import (MAX_TOKENS, assert_exact, hostfile_group, lose_a_rank
                            rank_pids, refused_at_start, run_all)
 from mlxd.client import Client
 from mlxd.model_store.tiny import TinySpec, build_tiny_model, hybrid_spec
-from support import Server
+from support import Server, children_of, send_raw_garbage
 
 # transformers gives qwen2's tokenizer one more token (513): a model vocabulary larger
 # than that, as real models have, lets llguidance read it (grammars)
@@ -150,33 +151,46 @@ def test_stages_holding_different_kinds_of_layers_are_refused(hybrid_model):
 
 
 def test_stages_on_other_machines_join_through_a_hostfile(qwen2_model, tmp_path):
-    with hostfile_group(qwen2_model, tmp_path, "--pp", "2") as (server, _):
+    """A hostfile group with `mlxd rank --pp 2`: exact. Its remote Step socket takes
+    raw bytes (no handshake, 1 MiB, peers that vanish) and a CURVE client with
+    another key pushing a Step: nothing reaches the rank, which serves on."""
+    with hostfile_group(qwen2_model, tmp_path, "--pp", "2") as (server, rank, steps):
         batch = prompts(4, seed=51)
         for ids, result in zip(batch, run_all(server.address, batch, 20)):
             assert_exact(qwen2_model, ids, result, 20)
+        remote = children_of(rank.pid)
+        send_raw_garbage(steps)
+        push_as_stranger(steps, tmp_path / "server.key")
         with Client(server.address, timeout=60) as c:
             assert c.stats()["worker"]["pipeline_parallel"] == 2
+            ids = prompts(1, seed=53)[0]
+            assert_exact(qwen2_model, ids, c.generate(input_ids=ids, max_tokens=MAX_TOKENS,
+                                                      logprobs=True))
+        assert children_of(rank.pid) == remote
 
 
-def test_a_constrained_request_the_worker_cannot_run_is_refused_and_the_group_stays(
-        tmp_path_factory):
-    """With the model's vocabulary no larger than transformers' qwen2 tokenizer,
-    llguidance cannot read it: a constrained request ends with an error saying so,
-    before any rank sees it; the group serves on with the same processes."""
-    spec = dataclasses.replace(QWEN2, extra=())
-    path = str(build_tiny_model(tmp_path_factory.mktemp("models") / "qwen2-513", spec))
-    server = Server(path, "--pp", "2", "--kv-capacity", "4096", "--speculative", "off",
-                    "--log-level", "warning")
+def push_as_stranger(address: str, key_file: Path) -> None:
+    """A CURVE client holding the server's public key but a key pair of its own
+    pushes a Step that would end the rank (a decode of a request it does not run):
+    the rank's authenticator admits the server's key only."""
+    import time
+
+    import zmq
+
+    from mlxd.protocol import Step, encode
+    from mlxd.runtime.keys import read_secret_key
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.curve_serverkey = read_secret_key(key_file).public
+    sock.connect(address)
     try:
-        before = rank_pids(server)
-        ids = prompts(1, seed=71)[0]
-        with Client(server.address, timeout=60) as c:
-            refused = c.generate(input_ids=ids, max_tokens=8, response_format={
-                "type": "regex", "regex": "[a-z]+"})
-            assert refused.finish_reason == "error"
-            assert "cannot run constrained requests" in refused.error
-            assert_exact(path, ids, c.generate(input_ids=ids, max_tokens=MAX_TOKENS,
-                                               logprobs=True))
-        assert rank_pids(server) == before
-    finally:
-        server.stop()
+        sock.send(encode(Step(step_id=10**9, decode_rids=[12345], decode_slot_ids=[1])),
+                  zmq.NOBLOCK)
+    except zmq.Again:   # never admitted: nothing to send to
+        pass
+    time.sleep(1)
+    sock.close()
+    ctx.term()

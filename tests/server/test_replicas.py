@@ -18,7 +18,8 @@ from mlxd.client import AsyncClient, Client
 from mlxd.launcher import ENGINE_PREFIX
 from mlxd.protocol import SchedulerReady, encode
 from mlxd.runtime.keys import read_secret_key
-from support import ROOT, Server, children_of, reference_tokens, wait_until, worker_limits
+from support import (ROOT, Server, children_of, reference_tokens, send_raw_garbage, wait_until,
+                     worker_limits)
 
 MAX_TOKENS = 12
 VOCAB = 500
@@ -180,19 +181,6 @@ def _new_key_file(path: Path) -> Path:
     return path
 
 
-def _raw_garbage(address: str) -> None:
-    import socket
-
-    host, port = address[len("tcp://"):].rsplit(":", 1)
-    rng = random.Random(5)
-    for size in (0, 10, 64, 1 << 20):
-        with socket.create_connection((host, int(port)), timeout=5) as raw:
-            try:
-                raw.sendall(b"\xff" + bytes(8) + b"\x7f" + rng.randbytes(size))
-            except OSError:   # the front end may drop it part way: that is the point
-                pass
-
-
 def _impostor_joins(address: str, server_key: bytes, limits) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -248,7 +236,7 @@ def test_an_engine_joins_over_tcp_with_the_key_and_one_without_it_is_refused(
         assert stats["router"]["joins"] == 2
         assert not [line for line in front.stderr_lines if "impostor" in line]   # never read
         # raw bytes at the engine port (no handshake, a huge one, a peer that vanishes)
-        _raw_garbage(join)
+        send_raw_garbage(join)
         assert front.proc.poll() is None
         with Client(front.address, timeout=60) as c:
             result = c.generate(input_ids=prompts[0], max_tokens=MAX_TOKENS, logprobs=True)

@@ -124,7 +124,7 @@ def test_ranks_on_other_machines_join_through_a_hostfile(llama_model, tmp_path):
     rank 1 under `mlxd rank`, its Steps over TCP with CURVE. Exact; a rank's worker
     killed: `mlxd rank` starts another, the server restarts rank 0, the group forms
     again and serves exactly."""
-    with hostfile_group(llama_model, tmp_path) as (server, rank):
+    with hostfile_group(llama_model, tmp_path) as (server, rank, _):
         batch = prompts(6, seed=51)
         for ids, result in zip(batch, run_all(server.address, batch, 20)):
             assert_exact(llama_model, ids, result, 20)
