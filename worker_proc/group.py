@@ -191,8 +191,12 @@ def exit_when_scheduler_leaves(steps_in: zmq.Socket) -> None:
         zmq.EVENT_HANDSHAKE_SUCCEEDED if remote else zmq.EVENT_DISCONNECTED)
 
     def watch():
-        for _ in range(2 if remote else 1):
-            event = parse_monitor_message(monitor.recv_multipart())
+        try:
+            for _ in range(2 if remote else 1):
+                event = parse_monitor_message(monitor.recv_multipart())
+        except zmq.ContextTerminated:   # the process is ending on its own (a start that
+            monitor.close(linger=0)     # failed): let the context's term() finish
+            return
         _end_rank(f"the scheduler's connection ended or was made anew (event "
                   f"{event['event']}): the group is being restarted; this rank exits")
 
