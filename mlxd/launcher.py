@@ -323,7 +323,7 @@ class Launcher:
                            on_demand)
 
     def _ranks(self, worker: WorkerConfig, env: dict,
-               hostfile: str) -> list[tuple[WorkerConfig, dict]]:
+               ring_file: str) -> list[tuple[WorkerConfig, dict]]:
         """Each rank's config and environment: one process without `--tp`/`--pp`;
         with one, N ranks on a ring of fresh ports on 127.0.0.1, each with its share
         of the worker's memory; with `--hostfile`, rank 0 (the others run on their
@@ -335,7 +335,7 @@ class Launcher:
             return [(dataclasses.replace(worker, rank=0, ranks=n,
                                          backend=self.hostfile.backend),
                      {**env, **self.hostfile.environ(0, self.ipc_dir, self.cfg.ring_port)})]
-        ring = write_ring_hostfile(os.path.join(self.ipc_dir, hostfile), free_ports(n))
+        ring = write_ring_hostfile(os.path.join(self.ipc_dir, ring_file), free_ports(n))
         flags = memory_share(worker.flags, n)
         return [(dataclasses.replace(worker, input_addr=rank_input_addr(worker.input_addr, r),
                                      name=rank_name(worker.name, r), rank=r, ranks=n,

@@ -41,7 +41,7 @@ def _raise_stop(signum, _frame):
 
 
 def rank_main(argv: list[str]) -> int:
-    from mlxd.launcher import Child, model_folder
+    from mlxd.launcher import Child, model_folder, with_hostfile
     from mlxd.worker_proc.main import WorkerConfig
 
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -57,6 +57,7 @@ def rank_main(argv: list[str]) -> int:
         hostfile = read_hostfile(cfg.hostfile)
     except HostfileError as exc:
         sys.exit(f"mlxd rank: {exc}")
+    cfg = with_hostfile(cfg)   # --tp or --pp: the number of hosts, as on the server
     hosts = hostfile.hosts
     if not 1 <= mine.rank < len(hosts):
         sys.exit(f"mlxd rank: --rank must be in [1, {len(hosts) - 1}] for this hostfile "
@@ -68,7 +69,6 @@ def rank_main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     die_with_parent(int(os.environ.get("MLXD_PARENT_PID", "0")) or None)
     flags = dataclasses.replace(cfg, model=model_folder(cfg.model),
-                                pp=len(hosts) if cfg.pp > 1 else 1,
                                 curve_secret_key=os.path.abspath(cfg.curve_secret_key))
     folder = tempfile.mkdtemp(prefix="mlxd-rank-")
     group_env = hostfile.environ(mine.rank, folder, cfg.ring_port)

@@ -4,10 +4,10 @@ Every rank receives every Step and runs it alike (the same model split, the same
 seeds: sampling is identical on all ranks); rank 0 alone replies. The ranks meet only
 inside the model's collectives (mlx_lm's `shard()` puts an all_sum after each
 attention and MLP; its `pipeline()` passes the hidden state from stage to stage and
-gathers the last stage's on every rank), plus the few this module adds: agreeing on the KV budget at
-start (the group's capacity is its smallest rank's) and comparing a digest of the
-sampled tokens every DIGEST_STEPS steps, so that ranks that diverge are an error, not
-silent. A group cannot be formed again inside a process: whatever breaks it (a peer
+gathers the last stage's on every rank), plus the few this module adds: agreeing on
+the KV budget at start (the group's capacity is its smallest rank's) and comparing a
+digest of the sampled tokens every DIGEST_STEPS steps, so that ranks that diverge are
+an error, not silent. A group cannot be formed again inside a process: whatever breaks it (a peer
 lost, a step past the deadline, a digest mismatch) ends the rank, and the launcher
 restarts the whole group.
 """

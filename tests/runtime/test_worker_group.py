@@ -78,6 +78,6 @@ def test_jaccl_hostfiles_mlx_launch_would_refuse_are_refused(tmp_path, change, s
     ([{"ips": ["10.0.0.1"]}, "host"], "host 1: give its address"),
 ])
 def test_other_broken_hostfiles_are_refused(tmp_path, data, says):
-    with pytest.raises(HostfileError, match=None) as refused:
+    with pytest.raises(HostfileError) as refused:
         read_hostfile(write(tmp_path, data))
     assert says in str(refused.value)

@@ -52,6 +52,26 @@ def run_all(address: str, batch: list[list[int]], max_tokens: int = MAX_TOKENS, 
     return asyncio.run(run())
 
 
+def serves_exactly(server: Server, model: str) -> dict:
+    """A 2-rank group serves exactly as mlx_lm: 12 concurrent requests, one alone, a
+    prefix hit, a 700-token chunked prompt. Its worker stats."""
+    assert sorted(rank_pids(server)) == [0, 1]
+    batch = prompts(12)
+    for ids, result in zip(batch, run_all(server.address, batch)):
+        assert_exact(model, ids, result)
+    with Client(server.address, timeout=120) as c:
+        alone = c.generate(input_ids=batch[0], max_tokens=MAX_TOKENS, logprobs=True)
+        again = c.generate(input_ids=batch[0] + [7, 8], max_tokens=MAX_TOKENS, logprobs=True)
+        long_ids = prompts(1, length=700, seed=9)[0]   # chunked (512 a step)
+        chunked = c.generate(input_ids=long_ids, max_tokens=MAX_TOKENS, logprobs=True)
+        worker = c.stats()["worker"]
+    assert_exact(model, batch[0], alone)
+    assert again.usage["cached_tokens"] >= 16   # the prefix came from the pool
+    assert_exact(model, batch[0] + [7, 8], again)
+    assert_exact(model, long_ids, chunked)
+    return worker
+
+
 def lose_a_rank(model: str, how: str, *split: str) -> None:
     """SIGKILL or SIGSTOP rank 1 of a 2-rank group under load: every request is
     answered within the deadline, the group comes back with new processes, and the

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from group_support import (MAX_TOKENS, assert_exact, hostfile_group, lose_a_rank, prompts,
-                           rank_pids, refused_at_start, run_all)
+                           rank_pids, refused_at_start, run_all, serves_exactly)
 from mlxd.client import Client
 from mlxd.model_store.tiny import TinySpec, build_tiny_model, hybrid_spec
 from support import Server, children_of, send_raw_garbage
@@ -46,20 +46,7 @@ def one_process(qwen2_model):
 
 
 def test_two_stages_decode_exactly_as_mlx_lm(pp2, qwen2_model):
-    assert sorted(rank_pids(pp2)) == [0, 1]
-    batch = prompts(12)
-    for ids, result in zip(batch, run_all(pp2.address, batch)):
-        assert_exact(qwen2_model, ids, result)
-    with Client(pp2.address, timeout=120) as c:
-        alone = c.generate(input_ids=batch[0], max_tokens=MAX_TOKENS, logprobs=True)
-        again = c.generate(input_ids=batch[0] + [7, 8], max_tokens=MAX_TOKENS, logprobs=True)
-        long_ids = prompts(1, length=700, seed=9)[0]   # chunked (512 a step)
-        chunked = c.generate(input_ids=long_ids, max_tokens=MAX_TOKENS, logprobs=True)
-        worker = c.stats()["worker"]
-    assert_exact(qwen2_model, batch[0], alone)
-    assert again.usage["cached_tokens"] >= 16   # the prefix came from the pool
-    assert_exact(qwen2_model, batch[0] + [7, 8], again)
-    assert_exact(qwen2_model, long_ids, chunked)
+    worker = serves_exactly(pp2, qwen2_model)
     assert (worker["pipeline_parallel"], worker["tensor_parallel"]) == (2, 1)
     assert worker["overlap"]
 
@@ -148,6 +135,30 @@ def test_stages_holding_different_kinds_of_layers_are_refused(hybrid_model):
     the attention one, and run a Step differently; the group refuses to start."""
     stderr = refused_at_start("--model", hybrid_model("qwen3_next"), "--pp", "2")
     assert "the pipeline stages hold different kinds of layers" in stderr, stderr[-2000:]
+
+
+def test_a_constrained_request_the_worker_cannot_run_is_refused_and_the_group_stays(
+        tmp_path_factory):
+    """With the model's vocabulary no larger than transformers' qwen2 tokenizer,
+    llguidance cannot read it: a constrained request ends with an error saying so,
+    before any rank sees it; the group serves on with the same processes."""
+    spec = dataclasses.replace(QWEN2, extra=())
+    path = str(build_tiny_model(tmp_path_factory.mktemp("models") / "qwen2-513", spec))
+    server = Server(path, "--pp", "2", "--kv-capacity", "4096", "--speculative", "off",
+                    "--log-level", "warning")
+    try:
+        before = rank_pids(server)
+        ids = prompts(1, seed=71)[0]
+        with Client(server.address, timeout=60) as c:
+            refused = c.generate(input_ids=ids, max_tokens=8, response_format={
+                "type": "regex", "regex": "[a-z]+"})
+            assert refused.finish_reason == "error"
+            assert "cannot run constrained requests" in refused.error
+            assert_exact(path, ids, c.generate(input_ids=ids, max_tokens=MAX_TOKENS,
+                                               logprobs=True))
+        assert rank_pids(server) == before
+    finally:
+        server.stop()
 
 
 def test_stages_on_other_machines_join_through_a_hostfile(qwen2_model, tmp_path):

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from group_support import (MAX_TOKENS, assert_exact, hostfile_group, lose_a_rank, prompts,
-                           rank_pids, refused_at_start, run_all)
+                           refused_at_start, run_all, serves_exactly)
 from mlxd.client import Client, MlxdError
 from support import ROOT, Server, children_of, wait_until
 
@@ -29,21 +29,8 @@ def tp2(llama_model):
 
 
 def test_two_ranks_decode_exactly_as_mlx_lm(tp2, llama_model):
-    assert sorted(rank_pids(tp2)) == [0, 1]
-    batch = prompts(12)
-    for ids, result in zip(batch, run_all(tp2.address, batch)):
-        assert_exact(llama_model, ids, result)
-    with Client(tp2.address, timeout=120) as c:
-        alone = c.generate(input_ids=batch[0], max_tokens=MAX_TOKENS, logprobs=True)
-        again = c.generate(input_ids=batch[0] + [7, 8], max_tokens=MAX_TOKENS, logprobs=True)
-        long_ids = prompts(1, length=700, seed=9)[0]   # chunked (512 a step)
-        chunked = c.generate(input_ids=long_ids, max_tokens=MAX_TOKENS, logprobs=True)
-        stats = c.stats()
-    assert_exact(llama_model, batch[0], alone)
-    assert again.usage["cached_tokens"] >= 16   # the prefix came from the pool
-    assert_exact(llama_model, batch[0] + [7, 8], again)
-    assert_exact(llama_model, long_ids, chunked)
-    assert stats["worker"]["tensor_parallel"] == 2 and stats["worker"]["overlap"]
+    worker = serves_exactly(tp2, llama_model)
+    assert worker["tensor_parallel"] == 2 and worker["overlap"]
 
 
 def test_without_overlap_too(llama_model):
