@@ -668,9 +668,14 @@ def main(argv=None) -> int:
         from mlxd.rank import rank_main
 
         return rank_main(argv[1:])
+    if argv[:1] == ["cache"]:
+        from mlxd.cache_cli import cache_main
+
+        return cache_main(argv[1:])
     engine = argv[:1] == ["engine"]
     cfg = parse_config(ServerFlags, "Start the mlxd server (also: `mlxd models`, "
-                                    "`mlxd pull ID`, `mlxd engine --join tcp://HOST:PORT "
+                                    "`mlxd pull ID`, `mlxd cache ls|clear DIR`, `mlxd engine --join "
+                                    "tcp://HOST:PORT "
                                     "...`: an engine for a front end on another machine).",
                        argv[engine:])
     if engine and not cfg.join.startswith("tcp://"):
@@ -690,6 +695,9 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
+        if cfg.kv_disk and (cfg.dp > 1 or len(models) > 1 or cfg.models):
+            raise ChildFailure("--kv-disk serves one engine: with --dp or several models, "
+                               "each engine would need its own directory")
         if cfg.group_ranks > 1 and cfg.draft_model:
             raise ChildFailure(f"--draft-model is not served by a {split_flags(cfg)} group "
                                "yet")

@@ -12,11 +12,11 @@ from .to_tokenizer import (
     AbortRequest, GenerateRequest, SchedulerReady, Stats, StatsRequest, TokenBatch,
     TokenEntry, Usage,
 )
-from .to_worker import PrefillInput, Step
+from .to_worker import DiskRun, PrefillInput, Spill, Step
 
 __all__ = [
     "MAX_PINS", "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "ModelControl", "PARAMS", "Param", "Pin", "PrefillInput", "ProtocolError", "REPETITION_CONTEXT", "Ready",
+    "ModelControl", "PARAMS", "Param", "Pin", "DiskRun", "PrefillInput", "Spill", "ProtocolError", "REPETITION_CONTEXT", "Ready",
     "SamplingParams", "SchedulerReady", "Stats",
     "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
     "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",

@@ -78,6 +78,10 @@ class StepResult:
     top_logprobs: list | None = wire(Opt(List()), default=None)
     timing: StepTiming = wire(Struct(StepTiming), default_factory=StepTiming)
     runs: list[int] = wire(List(Int(minimum=1)), default_factory=list)
+    # the disk tier: entries no longer there (evicted, unusable, or not written), and
+    # the prefills whose disk_tokens were computed because a read missed
+    disk_gone: list[str] = wire(List(Str(max_len=128)), default_factory=list)
+    disk_missed: list[int] = wire(List(Int()), default_factory=list)
 
     def check(self):
         if self.runs and len(self.runs) != len(self.rids):
@@ -155,6 +159,9 @@ class WorkerLimits:
     pipeline_parallel: int = wire(Int(minimum=1), default=1)
     # the worker runs grammar-constrained requests (llguidance reads its tokenizer)
     constraints: bool = wire(Bool(), default=True)
+    # the disk tier (--kv-disk): on, and the entries its directory holds at start
+    kv_disk: bool = wire(Bool(), default=False)
+    kv_disk_entries: list[str] = wire(List(Str(max_len=128)), default_factory=list)
 
 
 @message

@@ -74,6 +74,8 @@ class Usage:
     prompt_tokens: int = wire(Int(minimum=0))
     completion_tokens: int = wire(Int(minimum=0))
     cached_tokens: int = wire(Int(minimum=0))   # prompt tokens whose KV was reused
+    # of those, read from the disk tier (--kv-disk); the rest came from memory
+    disk_tokens: int = wire(Int(minimum=0), default=0)
     # prompt tokens it computed and pinned (cache_control), none of the cached ones
     pinned_tokens: int = wire(Int(minimum=0), default=0)
     # completion tokens that were verified draft tokens (speculative decoding)

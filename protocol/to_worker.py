@@ -7,6 +7,38 @@ from .sampling import SamplingParams
 
 
 @message
+class DiskRun:
+    """One entry of the disk tier (runtime/kv_disk.py names it by these): the KV of
+    `n_tokens` tokens after the prefix whose hash is `parent`, up to the one whose
+    hash is `end`; `resumable`: it holds what resuming at its end needs beyond KV."""
+
+    parent: int = wire(Int())
+    end: int = wire(Int())
+    n_tokens: int = wire(Int(minimum=1))
+    resumable: bool = wire(Bool(), default=True)
+
+
+@message
+class Spill:
+    """Write KV the radix tree holds to the disk tier, as the entry `run`: the KV at
+    `slot_ids` of its tokens `tokens`. A resumable run on a window-pool model also
+    carries the window slots of the `window + 1` positions before its end
+    (`window_ids`), one on a recurrent model the snapshot of the state at its end
+    (`snapshot_slot`). The worker reads these slots before the Step writes any."""
+
+    run: DiskRun = wire(Struct(DiskRun))
+    tokens: list[int] = wire(List(Int()))
+    slot_ids: list[int] = wire(List(Int(minimum=1)))
+    window_ids: list[int] = wire(List(Int(minimum=1)), default_factory=list)
+    snapshot_slot: int = wire(Int(minimum=0), default=0)
+
+    def check(self):
+        if not self.tokens or len(self.tokens) != len(self.slot_ids) or \
+                len(self.tokens) != self.run.n_tokens:
+            raise ProtocolError("a spill's tokens, slot ids and run differ in length")
+
+
+@message
 class PrefillInput:
     """Prefill work for one request: a new request, a resumed one, or the next
     chunk of a chunked prompt. KV of `input_ids` goes to `new_slot_ids`;
@@ -42,8 +74,20 @@ class PrefillInput:
     # zeros), or not to be stored (a new token the scheduler frees at once).
     prefix_window_ids: list[int] = wire(List(Int(minimum=0)), default_factory=list)
     new_window_ids: list[int] = wire(List(Int(minimum=0)), default_factory=list)
+    # The disk tier: the first `disk_tokens` input tokens' KV may be read from the
+    # entries `disk_runs` (chained, the first starting at prefix position
+    # `disk_start`) instead of computed; a recurrent model's state at their end goes
+    # to `disk_state_slot`. Whatever cannot be read is computed, as if none were sent.
+    disk_runs: list[DiskRun] = wire(List(Struct(DiskRun)), default_factory=list)
+    disk_start: int = wire(Int(minimum=0), default=0)
+    disk_tokens: int = wire(Int(minimum=0), default=0)
+    disk_state_slot: int = wire(Int(minimum=0), default=0)
 
     def check(self):
+        if self.disk_tokens and not (self.disk_runs and self.disk_tokens < len(self.input_ids)
+                                     and self.disk_start <= len(self.prefix_slot_ids)):
+            raise ProtocolError(f"prefill {self.rid}: disk_tokens needs disk_runs, a "
+                                "token left to compute and a start within the prefix")
         if not self.input_ids or len(self.input_ids) != len(self.new_slot_ids):
             raise ProtocolError(f"prefill {self.rid}: input_ids and new_slot_ids must be "
                                 "non-empty and of equal length")
@@ -84,6 +128,7 @@ class Step:
     # with a window pool: the window slot of each draft token (as draft_slot_ids)
     draft_window_ids: list[list[int]] = wire(List(List(Int(minimum=0))), default_factory=list)
     model_drafts: list[int] = wire(List(Int(minimum=0)), default_factory=list)
+    spills: list[Spill] = wire(List(Struct(Spill)), default_factory=list)   # disk tier
 
     def check(self):
         if len(self.decode_rids) != len(self.decode_slot_ids):

@@ -160,6 +160,16 @@ class ServerFlags:
         "layers' KV only for the positions a window may still reach; 0 derives it "
         "(2 x (max running requests x the window + max prefill tokens), at most the KV "
         "pool's size)", (WORKER,), shown="0 (auto)", minimum=0)
+    kv_disk: str = flag(
+        "", "a directory for a prefix cache on disk: KV the radix cache takes is also "
+        "written there (off the step's path; skipped under pressure) and read back by a "
+        "later prompt with the same prefix, also after a restart; one server per "
+        "directory; a model, KV format or version change never reuses an entry "
+        "(docs/design/kv_tiers.md)", (WORKER,), shown="none (off)")
+    kv_disk_max_gb: float = flag(
+        0.0, "GiB the `--kv-disk` directory may hold (least recently used entries go "
+        "first); 0: half the free space there at start", (WORKER,),
+        shown="0 (half the free space)", minimum=0)
     dequantize: str = flag(
         "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
         "(float32) when the float32 weights fit the memory limit, off on Metal and CUDA; "

@@ -23,9 +23,11 @@ Pure: no MLX, no sockets. The worker reads and writes; the scheduler decides.
 
 import fcntl
 import hashlib
+import heapq
 import json
 import logging
 import os
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -61,6 +63,9 @@ class Entry:
     end: int               # the hash of the prefix the run completes
     tokens: tuple[int, ...]
     arrays: tuple[ArrayBytes, ...]
+    # a prefill can resume at the run's end from it alone and what precedes it: it
+    # holds what a model needs there beyond KV (a recurrent state, the window's KV)
+    resumable: bool = True
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Listed:
     n_tokens: int
     nbytes: int
     used: float = field(default=0.0)   # for LRU: last read or write (start: mtime)
+    resumable: bool = True
 
 
 def fingerprint(*parts: str | bytes) -> str:
@@ -83,12 +89,14 @@ def fingerprint(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def entry_name(parent: int, end: int, n_tokens: int) -> str:
-    return f"{parent & (2**64 - 1):016x}-{end & (2**64 - 1):016x}-{n_tokens}{SUFFIX}"
+def entry_name(parent: int, end: int, n_tokens: int, resumable: bool = True) -> str:
+    kind = "r" if resumable else "m"   # resumable at its end, or a middle part only
+    return f"{parent & (2**64 - 1):016x}-{end & (2**64 - 1):016x}-{n_tokens}-{kind}{SUFFIX}"
 
 
-def parse_name(name: str) -> tuple[int, int, int] | None:
-    """(parent, end, n_tokens) of an entry's file name; None for any other name."""
+def parse_name(name: str) -> tuple[int, int, int, bool] | None:
+    """(parent, end, n_tokens, resumable) of an entry's file name; None for any
+    other name."""
     if not name.endswith(SUFFIX):
         return None
     parts = name[:-len(SUFFIX)].split("-")
@@ -96,13 +104,82 @@ def parse_name(name: str) -> tuple[int, int, int] | None:
         parent, end, n = int(parts[0], 16), int(parts[1], 16), int(parts[2])
     except (ValueError, IndexError):
         return None
-    if len(parts) != 3 or n <= 0 or n % PREFIX_BLOCK:
+    if len(parts) != 4 or parts[3] not in ("r", "m") or n <= 0 or n % PREFIX_BLOCK:
         return None
-    return _signed(parent), _signed(end), n
+    return _signed(parent), _signed(end), n, parts[3] == "r"
 
 
 def _signed(u: int) -> int:
     return u - 2**64 if u >= 2**63 else u
+
+
+class DiskIndex:
+    """Entries by name and by the prefix hash they continue: what a match walks.
+    Pure: the store keeps one over its files, the scheduler its own copy."""
+
+    def __init__(self):
+        self.entries: dict[str, Listed] = {}
+        self.children: dict[int, set[str]] = {}   # parent hash -> entry names
+        self._ends: dict[int, int] = {}           # end hash -> entries ending there
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def get(self, name: str) -> Listed | None:
+        return self.entries.get(name)
+
+    def add(self, name: str, listed: Listed) -> None:
+        if name in self.entries:
+            return
+        self.entries[name] = listed
+        self.children.setdefault(listed.parent, set()).add(name)
+        self._ends[listed.end] = self._ends.get(listed.end, 0) + 1
+
+    def remove(self, name: str) -> Listed | None:
+        listed = self.entries.pop(name, None)
+        if listed is not None:
+            self.children.get(listed.parent, set()).discard(name)
+            left = self._ends[listed.end] - 1
+            if left:
+                self._ends[listed.end] = left
+            else:
+                del self._ends[listed.end]
+        return listed
+
+    def ends_at(self, h: int) -> bool:
+        """Some entry ends at the prefix whose hash is `h`."""
+        return h in self._ends
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def match(self, hashes: list[int], start_block: int = 0) -> list[str]:
+        """The entries that continue a prompt from its block `start_block` (0: from
+        the start) as far as any chain of them reaches, in order: `hashes[k]` is the
+        prompt's hash at block k + 1 (block_hashes). Entries chain where one ends at
+        the prefix the next continues."""
+        position = {h: k + 1 for k, h in enumerate(hashes)}
+        came: dict[int, tuple[int, str] | None] = {start_block: None}
+        frontier, best = [start_block], start_block
+        while frontier:
+            at = heapq.heappop(frontier)
+            parent = ROOT_HASH if at == 0 else hashes[at - 1]
+            for name in self.children.get(parent, ()):
+                listed = self.entries[name]
+                reach = position.get(listed.end, 0)
+                if reach == at + listed.n_tokens // PREFIX_BLOCK and reach not in came:
+                    came[reach] = (at, name)
+                    heapq.heappush(frontier, reach)
+                    best = max(best, reach)
+        names = []
+        while came[best] is not None:
+            best, name = came[best]
+            names.append(name)
+        return names[::-1]
 
 
 class KVDiskStore:
@@ -115,8 +192,8 @@ class KVDiskStore:
         self.dir = self.root / fprint   # one folder per fingerprint: a model switch
         self.dir.mkdir(parents=True, exist_ok=True)   # keeps the other model's entries
         self._lock = _take_lock(self.root / LOCK_NAME)
-        self.index: dict[str, Listed] = {}
-        self.children: dict[int, set[str]] = {}   # parent hash -> entry names
+        self.index = DiskIndex()
+        self.gone: list[str] = []   # entries dropped since the owner last took them
         self.rebuild()
 
     # ---- the index ---------------------------------------------------------------
@@ -124,8 +201,7 @@ class KVDiskStore:
     def rebuild(self) -> None:
         """The index from the directory's names and sizes; leftovers of interrupted
         writes removed."""
-        self.index.clear()
-        self.children.clear()
+        self.index = DiskIndex()
         for item in os.scandir(self.dir):
             if item.name.endswith(".tmp"):
                 _remove(Path(item.path))
@@ -133,42 +209,28 @@ class KVDiskStore:
             parsed = parse_name(item.name)
             if parsed is None or not item.is_file(follow_symlinks=False):
                 continue
-            stat = item.stat(follow_symlinks=False)
-            self._add(item.name, Listed(*parsed, stat.st_size, stat.st_mtime))
-
-    def _add(self, name: str, listed: Listed) -> None:
-        self.index[name] = listed
-        self.children.setdefault(listed.parent, set()).add(name)
+            info = item.stat(follow_symlinks=False)
+            parent, end, n, resumable = parsed
+            self.index.add(item.name, Listed(parent, end, n, info.st_size, info.st_mtime,
+                                             resumable))
 
     def _drop(self, name: str) -> None:
-        listed = self.index.pop(name, None)
-        if listed is not None:
-            self.children.get(listed.parent, set()).discard(name)
+        if self.index.remove(name) is not None:
+            self.gone.append(name)
         _remove(self.dir / name)
+
+    def take_gone(self) -> list[str]:
+        """The entries dropped (evicted, or found unusable) since the last call."""
+        gone, self.gone = self.gone, []
+        return gone
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.index.values())
+        return self.index.nbytes
 
     def match(self, hashes: list[int], start_block: int = 0) -> list[str]:
-        """The entries that continue a prompt from its block `start_block` (0: from
-        the start) as far as they reach, in order: `hashes[k]` is the prompt's hash
-        at block k + 1 (block_hashes). Each step takes the longest run on disk."""
-        found, at = [], start_block
-        position = {h: k + 1 for k, h in enumerate(hashes)}
-        while True:
-            parent = ROOT_HASH if at == 0 else hashes[at - 1]
-            best = None
-            for name in self.children.get(parent, ()):
-                listed = self.index[name]
-                reach = position.get(listed.end, 0)
-                if reach == at + listed.n_tokens // PREFIX_BLOCK and \
-                        (best is None or reach > best[0]):
-                    best = (reach, name)
-            if best is None:
-                return found
-            found.append(best[1])
-            at = best[0]
+        """`DiskIndex.match` over this store's entries."""
+        return self.index.match(hashes, start_block)
 
     # ---- reading and writing -------------------------------------------------------
 
@@ -178,9 +240,10 @@ class KVDiskStore:
         cannot fit or the write failed (a full disk: logged, nothing left behind)."""
         n = len(entry.tokens)
         assert n and n % PREFIX_BLOCK == 0
-        name = entry_name(entry.parent, entry.end, n)
-        if name in self.index:
-            self.index[name].used = self.clock()
+        name = entry_name(entry.parent, entry.end, n, entry.resumable)
+        listed = self.index.get(name)
+        if listed is not None:
+            listed.used = self.clock()
             return name
         blob = encode_entry(entry, self.fprint)
         if len(blob) > self.max_bytes:
@@ -197,7 +260,8 @@ class KVDiskStore:
             log.warning("kv disk: could not write %s (%s); skipped", name, exc)
             _remove(tmp)
             return None
-        self._add(name, Listed(entry.parent, entry.end, n, len(blob), self.clock()))
+        self.index.add(name, Listed(entry.parent, entry.end, n, len(blob), self.clock(),
+                                    entry.resumable))
         return name
 
     def get(self, name: str, tokens: list[int] | None = None) -> Entry | None:
@@ -207,11 +271,17 @@ class KVDiskStore:
         if listed is None:
             return None
         try:
-            with open(self.dir / name, "rb") as f:
-                data = f.read(self.max_bytes + 1)
+            # non-blocking: a FIFO put in an entry's place must not hang the reader
+            with open(os.open(self.dir / name, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise BadEntry("not a regular file")
+                if st.st_size > self.max_bytes:
+                    raise BadEntry("larger than the store's bound")
+                data = f.read(st.st_size + 1)   # one more: a file that grew is refused
             entry = decode_entry(data, self.fprint, self.max_bytes)
-            if (entry.parent, entry.end, len(entry.tokens)) != \
-                    (listed.parent, listed.end, listed.n_tokens):
+            if (entry.parent, entry.end, len(entry.tokens), entry.resumable) != \
+                    (listed.parent, listed.end, listed.n_tokens, listed.resumable):
                 raise BadEntry("its header does not match its name")
         except (OSError, BadEntry) as exc:
             log.warning("kv disk: %s is not usable (%s); removed", name, exc)
@@ -225,15 +295,16 @@ class KVDiskStore:
     def evict(self, room: int) -> None:
         """Remove the least recently used entries until they take at most `room`."""
         total = self.nbytes
-        for name in sorted(self.index, key=lambda n: self.index[n].used):
+        entries = self.index.entries
+        for name in sorted(entries, key=lambda n: entries[n].used):
             if total <= room:
                 return
-            total -= self.index[name].nbytes
+            total -= entries[name].nbytes
             self._drop(name)
 
     def clear(self) -> int:
         """Remove every entry; how many there were."""
-        names = list(self.index)
+        names = list(self.index.entries)
         for name in names:
             self._drop(name)
         return len(names)
@@ -258,6 +329,7 @@ def encode_entry(entry: Entry, fprint: str) -> bytes:
     header = json.dumps({
         "version": FORMAT_VERSION, "fingerprint": fprint, "parent": entry.parent,
         "end": entry.end, "tokens": list(entry.tokens), "arrays": specs,
+        "resumable": entry.resumable,
         "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest(),
     }, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + payload
@@ -305,7 +377,7 @@ def _checked(header: dict, payload: bytes) -> Entry:
         arrays.append(ArrayBytes(str(spec["name"]), str(spec["dtype"]),
                                  tuple(int(d) for d in spec["shape"]),
                                  payload[offset:offset + n]))
-    return Entry(parent, end, tuple(tokens), tuple(arrays))
+    return Entry(parent, end, tuple(tokens), tuple(arrays), bool(header["resumable"]))
 
 
 def _take_lock(path: Path):

@@ -35,6 +35,7 @@ import time
 from typing import Callable
 
 from .allocator import SlotAllocator
+from .disk_tier import DiskTier
 from .radix_cache import Node, RadixCache
 from .request import Request
 
@@ -65,6 +66,7 @@ class KVBook:
         self.max_pinned = (max_pinned if max_pinned >= 0 else capacity // 4) if use_tree else 0
         self.pin_ttl_scale = pin_ttl_scale
         self.pins_refused = 0   # pins not taken: they would pass max_pinned
+        self.disk: DiskTier | None = None   # the disk tier (--kv-disk), set by the scheduler
 
     # ---- capacity ---------------------------------------------------------------
 
@@ -263,6 +265,9 @@ class KVBook:
             self.windows.free(self.tree.adopt_windows(tokens, private, already))
         slots, node = self.tree.match_prefix(tokens)
         self._place_snapshot(req, node)
+        if self.disk is not None and already < len(tokens):   # new KV: on disk too
+            self.disk.plan(tokens, slots, self.tree.path_windows(node) if self.window else (),
+                           node.snapshot)
         self.tree.lock(node)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)

@@ -240,6 +240,7 @@ class SchedulerLoop:
         if why:
             raise WorkerMismatch(why)
         self.restarting = False
+        self.scheduler.disk_restarted(msg.limits.kv_disk_entries)
         log.warning("a new worker is ready (after %d deaths); serving again",
                     self.worker_restarts)
 
@@ -307,7 +308,8 @@ def scheduler_limits(flags: ServerFlags, worker: WorkerLimits) -> SchedulerLimit
                                flags.spec_ngram_max, flags.spec_max_batch),
         verifies_drafts=worker.verifies_drafts, worker_overlaps=worker.overlap,
         verify_costs=tuple(worker.verify_costs), draft_model=bool(worker.draft_model),
-        draft_cost=worker.draft_cost, constraints=worker.constraints)
+        draft_cost=worker.draft_cost, constraints=worker.constraints,
+        kv_disk=worker.kv_disk, kv_disk_entries=tuple(worker.kv_disk_entries))
 
 
 def frontend_curve(cfg: SchedulerConfig):

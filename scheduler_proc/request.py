@@ -36,6 +36,9 @@ class Request:
     pending_snapshot: int = 0
     fill_len: int = 0            # tokens this admission prefills (prompt + output so far)
     cached_tokens: int | None = None   # prefix reused at the first admission
+    disk_tokens: int = 0         # of those, read from the disk tier
+    hashes: list[int] = field(default_factory=list)   # block hashes of all_ids[:hash_key]
+    hash_key: int = 0
     status: Status = Status.WAITING
     retractions: int = 0
     arrival: int = 0             # its number in the waiting queue's arrival order
@@ -75,5 +78,6 @@ class Request:
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
-                     cached_tokens=self.cached_tokens or 0, pinned_tokens=self.pinned_tokens,
+                     cached_tokens=self.cached_tokens or 0, disk_tokens=self.disk_tokens,
+                     pinned_tokens=self.pinned_tokens,
                      accepted_tokens=self.accepted_tokens)

@@ -19,8 +19,10 @@ from mlxd.protocol import (
 )
 from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_tokens
+from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
 from mlxd.runtime.request_limits import length_error, max_new_tokens
 
+from .disk_tier import DiskHit, DiskTier
 from .kv_book import KVBook
 from .request import Request, Status
 from .speculation import SpecConfig, Speculation
@@ -59,6 +61,8 @@ class SchedulerLimits:
     draft_model: bool = False     # the worker holds a draft model (WorkerLimits.draft_model)
     draft_cost: float = 0.0       # its forward next to the model's (WorkerLimits)
     constraints: bool = True      # the worker runs grammars (WorkerLimits.constraints)
+    kv_disk: bool = False         # the worker keeps a disk tier (WorkerLimits.kv_disk)
+    kv_disk_entries: tuple[str, ...] = ()   # the entries it holds at start
 
 
 class Scheduler:
@@ -87,6 +91,13 @@ class Scheduler:
                                 replays=limits.state_slots > 0,
                                 draft_model=limits.draft_model, draft_cost=limits.draft_cost)
         self._chained = False   # the worker may have started the next decode already
+        if limits.kv_disk:
+            self.disk_restarted(list(limits.kv_disk_entries))
+
+    def disk_restarted(self, entries: list[str]) -> None:
+        """The worker's disk tier holds `entries` (at start, or a new worker's)."""
+        if self.kv.tree is not None and self.limits.kv_disk:
+            self.kv.disk = DiskTier(entries, self.kv.window, self.kv.needs_state)
 
     # ---- inputs -------------------------------------------------------------
 
@@ -136,6 +147,8 @@ class Scheduler:
         return bool(self.kv.tree and self.kv.tree.events)
 
     def process_result(self, result: StepResult) -> None:
+        if self.kv.disk is not None:
+            self._disk_news(result)
         for req in self._prefilled:   # their new KV is in the pool now: share it
             if req.status is Status.RUNNING:
                 self.kv.cache_progress(req)
@@ -146,6 +159,17 @@ class Scheduler:
             if req is None:   # finished or aborted while the step ran
                 continue
             self._take_run(req, result.tokens[run], result.logprobs[run], tops[run])
+
+    def _disk_news(self, result: StepResult) -> None:
+        """Entries the worker no longer has; prefills that computed what they were
+        to read from disk (a read missed)."""
+        self.kv.disk.forget(result.disk_gone)
+        for rid in result.disk_missed:
+            req = self.running.get(rid)
+            if req is not None and req.disk_tokens:
+                self.kv.disk.missed_tokens += req.disk_tokens
+                req.cached_tokens = (req.cached_tokens or 0) - req.disk_tokens
+                req.disk_tokens = 0
 
     def _take_run(self, req: Request, tokens: list[int], logprobs: list[float],
                   tops: list) -> None:
@@ -205,7 +229,8 @@ class Scheduler:
         proposals = self.spec.proposals(decoding)
         drafts, draft_slots, draft_windows = self._book_drafts(decoding, proposals)
         prefills = self._schedule_prefills(decoding)
-        if not (decoding or prefills or self._releases):
+        spills = self.kv.disk.take_spills() if self.kv.disk is not None else []
+        if not (decoding or prefills or self._releases or spills):
             return None
         releases, self._releases = self._releases, []
         self._step_id += 1
@@ -216,7 +241,8 @@ class Scheduler:
         if drafts and self.spec.by_model:   # the worker's draft model fills them
             model_drafts, drafts = [len(d) for d in drafts], [[] for _ in drafts]
         return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases,
-                    decode_windows, drafts, draft_slots, chain_next, draft_windows, model_drafts)
+                    decode_windows, drafts, draft_slots, chain_next, draft_windows, model_drafts,
+                    spills)
 
     def _book_drafts(self, rows: list[Request], proposals: list[list[int]]) -> tuple:
         """The Step's drafts, their slots and (with a window pool) their window slots:
@@ -251,6 +277,7 @@ class Scheduler:
         return {"waiting": len(self.waiting), "running": len(self.running),
                 "retractions": self.num_retractions,
                 "speculative": self.spec.counters.as_dict(),
+                **({"disk": self.kv.disk.stats()} if self.kv.disk is not None else {}),
                 **self.kv.stats(list(self.running.values()))}
 
     def check_integrity(self) -> None:
@@ -344,7 +371,8 @@ class Scheduler:
     def _next_chunk(self, req: Request, budget: int, rows: list[Request]) -> PrefillInput | None:
         start = len(req.slot_ids)
         budget -= int(self.limits.cached_token_cost * start)
-        n = min(req.fill_len - start, self.limits.chunked_prefill_size, max(1, budget))
+        n = self._resume_cut(start, min(req.fill_len - start, self.limits.chunked_prefill_size,
+                                         max(1, budget)), req.fill_len)
         last = start + n == req.fill_len
         if last and rows and not self._width_fits(rows, req.fill_len):
             return None   # its row would not fit the decode caches yet: wait
@@ -357,19 +385,23 @@ class Scheduler:
         """Start `req` (or its first chunk) if memory and the step's budget allow;
         None stops admission. The step's first prefill always gets a token."""
         prefix, node = self.kv.match(req.all_ids[:req.fill_len - 1])
-        extend = req.fill_len - len(prefix)
-        budget -= int(self.limits.cached_token_cost * len(prefix))
+        hit = self._disk_hit(req, prefix, node)
+        cached = hit.end if hit else len(prefix)
+        extend = req.fill_len - cached
+        budget -= int(self.limits.cached_token_cost * cached)
         if budget < 1 and not first:
             return None
-        n = min(extend, self.limits.chunked_prefill_size, max(1, budget))
+        n = self._resume_cut(cached, min(extend, self.limits.chunked_prefill_size,
+                                         max(1, budget)), req.fill_len)
         if n < extend and self.chunking is not None:
             return None
         if self.running and not self._width_fits(rows, req.fill_len, pending):
             return None   # chunked or not, it joins the decode caches at this length
         # Headroom for the running rows' next tokens; never asked of a request alone.
         alone = not self.running
-        need = n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
-        windows = self.kv.window_need(n) + len(rows)   # and one per decoding row
+        loaded = cached - len(prefix)   # read from disk into new slots
+        need = loaded + n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
+        windows = self.kv.window_need(loaded + n) + len(rows)   # and one per decoding row
         self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
         if not self.kv.can_have(need, windows) or not self.kv.take_state(req):
             self.kv.release(req, keep=False)
@@ -378,15 +410,39 @@ class Scheduler:
         self.waiting.remove(req)
         req.status = Status.RUNNING
         if req.cached_tokens is None:
-            req.cached_tokens = len(prefix)
+            req.cached_tokens = cached
+            req.disk_tokens = loaded
+            if self.kv.disk is not None:
+                self.kv.disk.hit_tokens += loaded
         self.running[req.rid] = req
         if n < extend:
             self.chunking = req
-        return self._prefill_input(req, n)
+        return self._prefill_input(req, loaded + n, hit)
 
-    def _prefill_input(self, req: Request, n: int) -> PrefillInput:
+    def _disk_hit(self, req: Request, prefix: list[int], node) -> DiskHit | None:
+        """How far the disk tier continues the request's cached prefix."""
+        if self.kv.disk is None:
+            return None
+        if req.hash_key != req.fill_len:   # its block hashes, once per admission length
+            req.hashes, req.hash_key = block_hashes(req.all_ids[:req.fill_len]), req.fill_len
+        windows = self.kv.tree.path_windows(node) if self.kv.window and prefix else []
+        return self.kv.disk.match(req.hashes, len(prefix), req.fill_len - 1, windows)
+
+    def _resume_cut(self, start: int, n: int, fill_len: int) -> int:
+        """With a disk tier, a window or recurrent model's prefill of its last piece
+        stops at the last block boundary before it and computes the rest next step:
+        the tree then holds what resuming there needs (the window's KV, the state),
+        and so does the disk, so the same prompt can be read back up to it."""
+        if self.kv.disk is None or not (self.kv.window or self.kv.needs_state) or \
+                start + n != fill_len:
+            return n
+        cut = (fill_len - 1) // PREFIX_BLOCK * PREFIX_BLOCK
+        return cut - start if cut > start else n
+
+    def _prefill_input(self, req: Request, n: int, hit: DiskHit | None = None) -> PrefillInput:
         """The request's next `n` input tokens, after the KV it has (its cached
-        prefix or earlier chunks)."""
+        prefix or earlier chunks); with a disk `hit`, the first of them read from
+        disk if the worker can."""
         start = len(req.slot_ids)
         prefix_slots = list(req.slot_ids)
         new_slots = self.kv.extend(req, n)
@@ -396,6 +452,8 @@ class Scheduler:
         p = PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
                          new_slots, req.sampling, needs_logits=done,
                          num_generated=len(req.output_ids))
+        if hit is not None:
+            p.disk_runs, p.disk_start, p.disk_tokens = hit.runs, hit.start, hit.end - start
         if self.kv.window:
             p.prefix_window_ids = self.kv.windows_read(req, start)
             p.new_window_ids = req.window_ids[start:]
@@ -406,6 +464,7 @@ class Scheduler:
             p.state_from = req.state_from if start else 0
             p.state_slot = 0 if done else req.state_slot
             p.snapshot_slot = self.kv.take_snapshot(req)
+            p.disk_state_slot = req.state_slot if hit is not None else 0
             req.state_from = req.state_slot
         if done:
             _add_sampling_context(p, req)

@@ -13,6 +13,7 @@ each rank has its own input address and runs every Step; rank 0 alone replies.
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -134,6 +135,9 @@ def build_runner(cfg: WorkerConfig):
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
                          overlap=not flags.disable_overlap,
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)
+    if flags.kv_disk:
+        runner.disk = open_disk_tier(flags, pool, dequantize, group is not None or
+                                     drafter is not None)
     # measuring runs forwards (collectives, in a group) of rank 0's choosing: not there
     measured = runner.verifies_drafts and flags.speculative != "off" and \
         flags.spec_cost == "measured" and group is None
@@ -155,8 +159,36 @@ def build_runner(cfg: WorkerConfig):
         verifies_drafts=runner.verifies_drafts,
         verify_costs=measure_verify_costs(model) if measured else [],
         draft_model=Path(flags.draft_model).name if draft is not None else "",
-        draft_cost=measure_draft_cost(model, draft[0]) if measured and draft is not None else 0.0)
+        draft_cost=measure_draft_cost(model, draft[0]) if measured and draft is not None else 0.0,
+        kv_disk=runner.disk is not None,
+        kv_disk_entries=runner.disk.entries() if runner.disk is not None else [])
     return runner, limits, group
+
+
+def open_disk_tier(flags: ServerFlags, pool, dequantize: bool, refused: bool):
+    """The disk tier over `--kv-disk` (disk_io.py). Refused (UnsupportedModel) for a
+    worker group or beside a draft model, and when another server holds the
+    directory."""
+    from mlxd.runtime.kv_disk import KVDiskStore, StoreLocked
+
+    from .decode import UnsupportedModel
+    from .disk_io import DiskIO, default_max_bytes, store_fingerprint
+
+    if refused:
+        raise UnsupportedModel("--kv-disk does not work with --tp, --pp or --draft-model "
+                               "yet (their KV is split between ranks or pools)")
+    if hasattr(signal, "SIGXFSZ"):   # past a file-size limit a write fails (skipped), not us
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    fprint = store_fingerprint(flags.model, str(pool.geometry.dtype),
+                               f"dequantize={dequantize}")
+    max_bytes = int(flags.kv_disk_max_gb * 2**30) or default_max_bytes(flags.kv_disk)
+    try:
+        store = KVDiskStore(flags.kv_disk, fprint, max_bytes)
+    except StoreLocked as exc:
+        raise UnsupportedModel(f"--kv-disk: {exc}") from None
+    log.info("kv disk: %s (%d entries, %.1f of %.1f GiB)", store.dir, len(store.index),
+             store.nbytes / 2**30, max_bytes / 2**30)
+    return DiskIO(store, pool, queue_bytes=max(64 << 20, pool.nbytes // 4))
 
 
 def settings_digest(cfg: WorkerConfig) -> int:
@@ -213,6 +245,8 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
                          to_launcher, cfg.name, rank)
         finally:
             runner.close()   # never exit while the helper thread is inside MLX
+            if runner.disk is not None:   # queued writes finish; the directory is let go
+                runner.disk.close()
     finally:
         if auth is not None:
             auth.stop()

@@ -19,6 +19,7 @@ from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
 from . import batch_cache, thinking
 from .background import BackgroundJob
 from .decode import DecodeRows, JoinGroup, UnsupportedModel, decode_page_for, decode_rows
+from .disk_io import DiskIO, without_disk
 from .draft_model import DraftModel, rejection_runs
 from .grammar import Grammars, RowGrammar, allowed
 from .kv_pool import KVGeometry, KVPool, write_ids
@@ -115,6 +116,7 @@ class ModelRunner:
         self._outputs_at = 0.0   # when the last step's outputs were evaluated
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
         self._chain_allowed = True   # the Step's chain_next
+        self.disk: DiskIO | None = None   # the disk tier (--kv-disk), set after start
 
     @property
     def decode_page(self) -> int:
@@ -143,6 +145,8 @@ class ModelRunner:
         self._returned_at = time.perf_counter() if len(self.batch) else None
         timing.compute_ms = (time.perf_counter() - arrived_at) * 1e3
         result.timing = timing
+        if self.disk is not None:
+            result.disk_gone, result.disk_missed = self.disk.take_news()
         return result
 
     def _execute(self, step: Step) -> tuple[StepResult, _Output | None]:
@@ -151,6 +155,9 @@ class ModelRunner:
         self.batch.remove(set(step.releases))
         if self.drafter is not None:
             self.drafter.remove(set(step.releases))
+        if self.disk is not None:   # before any pool write of this Step
+            self.disk.spill(step.spills)
+            self.disk.start_reads(step.prefills)
         self._chain_allowed = step.chain_next
         outputs = []
         if step.has_drafts:
@@ -211,6 +218,8 @@ class ModelRunner:
         self.chained = None
         self._returned_at = None
         self._new_grammars = {}
+        if self.disk is not None:
+            self.disk.reset()
 
     def settle(self) -> None:
         """Return once nothing is in flight: the chained decode, if one was started,
@@ -403,6 +412,8 @@ class ModelRunner:
 
     def _prefill(self, prefills: list[PrefillInput]) -> list[_Output]:
         check_prefills(prefills, self.batch.rids, self.pool, self.vocab_size)
+        prefills = [self.disk.load(p) if self.disk is not None else without_disk(p)
+                    for p in prefills]
         self._new_grammars = {p.rid: self._grammar(p) for p in prefills
                               if p.needs_logits and p.sampling.grammar is not None}
         self.batch.slots_written(s for p in prefills for s in p.new_slot_ids)

@@ -72,10 +72,10 @@ def _check_window_ids(p: PrefillInput, pool: KVPool) -> None:
 def _check_state_slots(p: PrefillInput, pool: KVPool) -> None:
     states = pool.states
     if states is None:
-        if p.state_from or p.state_slot or p.snapshot_slot:
+        if p.state_from or p.state_slot or p.snapshot_slot or p.disk_state_slot:
             raise ValueError(f"prefill {p.rid}: state slots for a model without state")
         return
-    states.check_slots([p.state_from, p.state_slot, p.snapshot_slot])
+    states.check_slots([p.state_from, p.state_slot, p.snapshot_slot, p.disk_state_slot])
     if p.prefix_slot_ids and not p.state_from:
         raise ValueError(f"prefill {p.rid}: a prefix without the state it ends at")
 

@@ -47,7 +47,7 @@ def test_a_run_written_is_read_back_whole(store):
     entry = run_of(tokens, 0, 4)
     name = store.put(entry)
     assert store.get(name, list(entry.tokens)) == entry
-    assert parse_name(name) == (ROOT_HASH, entry.end, 64)
+    assert parse_name(name) == (ROOT_HASH, entry.end, 64, True)
 
 
 def test_match_follows_the_chain_as_far_as_the_prompt_goes(store):
@@ -72,7 +72,7 @@ def test_the_index_is_rebuilt_from_names_after_a_restart(tmp_path):
     (first.dir / f"{name}.123.tmp").write_bytes(b"half a write")   # a crash mid-write
     first.close()
     again = KVDiskStore(tmp_path, FP, 1 << 20)
-    assert list(again.index) == [name]
+    assert list(again.index.entries) == [name]
     assert not [p for p in again.dir.iterdir() if p.name.endswith(".tmp")]
     assert again.get(name) == run_of(tokens, 0, 4)
     again.close()
@@ -165,7 +165,7 @@ def test_the_bound_evicts_the_least_recently_used(tmp_path):
     names = [store.put(run_of(tokens, k, 1)) for k in range(3)]
     store.get(names[0])                        # used again: now the newest
     fourth = store.put(run_of(tokens, 3, 1))
-    assert set(store.index) == {names[0], names[2], fourth}
+    assert set(store.index.entries) == {names[0], names[2], fourth}
     assert store.nbytes <= store.max_bytes
     assert store.put(run_of(tokens, 0, 12, payload=4096)) is None   # larger than the bound
     store.close()
@@ -176,7 +176,7 @@ def test_a_failed_write_leaves_nothing(store, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(kv_disk.os, "fsync", full)
     assert store.put(run_of(prompt(64), 0, 4)) is None
-    assert store.index == {} and list(store.dir.iterdir()) == []
+    assert not store.index and list(store.dir.iterdir()) == []
 
 
 def test_hash_collisions_are_caught_by_the_tokens(store):

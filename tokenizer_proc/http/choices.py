@@ -67,9 +67,12 @@ class Outputs:
         prompt = sum(u["prompt_tokens"] for u in prompts.values())
         completion = sum(u["completion_tokens"] for u in self._usage.values())
         cached = sum(u.get("cached_tokens", 0) for u in prompts.values())
+        disk = sum(u.get("disk_tokens", 0) for u in prompts.values())
+        details = {"cached_tokens": cached}
+        if disk:   # of cached_tokens, read from the disk tier (--kv-disk)
+            details["disk_cached_tokens"] = disk
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "total_tokens": prompt + completion, "prompt_tokens_details": details}
 
 
 def _candidate(token_text: TokenText, token: int, logprob: float) -> dict:

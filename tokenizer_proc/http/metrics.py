@@ -158,6 +158,10 @@ class Metrics:
         self.cached_tokens = Counter("mlxd_prefix_cache_hit_tokens",
                                      "prompt tokens whose KV came from the prefix cache",
                                      registry=r)
+        self.disk_tokens = Counter("mlxd_prefix_cache_disk_hit_tokens",
+                                   "of the prefix cache's hit tokens, those read from the "
+                                   "disk tier (--kv-disk); the rest came from memory",
+                                   registry=r)
         self.pinned_tokens = Counter("mlxd_prefix_cache_pinned_tokens",
                                      "prompt tokens computed and pinned by cache_control",
                                      registry=r)
@@ -183,6 +187,7 @@ class Metrics:
             self.prompt_tokens.inc(chunk.usage.get("prompt_tokens", 0))
             self.generation_tokens.inc(chunk.usage.get("completion_tokens", 0))
             self.cached_tokens.inc(chunk.usage.get("cached_tokens", 0))
+            self.disk_tokens.inc(chunk.usage.get("disk_tokens", 0))
             self.pinned_tokens.inc(chunk.usage.get("pinned_tokens", 0))
 
     def render(self, by_model: dict[str, dict], states: list[dict] = ()) -> bytes:
