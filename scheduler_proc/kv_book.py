@@ -116,11 +116,12 @@ class KVBook:
         """`n` free slots that belong to no request (call make_room first)."""
         return self.allocator.allocate(n)
 
-    def extend(self, req: Request, n: int) -> list[int]:
+    def extend(self, req: Request, n: int, window_keep: int = 0) -> list[int]:
         """`n` new private slots for the request's next `n` tokens, appended to its
-        `slot_ids` (call make_room first). Returns them."""
+        `slot_ids` (call make_room first). Returns them. With a window pool, window
+        slots for the last `window_keep` of them (0: `window + 1`)."""
         if self.window:
-            self._extend_windows(req, n)
+            self._extend_windows(req, n, window_keep or self.window + 1)
         slots = self.allocator.allocate(n)
         req.slot_ids += slots
         return slots
@@ -151,14 +152,14 @@ class KVBook:
 
     # ---- window slots ---------------------------------------------------------------
 
-    def _extend_windows(self, req: Request, n: int) -> None:
+    def _extend_windows(self, req: Request, n: int, fresh_keep: int = 0) -> None:
         """Window slots for the request's next `n` positions: only for those among the
         last `window + 1` of its new length (a point and the one before it stay
         extendable: a match stops one token short of a repeated prompt's end). Its
         private ones older than the `window + 1` before this step's first new position
         are freed: no step reads them again."""
         start, keep = len(req.window_ids), self.window + 1
-        fresh = self.windows.allocate(min(n, keep))
+        fresh = self.windows.allocate(min(n, fresh_keep or keep))
         req.window_ids += [0] * (n - len(fresh)) + fresh
         stale_end = start - keep
         begin = max(req.prefix_len, req.window_floor)

@@ -401,7 +401,7 @@ class Scheduler:
         alone = not self.running
         loaded = cached - len(prefix)   # read from disk into new slots
         need = loaded + n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
-        windows = self.kv.window_need(loaded + n) + len(rows)   # and one per decoding row
+        windows = self.kv.window_need(loaded) + self.kv.window_need(n) + len(rows)   # and one per decoding row
         self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
         if not self.kv.can_have(need, windows) or not self.kv.take_state(req):
             self.kv.release(req, keep=False)
@@ -445,7 +445,11 @@ class Scheduler:
         disk if the worker can."""
         start = len(req.slot_ids)
         prefix_slots = list(req.slot_ids)
-        new_slots = self.kv.extend(req, n)
+        # what is read from disk, then what is computed: the window before the first
+        # computed token gets window slots too (the entry's window tail fills them)
+        loaded = hit.end - start if hit is not None else 0
+        new_slots = self.kv.extend(req, loaded, window_keep=self.kv.window) + \
+            self.kv.extend(req, n - loaded)
         done = len(req.slot_ids) == req.fill_len
         if done and self.chunking is req:
             self.chunking = None

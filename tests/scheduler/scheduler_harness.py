@@ -17,9 +17,12 @@ they hold, and a request never holds more than two windows of private window slo
 """
 
 from collections import defaultdict
+from dataclasses import replace
 
 from mlxd.protocol import SamplingParams, Step, StepResult, TokenizedRequest, Usage, WorkerError
 from mlxd.runtime.kv_layout import cache_width as round_up
+from mlxd.runtime.prefix_hash import block_hashes
+from mlxd.scheduler_proc.disk_tier import run_name
 from mlxd.scheduler_proc.request import Request
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 
@@ -73,6 +76,11 @@ class Harness:
         self.hashes: dict[int, list[int]] = {}
         self.states: dict[int, list[int]] = {}    # state slot -> the tokens its state follows
         self.wpool: dict[int, tuple] = {}          # window slot -> (chain hash, token)
+        # the disk tier (kv_disk=True): entry name -> what the worker wrote; survives
+        # worker_dies. Reads of `disk_broken` names miss; `disk_gone` is reported next.
+        self.disk: dict[str, dict] = {}
+        self.disk_broken: set[str] = set()
+        self.disk_gone: list[str] = []
 
     # -- driving --
     def add(self, *msgs):
@@ -210,8 +218,10 @@ class Harness:
         for p in step.prefills:
             req = running[p.rid]
             handed += p.new_slot_ids
-            total += len(p.input_ids)
-            assert 0 < len(p.input_ids) == len(p.new_slot_ids) <= s.limits.chunked_prefill_size
+            computed = len(p.input_ids) - p.disk_tokens   # the rest is read from disk
+            total += computed
+            assert 0 < len(p.input_ids) == len(p.new_slot_ids)
+            assert 0 < computed <= s.limits.chunked_prefill_size
             assert p.needs_logits == (len(req.slot_ids) == req.fill_len)
             assert p.num_generated == len(req.output_ids)
             assert req.slot_ids[:len(p.prefix_slot_ids)] == p.prefix_slot_ids
@@ -273,6 +283,9 @@ class Harness:
             self.ctx.pop(rid, None)
             self.hashes.pop(rid, None)
         assert set(step.decode_rids) == set(self.batch), "decode rids != the worker's batch"
+        for spill in step.spills:   # read before any of the Step's writes
+            self._spill(spill)
+        missed = []
         for rid in set(self.ctx) - set(self.batch) - {p.rid for p in step.prefills}:
             # a request part-way through its chunks may wait for room: it is the one
             # chunked request, or it was aborted while this step was in flight
@@ -286,6 +299,7 @@ class Harness:
             tokens.append(self.token_fn(rid, len(self.ctx[rid])))
         for p in step.prefills:
             assert p.rid not in self.batch, f"prefill of {p.rid}, which is decoding"
+            p = self._load_disk(p, missed)
             if p.rid in self.ctx:                  # the next chunk
                 assert len(p.prefix_slot_ids) == len(self.ctx[p.rid])
                 assert self._read(p.prefix_slot_ids) == self.ctx[p.rid]
@@ -312,7 +326,58 @@ class Harness:
                 tokens.append(self.token_fn(p.rid, len(self.ctx[p.rid])))
         for rid, token in zip(rids, tokens):
             self.batch[rid] = token
-        return StepResult(step.step_id, rids, tokens, [-0.25 * (i + 1) for i in range(len(rids))])
+        gone, self.disk_gone = self.disk_gone, []
+        return StepResult(step.step_id, rids, tokens, [-0.25 * (i + 1) for i in range(len(rids))],
+                          disk_gone=gone, disk_missed=missed)
+
+    def _spill(self, spill):
+        """Store what the spill's slots hold (they must hold its tokens), with its
+        window tail and state."""
+        run = spill.run
+        values = [self.pool[s] for s in spill.slot_ids]
+        assert [t for _, t in values] == spill.tokens, "a spill of slots holding other tokens"
+        assert block_hashes(spill.tokens, 0, run.parent)[-1] == run.end
+        entry = {"kv": values, "tail": [self.wpool[w] for w in spill.window_ids]}
+        overlap = min(len(values), len(entry["tail"]))
+        assert entry["tail"][len(entry["tail"]) - overlap:] == values[len(values) - overlap:]
+        if spill.snapshot_slot:
+            entry["state"] = list(self.states[spill.snapshot_slot])
+            assert entry["state"][-len(spill.tokens):] == spill.tokens
+        assert run.resumable == bool(entry["tail"] or entry.get("state") or not (
+            self.s.kv.window or self.s.kv.needs_state))
+        self.disk[run_name(run)] = entry
+
+    def _load_disk(self, p, missed):
+        """As the worker: the disk tokens' KV into their new slots, the prefill then
+        computing the rest; unchanged (and missed) when an entry cannot be read."""
+        if not p.disk_tokens:
+            return p
+        plain = replace(p, disk_runs=[], disk_start=0, disk_tokens=0, disk_state_slot=0)
+        names = [run_name(r) for r in p.disk_runs]
+        if any(n not in self.disk or n in self.disk_broken for n in names):
+            missed.append(p.rid)
+            return plain
+        values = [v for n in names for v in self.disk[n]["kv"]]
+        start, n = len(p.prefix_slot_ids), p.disk_tokens
+        taken = values[start - p.disk_start:start - p.disk_start + n]
+        assert [t for _, t in taken] == p.input_ids[:n], "disk runs of other tokens"
+        for slot, value in zip(p.new_slot_ids[:n], taken):
+            self.pool[slot] = value
+        last, end = self.disk[names[-1]], p.disk_start + len(values)
+        for i, w in enumerate(p.new_window_ids[:n]):
+            if w:
+                at = start + i - (end - len(last["tail"]))
+                assert 0 <= at < len(last["tail"]), "a window position the entry lacks"
+                self.wpool[w] = last["tail"][at]
+        if self.s.kv.needs_state:
+            assert start + n == end and p.disk_state_slot and "state" in last
+            self.states[p.disk_state_slot] = last["state"]
+        return replace(plain, input_ids=p.input_ids[n:], new_slot_ids=p.new_slot_ids[n:],
+                       prefix_slot_ids=p.prefix_slot_ids + p.new_slot_ids[:n],
+                       prefix_window_ids=(p.prefix_window_ids + p.new_window_ids[:n]
+                                          if p.new_window_ids else []),
+                       new_window_ids=p.new_window_ids[n:],
+                       state_from=p.disk_state_slot if self.s.kv.needs_state else p.state_from)
 
     def _check_state(self, p):
         """A recurrent model's prefill starts from the state its prefix ends at."""
