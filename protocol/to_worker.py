@@ -84,10 +84,6 @@ class PrefillInput:
     disk_state_slot: int = wire(Int(minimum=0), default=0)
 
     def check(self):
-        if self.disk_tokens and not (self.disk_runs and self.disk_tokens < len(self.input_ids)
-                                     and self.disk_start <= len(self.prefix_slot_ids)):
-            raise ProtocolError(f"prefill {self.rid}: disk_tokens needs disk_runs, a "
-                                "token left to compute and a start within the prefix")
         if not self.input_ids or len(self.input_ids) != len(self.new_slot_ids):
             raise ProtocolError(f"prefill {self.rid}: input_ids and new_slot_ids must be "
                                 "non-empty and of equal length")

@@ -54,6 +54,10 @@ def check_prefills(prefills: list[PrefillInput], running: list[int], pool: KVPoo
         pool.check_slots(p.new_slot_ids)
         _check_window_ids(p, pool)
         _check_state_slots(p, pool)
+        if p.disk_tokens and not (p.disk_runs and p.disk_tokens < len(p.input_ids) and
+                                  p.disk_start <= len(p.prefix_slot_ids)):
+            raise ValueError(f"prefill {p.rid}: disk_tokens needs disk_runs, a token left "
+                             "to compute and a first run starting within the prefix")
 
 
 def _check_window_ids(p: PrefillInput, pool: KVPool) -> None:

@@ -38,6 +38,8 @@ def example_wire(cls) -> list:
     fields = {name: example(kind) for name, kind in wire_fields(cls).items()}
     if "runs" in fields:   # tokens per row: one each keeps the two rows' tokens aligned
         fields["runs"] = [1, 1]
+    if "run" in fields and "slot_ids" in fields:   # a spill's run is as long as its tokens
+        fields["run"][2] = 2
     if "model_drafts" in fields:   # drafts come from the worker's draft model: none sent
         fields["model_drafts"], fields["decode_drafts"] = [2, 2], [[], []]
     return list(fields.values())

@@ -230,7 +230,8 @@ def good_sampling():
 
 
 def good_prefill():
-    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0, [], []]
+    return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0, [], [],
+            [], 0, 0, 0]
 
 
 def good_entry():
@@ -338,43 +339,43 @@ WRONG_TYPES = [
     (TokenBatch, good_batch(), 1, 0),
     (TokenBatch, good_batch(), 2, [1.5]),
     (TokenBatch, good_batch(), 3, ["x"]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 0, "1"),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 0, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 1, [True]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 1, "1"),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 2, [2.0]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [None]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [good_prefill() + [0]]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 0, "3")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 1, "ab")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 2, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 4, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 5, 1)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 5, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 6, -1)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 6, 1.0)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 6, True)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 6, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 6, "2")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 3, [replace(good_prefill(), 6, [2])]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 4, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], []], 4, [1.0]),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 0, 1.0),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 1, "1"),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 1, [None]),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 2, [2.0]),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 2, [False]),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 3, ["-0.5"]),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 3, [None]),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 3, -0.5),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 4, {"a": 1}),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 5, None),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 5, []),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 5, {}),
-    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), []], 5, good_timing()[:6]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 0, "1"),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 0, None),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 1, [True]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 1, "1"),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 2, [2.0]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, None),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [None]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [good_prefill() + [0]]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 0, "3")]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 1, "ab")]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 2, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 4, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 5, 1)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 5, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, -1)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, 1.0)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, True)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, "2")]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, [2])]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 4, None),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 4, [1.0]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 0, 1.0),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 1, "1"),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 1, [None]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 2, [2.0]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 2, [False]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 3, ["-0.5"]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 3, [None]),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 3, -0.5),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 4, {"a": 1}),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 5, None),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 5, []),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 5, {}),
+    (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 5, good_timing()[:6]),
     (WorkerError, [1, "m"], 0, "1"),
     (WorkerError, [1, "m"], 1, None),
     (WorkerError, [1, "m"], 1, 7),
@@ -385,13 +386,13 @@ SAMPLING_FIELD_BAD = [(0, "0.5"), (0, None), (0, True), (1, None), (1, [1.0]), (
                       (4, True), (5, 1.0), (5, None), (5, True), (12, 7), (12, ["g"])]
 WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 2,
                  replace(good_sampling(), i, v)) for i, v in SAMPLING_FIELD_BAD]
-WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], [], [], [], [], True, [], []], 3,
+WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], [], [], [], [], True, [], [], []], 3,
                  [replace(good_prefill(), 4, replace(good_sampling(), i, v))])
                 for i, v in SAMPLING_FIELD_BAD]
 # the worker's step timing: figures of the wrong type are refused, not left out
 TIMING_FIELD_BAD = [(0, "fast"), (0, None), (1, True), (1, "1"), (2, [0.5]), (3, None),
                     (4, 1), (4, None), (5, -1), (5, 1.5), (6, None)]
-WRONG_TYPES += [(StepResult, [1, [], [], [], None, good_timing(), []], 5,
+WRONG_TYPES += [(StepResult, [1, [], [], [], None, good_timing(), [], [], []], 5,
                  replace(good_timing(), i, v)) for i, v in TIMING_FIELD_BAD]
 # limits the scheduler and tokenizer size everything by: counts of at least 1 (KV bytes
 # per token and state slots may be 0: a model without attention or without state)
@@ -402,7 +403,7 @@ LIMITS_FIELD_BAD = [(0, 0), (0, -5), (0, "many"), (0, None), (1, 0), (2, 0), (2,
 WRONG_TYPES += [(WorkerReady, [LIMITS.to_wire()], 0, replace(LIMITS.to_wire(), i, v))
                 for i, v in LIMITS_FIELD_BAD]
 WRONG_TYPES += [(TokenBatch, good_batch(), 0, [replace(good_entry(), 5, usage)])
-                for usage in ([1, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0, -1], [-1, 0, 0], [1, 0.5, 0],
+                for usage in ([1, 0], [1, 0, 0, 0, 0, 0, 0], [1, 0, 0, -1], [-1, 0, 0], [1, 0.5, 0],
                               [1, 0, None],
                               {"prompt_tokens": 1, "completion_tokens": 0, "cached_tokens": 0})]
 
@@ -418,15 +419,15 @@ def test_wrong_field_types(cls, good, index, bad):
 # ---- cross-field checks --------------------------------------------------------------
 
 @pytest.mark.parametrize("fields", [
-    [1, [1, 2], [5], [-0.5, -0.5], None, good_timing(), []],
-    [1, [1, 2], [5, 6], [-0.5], None, good_timing(), []],
-    [1, [1], [5, 6], [-0.5, -0.5], None, good_timing(), []],
-    [1, [1, 2], [5, 6], [-0.5, -0.5], [None], good_timing(), []],
-    [1, [1], [5], [-0.5], [None, None], good_timing(), []],
-    [1, [], [], [], [None], good_timing(), []],
-    [1, [], [5], [], None, good_timing(), []],
-    [1, [1, 2], [5, 6, 7], [-0.5] * 3, None, good_timing(), [1, 1]],   # runs: 2 tokens
-    [1, [1, 2], [5, 6, 7], [-0.5] * 3, None, good_timing(), [3]],      # runs: 1 row
+    [1, [1, 2], [5], [-0.5, -0.5], None, good_timing(), [], [], []],
+    [1, [1, 2], [5, 6], [-0.5], None, good_timing(), [], [], []],
+    [1, [1], [5, 6], [-0.5, -0.5], None, good_timing(), [], [], []],
+    [1, [1, 2], [5, 6], [-0.5, -0.5], [None], good_timing(), [], [], []],
+    [1, [1], [5], [-0.5], [None, None], good_timing(), [], [], []],
+    [1, [], [], [], [None], good_timing(), [], [], []],
+    [1, [], [5], [], None, good_timing(), [], [], []],
+    [1, [1, 2], [5, 6, 7], [-0.5] * 3, None, good_timing(), [1, 1], [], []],   # runs: 2 tokens
+    [1, [1, 2], [5, 6, 7], [-0.5] * 3, None, good_timing(), [3], [], []],      # runs: 1 row
 ])
 def test_misaligned_step_result(fields):
     with pytest.raises(ProtocolError, match="aligned"):
@@ -439,7 +440,7 @@ def test_misaligned_step_result(fields):
 def test_drafts_must_align_with_their_slots_and_rows(drafts, slots):
     """(and draft window ids with the slots: test_draft_window_ids_align_with_slots)"""
     with pytest.raises(ProtocolError, match="draft"):
-        decode_as(Step, [Step.TAG, 1, [1], [2], [], [], [], drafts, slots, False, [], []])
+        decode_as(Step, [Step.TAG, 1, [1], [2], [], [], [], drafts, slots, False, [], [], []])
 
 
 @pytest.mark.parametrize("drafts,slots,counts", [
@@ -451,12 +452,12 @@ def test_drafts_must_align_with_their_slots_and_rows(drafts, slots):
 def test_model_drafts_align_with_their_slots_and_rows(drafts, slots, counts):
     with pytest.raises(ProtocolError, match="draft"):
         decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [], drafts, slots, False, [],
-                         counts])
+                         counts, []])
 
 
 def test_model_drafts_with_their_slots_are_accepted():
     step = decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [], [[], []],
-                            [[9, 10], []], False, [], [2, 0]])
+                            [[9, 10], []], False, [], [2, 0], []])
     assert step.has_drafts and step.model_drafts == [2, 0]
 
 
@@ -464,12 +465,12 @@ def test_model_drafts_with_their_slots_are_accepted():
 def test_draft_window_ids_align_with_slots(windows):
     with pytest.raises(ProtocolError, match="draft_window_ids"):
         decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [1, 1], [[5, 6], []],
-                         [[9, 10], []], False, windows, []])
+                         [[9, 10], []], False, windows, [], []])
 
 
 def test_aligned_step_result_with_top_logprobs_is_accepted():
     msg = decode_as(StepResult, [60, 4, [1, 2], [5, 6], [-1, -2.5], [None, [[6], [-2.5]]],
-                                 good_timing(), []])
+                                 good_timing(), [], [], []])
     assert msg.logprobs == [-1, -2.5] and msg.top_logprobs[0] is None
 
 
@@ -478,9 +479,9 @@ def test_aligned_step_result_with_top_logprobs_is_accepted():
 ])
 def test_prefill_lengths_must_match(input_ids, new_slot_ids):
     prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], [], 0, 0, 0,
-               [], []]
+               [], [], [], 0, 0, 0]
     with pytest.raises(ProtocolError, match="equal length"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
 
 
 @pytest.mark.parametrize("prefix_windows,new_windows", [
@@ -488,20 +489,20 @@ def test_prefill_lengths_must_match(input_ids, new_slot_ids):
 ])
 def test_prefill_window_ids_must_match_slot_ids(prefix_windows, new_windows):
     prefill = [3, [5, 6], [9], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0,
-               prefix_windows, new_windows]
+               prefix_windows, new_windows, [], 0, 0, 0]
     with pytest.raises(ProtocolError, match="window ids"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
 
 
 def test_decode_window_ids_must_match_rows():
     with pytest.raises(ProtocolError, match="decode_window_ids"):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [5, 6], [], [], [7], [], [], True, [], []])
+        decode_as(Step, [Step.TAG, 1, [1, 2], [5, 6], [], [], [7], [], [], True, [], [], []])
 
 
 @pytest.mark.parametrize("num_generated", [0, 1, 7, 2**31, 2**63 - 1])
 def test_prefill_num_generated_in_range_is_accepted(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], []])
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
     assert step.prefills[0].num_generated == num_generated
     assert step.prefills[0].to_wire() == prefill
 
@@ -509,7 +510,7 @@ def test_prefill_num_generated_in_range_is_accepted(num_generated):
 def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context():
     p = PrefillInput(3, [5], [], [10], SamplingParams())
     assert p.num_generated == 0 and p.needs_logits is True
-    assert p.to_wire()[6] == 0 and p.to_wire()[7:] == [[], [], [], 0, 0, 0, [], []]
+    assert p.to_wire()[6] == 0 and p.to_wire()[7:] == [[], [], [], 0, 0, 0, [], [], [], 0, 0, 0]
     assert RESUMED.to_wire()[6] == 2**40
 
 
@@ -517,14 +518,14 @@ def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context
 def test_prefill_negative_num_generated_is_rejected(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
     with pytest.raises(ProtocolError, match="num_generated"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
 
 
 def test_step_decode_rids_and_slots_must_match():
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [10], [], [], [], [], [], True, [], []])
+        decode_as(Step, [Step.TAG, 1, [1, 2], [10], [], [], [], [], [], True, [], [], []])
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [], [10], [], [], [], [], [], True, [], []])
+        decode_as(Step, [Step.TAG, 1, [], [10], [], [], [], [], [], True, [], [], []])
 
 
 def test_unknown_finish_reason():
@@ -545,7 +546,7 @@ def test_out_of_range_sampling_params(index, value):
                   [30, 1, [1], replace(good_sampling(), index, value), 4, [], []])
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
 
 
 @pytest.mark.parametrize("index,value", [
@@ -557,7 +558,7 @@ def test_in_range_sampling_params_are_accepted(index, value):
                     [30, 1, [1], replace(good_sampling(), index, value), 4, [], []])
     assert msg.sampling.to_wire()[index] == value
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], []])
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
     assert step.prefills[0].sampling.to_wire()[index] == value
 
 

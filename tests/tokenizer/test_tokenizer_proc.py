@@ -279,7 +279,7 @@ def test_stream_text_equals_the_full_decode(tok, client, llama_model, stop):
     assert chunks[-1].finish_reason == "length"
     assert chunks[-1].usage == {"prompt_tokens": len(req.input_ids),
                                 "completion_tokens": len(ids), "cached_tokens": 0,
-                                "pinned_tokens": 0, "accepted_tokens": 0}
+                                "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
     assert all(c.logprobs is None for c in chunks)
 
 
@@ -303,7 +303,8 @@ def test_generate_returns_one_result(tok, client, bg, llama_model):
     assert result.top_logprobs == [{t: lp, 3: -4.0} for t, lp in zip(ids, lps)]
     assert result.finish_reason == "stop" and result.error is None
     assert result.usage == {"prompt_tokens": len(req.input_ids), "completion_tokens": len(ids),
-                            "cached_tokens": 4, "pinned_tokens": 0, "accepted_tokens": 0}
+                            "cached_tokens": 4, "disk_tokens": 0, "pinned_tokens": 0,
+                            "accepted_tokens": 0}
 
     fut = bg.submit(client.generate, "Hello", max_tokens=50)       # no logprobs asked
     req = tok.take_request()
