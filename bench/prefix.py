@@ -10,12 +10,17 @@ SDK. Reports time to first token (p50, p90) and output throughput per setting.
                                                  # the cache is KV + state snapshots
     python -m bench.prefix --hybrid gemma3_text  # sliding windows: KV + window slots
     python -m bench.prefix --server-args "--decode-layout padded"   # the padded decode
+    python -m bench.prefix --restart       # the disk tier (--kv-disk): TTFT of a 4k-token
+                                           # prompt cold, from memory, and from disk after
+                                           # a restart (the default model, SmolLM2-135M)
 """
 
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
+import tempfile
 
 from bench.common import MlxdServer, bench_model, machine_summary, now, random_prompts, tokenizer_vocab
 
@@ -70,6 +75,68 @@ def run(model: str, prompts, gen_len: int, cache: bool, args) -> dict:
         server.stop()
 
 
+async def _ttft(address: str, prompt: list[int], warm: list[int]) -> tuple[float, dict]:
+    """(seconds to the first token of `prompt`, its usage), after a warm-up request."""
+    from mlxd.client import AsyncClient
+
+    async with AsyncClient(address, timeout=900) as c:
+        await c.generate(input_ids=warm, max_tokens=2, ignore_eos=True)
+        start, first, usage = now(), None, {}
+        async for chunk in c.stream(input_ids=prompt, max_tokens=2, ignore_eos=True):
+            if chunk.token_ids and first is None:
+                first = now() - start
+            usage = chunk.usage or usage
+    return first, usage
+
+
+def restart_run(model: str, prompt: list[int], warm: list[int], args) -> dict:
+    """TTFT of `prompt` on a fresh --kv-disk directory (cold), again (memory), and
+    after a restart on the same directory (disk)."""
+    folder = tempfile.mkdtemp(prefix="mlxd-bench-kv-")
+    flags = ["--kv-disk", folder, "--kv-capacity", str(3 * len(prompt)),
+             *args.server_args.split()]
+    try:
+        first = MlxdServer(model, *flags)
+        try:
+            cold, _ = asyncio.run(_ttft(first.address, prompt, warm))
+            memory, hit = asyncio.run(_ttft(first.address, prompt, warm))
+        finally:
+            first.stop()
+        second = MlxdServer(model, *flags)
+        try:
+            disk, read = asyncio.run(_ttft(second.address, prompt, warm))
+        finally:
+            second.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert read.get("disk_tokens", 0) > 0, read
+    return {"cold_s": cold, "memory_s": memory, "disk_s": disk,
+            "memory_cached": hit.get("cached_tokens", 0), "disk_cached": read["disk_tokens"]}
+
+
+def restart_main(args) -> None:
+    model = bench_model(args.model or "smollm2")
+    vocab = tokenizer_vocab(model)
+    runs = []
+    for k in range(args.repeats):   # a new prompt each time: the cold run is cold
+        prompt = random_prompts(1, args.restart_len, vocab, seed=100 + k)[0]
+        runs.append(restart_run(model, prompt, random_prompts(1, 8, vocab, seed=99)[0], args))
+    report = {"machine": machine_summary(), "model": model, "prompt": args.restart_len,
+              **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+    report["cold_over_disk"] = report["cold_s"] / report["disk_s"]
+    report["disk_over_memory"] = report["disk_s"] / report["memory_s"]
+    print(f"{args.restart_len}-token prompt, TTFT (median of {args.repeats}); "
+          f"{report['machine']}")
+    print(f"cold {report['cold_s']:.3f} s   memory hit {report['memory_s']:.3f} s "
+          f"({report['memory_cached']:.0f} cached)   disk hit after restart "
+          f"{report['disk_s']:.3f} s ({report['disk_cached']:.0f} from disk)")
+    print(f"cold / disk: {report['cold_over_disk']:.1f}x   disk / memory: "
+          f"{report['disk_over_memory']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -82,7 +149,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--hybrid", default=None, metavar="ARCH",
                     help="a tiny test model of this architecture (model_store.tiny.HYBRID_EXTRA)")
+    ap.add_argument("--restart", action="store_true",
+                    help="the disk tier: TTFT cold, from memory, from disk after a restart")
+    ap.add_argument("--restart-len", type=int, default=4000)
     args = ap.parse_args()
+    if args.restart:
+        return restart_main(args)
     model = hybrid_model(args.hybrid) if args.hybrid else bench_model(args.model)
     vocab = tokenizer_vocab(model)
     system = random_prompts(1, args.shared, vocab, seed=1)[0]

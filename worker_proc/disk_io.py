@@ -46,7 +46,7 @@ _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 SAMPLE = 64 * 1024           # bytes read at each sampled offset of a large weight file
 SAMPLES = 16
 WHOLE_FILE = 16 * 1024 * 1024   # smaller files are hashed whole
-CLOSE_FLUSH_SECONDS = 30.0
+CLOSE_FLUSH_SECONDS = 3.0   # within the launcher's grace at stop (then SIGKILL)
 
 
 def model_digest(path: str | os.PathLike) -> bytes:
