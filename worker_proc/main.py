@@ -113,7 +113,9 @@ def build_runner(cfg: WorkerConfig):
     pool_token_bytes = geometry.bytes_per_token - (windows.bytes_per_token if windows else 0)
     if draft is not None:   # the draft's KV sits at the same slots, in its own pool
         pool_token_bytes += draft[1].bytes_per_token
-    budget = kv_budget(limit, weights_bytes + state_bytes, max(1, pool_token_bytes),
+    # --kv-disk: spills wait for the writer in memory, up to this many bytes
+    disk_queue = min(256 << 20, max(32 << 20, limit // 16)) if flags.kv_disk else 0
+    budget = kv_budget(limit, weights_bytes + state_bytes + disk_queue, max(1, pool_token_bytes),
                        flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
                        capacity=flags.kv_capacity, windows=windows, page=page)
@@ -136,8 +138,8 @@ def build_runner(cfg: WorkerConfig):
                          overlap=not flags.disable_overlap,
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)
     if flags.kv_disk:
-        runner.disk = open_disk_tier(flags, pool, dequantize, group is not None or
-                                     drafter is not None)
+        runner.disk = open_disk_tier(flags, pool, dequantize, disk_queue,
+                                     refused=group is not None or drafter is not None)
     # measuring runs forwards (collectives, in a group) of rank 0's choosing: not there
     measured = runner.verifies_drafts and flags.speculative != "off" and \
         flags.spec_cost == "measured" and group is None
@@ -165,8 +167,10 @@ def build_runner(cfg: WorkerConfig):
     return runner, limits, group
 
 
-def open_disk_tier(flags: ServerFlags, pool, dequantize: bool, refused: bool):
-    """The disk tier over `--kv-disk` (disk_io.py). Refused (UnsupportedModel) for a
+def open_disk_tier(flags: ServerFlags, pool, dequantize: bool, queue_bytes: int,
+                   refused: bool):
+    """The disk tier over `--kv-disk` (disk_io.py), its writes queued up to
+    `queue_bytes` (reserved in the memory split). Refused (UnsupportedModel) for a
     worker group or beside a draft model, and when another server holds the
     directory."""
     from mlxd.runtime.kv_disk import KVDiskStore, StoreLocked
@@ -188,7 +192,7 @@ def open_disk_tier(flags: ServerFlags, pool, dequantize: bool, refused: bool):
         raise UnsupportedModel(f"--kv-disk: {exc}") from None
     log.info("kv disk: %s (%d entries, %.1f of %.1f GiB)", store.dir, len(store.index),
              store.nbytes / 2**30, max_bytes / 2**30)
-    return DiskIO(store, pool, queue_bytes=max(64 << 20, pool.nbytes // 4))
+    return DiskIO(store, pool, queue_bytes)
 
 
 def settings_digest(cfg: WorkerConfig) -> int:

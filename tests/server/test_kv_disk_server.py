@@ -280,3 +280,34 @@ def test_mlxd_cache_ls_and_clear(models, written, tmp_path):
     cleared = cache("clear", str(folder))
     assert cleared.returncode == 0 and f"removed {n} entries" in cleared.stdout
     assert entries(folder) == []
+
+
+def test_a_restarted_worker_reopens_the_directory_and_reads_it(models, tmp_path):
+    model, ids = models["plain"], ids_of(SHORT, seed=10)
+    server = disk_server(model, tmp_path / "kv")
+    try:
+        generate(server, ids)
+        old = server.child("worker_proc")
+        os.kill(old, signal.SIGKILL)   # its lock goes with it
+        assert wait_until(lambda: _new_worker(server, old), 120)
+        with Client(server.address, timeout=120) as c:
+            assert wait_until(lambda: _serves(c), 120)
+        result = generate(server, ids)
+    finally:
+        stopped(server)
+    assert result.usage["disk_tokens"] == result.usage["cached_tokens"] >= SHORT - 16 - 1
+    assert_exact(model, ids, result)
+
+
+def _new_worker(server: Server, old: int) -> bool:
+    try:
+        return server.child("worker_proc") != old
+    except LookupError:
+        return False
+
+
+def _serves(c: Client) -> bool:
+    try:
+        return c.generate(input_ids=[11, 12], max_tokens=1).finish_reason is not None
+    except Exception:
+        return False

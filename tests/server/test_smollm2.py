@@ -225,3 +225,40 @@ def test_the_default_model_and_a_second_model_behind_one_front_end(smollm2_folde
     ref = reference_tokens(llama_model, prompt, 8)
     got = tiny.choices[0].logprobs.token_logprobs
     assert len(got) == len(ref) and max(abs(a - b) for a, (_, b) in zip(got, ref)) < 1e-3
+
+
+def test_the_default_model_reads_a_long_chat_back_from_disk_after_a_restart(smollm2_folder,
+                                                                            tmp_path):
+    """`--kv-disk` on the default model through the openai client: a long system
+    prompt cached before a restart is read from disk after it, and the answer is
+    the one computed cold (and mlx_lm's)."""
+    import openai
+    from mlx_lm import stream_generate
+
+    env = {**os.environ, "MLXD_CACHE_DIR": str(default_cache_dir()), **NO_REGISTRY}
+    system = " ".join(f"Rule {k}: answer briefly and politely." for k in range(60))
+    messages = [{"role": "system", "content": system}, *chat(QUESTIONS[0])]
+    answers, usages = [], []
+    for _ in range(2):
+        server = Server("", "--kv-disk", str(tmp_path / "kv"), "--kv-capacity", "4096",
+                        "--log-level", "warning", env=env, ready_timeout=300)
+        try:
+            client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none",
+                                   max_retries=0)
+            reply = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
+                temperature=0)
+        finally:
+            server.stop()
+        answers.append(reply.choices[0].message.content)
+        usages.append(reply.usage)
+    model, tokenizer = load_model(str(smollm2_folder), dequantize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ref = tokenizer.decode([r.token for r in stream_generate(model, tokenizer, ids,
+                                                             max_tokens=MAX_TOKENS)
+                            if r.token not in tokenizer.eos_token_ids])
+    assert answers == [ref, ref]
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    details = usages[1].prompt_tokens_details
+    assert details.cached_tokens >= len(ids) - 16 - 1
+    assert details.model_extra["disk_cached_tokens"] == details.cached_tokens
