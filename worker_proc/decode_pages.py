@@ -43,6 +43,8 @@ from mlx_lm.models import base
 
 from mlxd.runtime.kv_layout import DECODE_PAGE
 
+from .kv_quant import KVFormat
+
 # mlx_lm's attention, taken before `install_hook` replaces the name anywhere
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 
@@ -60,14 +62,20 @@ class PageArena:
     back when its last holder frees it."""
 
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
-                 pages: int, page: int = DECODE_PAGE, max_pages: int = 0):
+                 pages: int, page: int = DECODE_PAGE, max_pages: int = 0,
+                 k_bits: int = 0, v_bits: int = 0):
+        """`k_bits`/`v_bits`: pages hold keys/values in MLX affine groups (0: float)."""
         self.num_leaves, self.heads, self.page = num_leaves, heads, page
         self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
+        self.k_format = KVFormat.of(dtype, k_bits, k_dim)
+        self.v_format = KVFormat.of(dtype, v_bits, v_dim)
         self.max_pages = max_pages   # 0: no limit
         self.pages = 0
-        self.keys: list[mx.array] = [mx.zeros((heads, 0, k_dim), dtype) for _ in range(num_leaves)]
-        self.values: list[mx.array] = [mx.zeros((heads, 0, v_dim), dtype)
-                                       for _ in range(num_leaves)]
+        # per leaf, the parts of its keys and of its values (kv_quant.py)
+        self.keys: list[list[mx.array]] = [self.k_format.zeros((heads, 0), k_dim)
+                                           for _ in range(num_leaves)]
+        self.values: list[list[mx.array]] = [self.v_format.zeros((heads, 0), v_dim)
+                                             for _ in range(num_leaves)]
         self._free: list[int] = []
         self._holders: dict[int, int] = {}   # page -> rows holding it
         self._grow(max(1, pages))
@@ -78,16 +86,16 @@ class PageArena:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return sum(a.nbytes for parts in self.keys + self.values for a in parts)
 
     def _grow(self, pages: int) -> None:
         """Room for `pages` pages (page 0 included beyond them)."""
         width = (pages + 1) * self.page
 
-        def grown(a: mx.array, dim: int) -> mx.array:
+        def grown(a: mx.array) -> mx.array:
             if a.shape[1] == width:   # grown already by a growth that failed midway
                 return a
-            new = mx.zeros((self.heads, width, dim), self.dtype)
+            new = mx.zeros((self.heads, width, a.shape[2]), a.dtype)
             if a.shape[1]:
                 new[:, :a.shape[1]] = a   # in place: the zeros' buffer is the result's
             mx.eval(new)
@@ -95,9 +103,10 @@ class PageArena:
 
         # one array at a time: the old arena is let go of as it is copied (at most
         # one old array beside the new arena)
-        for arrays, dim in ((self.keys, self.k_dim), (self.values, self.v_dim)):
-            for i in range(self.num_leaves):
-                arrays[i] = grown(arrays[i], dim)
+        for leaves in (self.keys, self.values):
+            for parts in leaves:
+                for j, a in enumerate(parts):
+                    parts[j] = grown(a)
         self._give_back(range(self.pages + 1, pages + 1))
         self.pages = pages
 
@@ -140,11 +149,12 @@ class PageArena:
         made the arena's width again (their contents no longer matter)."""
         width = (self.pages + 1) * self.page
 
-        def sized(a: mx.array, dim: int) -> mx.array:
-            return a if a.shape[1] == width else mx.zeros((self.heads, width, dim), self.dtype)
+        def sized(a: mx.array) -> mx.array:
+            return a if a.shape[1] == width else mx.zeros((self.heads, width, a.shape[2]),
+                                                          a.dtype)
 
-        self.keys = [sized(k, self.k_dim) for k in self.keys]
-        self.values = [sized(v, self.v_dim) for v in self.values]
+        self.keys = [[sized(a) for a in parts] for parts in self.keys]
+        self.values = [[sized(a) for a in parts] for parts in self.values]
         self._holders = {}
         self._free = list(range(self.pages, 0, -1))
 
@@ -164,15 +174,20 @@ class PageArena:
         `first` on, through pages first .. first + ceil(m / page) - 1: one slice per
         array, a copy of what is written."""
         start, m = first * self.page, keys.shape[1]
-        self.keys[leaf][:, start:start + m] = keys.astype(self.dtype)
-        self.values[leaf][:, start:start + m] = values.astype(self.dtype)
+        for stored, part in self._parts(leaf, keys, values):
+            stored[:, start:start + m] = part
 
     def write(self, leaf: int, heads: mx.array, rows: mx.array, keys: mx.array,
               values: mx.array) -> None:
         """Store `[n, dim]` keys/values at (head, row) pairs (MLX donates the
         buffer: the write costs the rows written)."""
-        self.keys[leaf][heads, rows] = keys.astype(self.dtype)
-        self.values[leaf][heads, rows] = values.astype(self.dtype)
+        for stored, part in self._parts(leaf, keys, values):
+            stored[heads, rows] = part
+
+    def _parts(self, leaf: int, keys: mx.array, values: mx.array):
+        """(stored array, its part of the new keys or values), for each part."""
+        return zip(self.keys[leaf] + self.values[leaf],
+                   self.k_format.encode(keys) + self.v_format.encode(values), strict=True)
 
 
 @dataclass(frozen=True)
@@ -226,21 +241,28 @@ def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
                  mx.array(mask), window)
 
 
-def paged_attention(queries: mx.array, keys: mx.array, values: mx.array, pairs: Pairs,
-                    page: int, scale: float, sinks: mx.array | None = None) -> mx.array:
+def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, scale: float,
+                    sinks: mx.array | None = None, k_format: KVFormat | None = None,
+                    v_format: KVFormat | None = None) -> mx.array:
     """Attention of L query positions per row `[B, Hq, L, D]` over the pairs' pages of
     an arena (`keys`/`values` `[Hkv, (pages + 1) * page, D]`; as `[Hkv * (pages + 1),
     page, D]`, a free reshape, matrix `head * (pages + 1) + page` is one head's
     page): `[B, Hq, L, Dv]`. A KV head's query rows are its g = Hq / Hkv query heads
-    x L positions, so each page is read once per row, whatever L is."""
+    x L positions, so each page is read once per row, whatever L is. With quantized
+    formats, `keys`/`values` are their parts and the pages are multiplied as stored
+    (`mx.gather_qmm`), never dequantized whole."""
     b, hq, slots, d = queries.shape
-    dv = values.shape[-1]
     heads = pairs.lhs.shape[0] // pairs.rows.shape[0]
     g, n = hq // heads, pairs.rows.shape[0]
+    k_format = k_format or KVFormat(keys.dtype)
+    v_format = v_format or KVFormat(values.dtype)
+    k_parts = keys if k_format.quantized else [keys]
+    v_parts = values if v_format.quantized else [values]
+    dv = v_parts[0].shape[-1] * (32 // v_format.bits if v_format.quantized else 1)
     # [B, Hkv * g, L, D] head-major: (row, kv head) rows of g x L queries, a free reshape
-    q = (queries * scale).astype(keys.dtype).reshape(b * heads, g * slots, d)
-    k = keys.reshape(-1, page, d).swapaxes(-1, -2)
-    scores = mx.gather_mm(q, k, pairs.lhs, pairs.rhs).astype(mx.float32)
+    q = (queries * scale).astype(k_format.dtype).reshape(b * heads, g * slots, d)
+    scores = _page_matmul(q, k_parts, k_format, page, pairs.lhs, pairs.rhs,
+                          transpose=True).astype(mx.float32)
     mask = pairs.mask.reshape(n, 1, 1, -1, page)
     scores = mx.where(mask, scores.reshape(n, heads, g, slots, page), -mx.inf)
     peak = mx.max(scores, axis=-1, keepdims=True)
@@ -249,12 +271,24 @@ def paged_attention(queries: mx.array, keys: mx.array, values: mx.array, pairs: 
     total = mx.sum(weights, axis=-1)
     lse = peak.squeeze(-1) + mx.log(mx.maximum(total, 1e-30))
     lse = mx.where(total > 0, lse, -mx.inf)
-    out = mx.gather_mm(weights.astype(values.dtype).reshape(n * heads, g * slots, page),
-                       values.reshape(-1, page, dv),
-                       mx.arange(n * heads, dtype=mx.uint32), pairs.rhs)
+    out = _page_matmul(weights.astype(v_format.dtype).reshape(n * heads, g * slots, page),
+                       v_parts, v_format, page, mx.arange(n * heads, dtype=mx.uint32),
+                       pairs.rhs, transpose=False)
     out = (out.astype(mx.float32).reshape(n, heads, g, slots, dv)
            / mx.maximum(total, 1e-30)[..., None])
     return _merge_rows(out, lse, pairs.rows, b, sinks).reshape(b, hq, slots, dv).astype(queries.dtype)
+
+
+def _page_matmul(x: mx.array, parts: list[mx.array], fmt: KVFormat, page: int,
+                 lhs: mx.array, rhs: mx.array, transpose: bool) -> mx.array:
+    """`x[lhs] @ page[rhs]` (`.T` with `transpose`) over an arena's pages, stored as
+    `parts` in `fmt`."""
+    pages = [a.reshape(-1, page, a.shape[-1]) for a in parts]
+    if not fmt.quantized:
+        w = pages[0].swapaxes(-1, -2) if transpose else pages[0]
+        return mx.gather_mm(x, w, lhs, rhs)
+    return mx.gather_qmm(x, *pages, lhs_indices=lhs, rhs_indices=rhs, transpose=transpose,
+                         group_size=fmt.group, bits=fmt.bits)
 
 
 def _merge_rows(out: mx.array, lse: mx.array, rows: mx.array, b: int,
@@ -331,15 +365,20 @@ class PagedLayerCache:
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.attended = True
-        if self.span is not None:
+        arena = self.arena
+        quantized = arena.k_format.quantized or arena.v_format.quantized
+        if self.span is not None and not quantized:   # quantized pages: always by pairs
             start, n = self.span
-            k = self.arena.keys[self.leaf][None, :, start:start + n]
-            v = self.arena.values[self.leaf][None, :, start:start + n]
+            k = arena.keys[self.leaf][0][None, :, start:start + n]
+            v = arena.values[self.leaf][0][None, :, start:start + n]
             mask = span_mask(n, queries.shape[2], self.pairs.window)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
                                                         sinks=sinks)
-        return paged_attention(queries, self.arena.keys[self.leaf], self.arena.values[self.leaf],
-                               self.pairs, self.arena.page, scale, sinks)
+        keys, values = arena.keys[self.leaf], arena.values[self.leaf]
+        return paged_attention(queries, keys if arena.k_format.quantized else keys[0],
+                               values if arena.v_format.quantized else values[0],
+                               self.pairs, arena.page, scale, sinks,
+                               arena.k_format, arena.v_format)
 
 
 # ---- the hook -------------------------------------------------------------

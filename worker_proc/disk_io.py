@@ -15,10 +15,11 @@ prefill that computes only the rest. A read that misses (no file, a damaged one:
 the store logs and removes it) leaves the prefill as it was: its tokens are
 computed, and the scheduler is told (`StepResult.disk_missed`).
 
-An entry's arrays: `k{layer}`/`v{layer}` the run's KV per pool layer (windowed
-layers of a window pool excepted), `wk{layer}`/`wv{layer}` a resumable run's window
-tail (the `window + 1` positions before its end), `s{leaf}.{i}` a resumable run's
-recurrent state at its end. Bytes are stored as same-sized unsigned ints (any
+An entry's arrays, as the pool stores them (kv_quant.py: float, or quantized
+parts): `kv{layer}.{i}` the run's KV per pool layer (the keys' parts, then the
+values'; windowed layers of a window pool excepted), `w{layer}.{i}` a resumable run's
+window tail (the `window + 1` positions before its end), `s{leaf}.{i}` a resumable
+run's recurrent state at its end. Bytes are stored as same-sized unsigned ints (any
 dtype, bfloat16 too, round-trips).
 """
 
@@ -163,14 +164,13 @@ class DiskIO:
         pool, out = self.pool, []
         slots = mx.array(spill.slot_ids, mx.int32)
         windows = mx.array(spill.window_ids, mx.int32) if spill.window_ids else None
-        for layer in range(pool.geometry.num_layers):
+        for layer in range(pool.geometry.num_layers):   # as stored (quantized or not)
             if pool.windowed(layer):
                 if windows is not None:
-                    keys, values = pool.read(layer, windows)
-                    out += [(f"wk{layer}", keys), (f"wv{layer}", values)]
+                    out += [(f"w{layer}.{i}", a)
+                            for i, a in enumerate(pool.read_raw(layer, windows))]
                 continue
-            keys, values = pool.read(layer, slots)
-            out += [(f"k{layer}", keys), (f"v{layer}", values)]
+            out += [(f"kv{layer}.{i}", a) for i, a in enumerate(pool.read_raw(layer, slots))]
         if spill.snapshot_slot and pool.states is not None:
             slot = mx.array([spill.snapshot_slot])
             for leaf in range(len(pool.states.arrays)):
@@ -282,17 +282,17 @@ class DiskIO:
             if pool.windowed(layer):
                 self._place_window(p, layer, named[-1], at, start, n)
                 continue
-            parts = {"k": [], "v": []}
-            for (first, entry), arrays in zip(runs, named):
-                lo, hi = max(start, first) - first, min(stop, first + len(entry.tokens)) - first
-                if hi > lo:
-                    for kind, pooled in (("k", pool.keys[layer]), ("v", pool.values[layer])):
-                        x = _get(arrays, f"{kind}{layer}", (len(entry.tokens), *pooled.shape[1:]))
-                        parts[kind].append(x[lo:hi])
-            keys, values = (mx.concatenate(parts[k]) if len(parts[k]) > 1 else parts[k][0]
-                            for k in ("k", "v"))
-            pool.write(layer, slots, keys.astype(pool.keys[layer].dtype),
-                       values.astype(pool.values[layer].dtype))
+            parts = []
+            for i, (shape, dtype) in enumerate(pool.raw_shapes(layer)):
+                pieces = []
+                for (first, entry), arrays in zip(runs, named):
+                    lo = max(start, first) - first
+                    hi = min(stop, first + len(entry.tokens)) - first
+                    if hi > lo:
+                        whole = _get(arrays, f"kv{layer}.{i}", (len(entry.tokens), *shape), dtype)
+                        pieces.append(whole[lo:hi])
+                parts.append(mx.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+            pool.write_raw(layer, slots, parts)
         return self._place_state(p, named[-1], at, stop)
 
     def _place_window(self, p: PrefillInput, layer: int, arrays: dict, end: int,
@@ -302,15 +302,18 @@ class DiskIO:
         rows = [i for i, w in enumerate(p.new_window_ids[:n]) if w]
         if not rows:
             return
-        keys = _get(arrays, f"wk{layer}", (None, *self.pool.keys[layer].shape[1:]))
-        values = _get(arrays, f"wv{layer}", (keys.shape[0], *self.pool.values[layer].shape[1:]))
-        first = end - keys.shape[0]
+        shapes = self.pool.raw_shapes(layer)
+        tail = [_get(arrays, f"w{layer}.{i}", (None, *shape), dtype)
+                for i, (shape, dtype) in enumerate(shapes)]
+        count = tail[0].shape[0]
+        if any(a.shape[0] != count for a in tail):
+            raise ValueError("window tail parts of different lengths")
+        first = end - count
         if start + rows[0] < first:
             raise ValueError("a window position the entry does not hold")
         index = mx.array([start + i - first for i in rows])
         ids = mx.array([p.new_window_ids[i] for i in rows], mx.int32)
-        self.pool.write(layer, ids, keys[index].astype(self.pool.keys[layer].dtype),
-                        values[index].astype(self.pool.values[layer].dtype))
+        self.pool.write_raw(layer, ids, [a[index] for a in tail])
 
     def _place_state(self, p: PrefillInput, arrays: dict, end: int, stop: int) -> bool:
         states = self.pool.states
@@ -365,13 +368,16 @@ def _name(run: DiskRun) -> str:
     return entry_name(run.parent, run.end, run.n_tokens, run.resumable)
 
 
-def _get(arrays: dict, name: str, shape: tuple | None = None) -> mx.array:
+def _get(arrays: dict, name: str, shape: tuple | None = None,
+         dtype: mx.Dtype | None = None) -> mx.array:
     """An entry's array by name; ValueError when it lacks it, or its shape is not
-    `shape` (None in `shape`: any size there)."""
+    `shape` (None in `shape`: any size there), or its dtype not `dtype`."""
     if name not in arrays:
         raise ValueError(f"the entry has no {name}")
     x = array_of(arrays[name])
     if shape is not None and (x.ndim != len(shape) or any(
             want is not None and got != want for got, want in zip(x.shape, shape))):
         raise ValueError(f"{name} has shape {tuple(x.shape)}, not {shape}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name} is {x.dtype}, not {dtype}")
     return x

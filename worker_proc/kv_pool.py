@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .batch_cache import CacheLayout
+from .kv_quant import KVFormat
 
 
 @dataclass(frozen=True)
@@ -32,15 +33,26 @@ class KVGeometry:
     layout: CacheLayout | None = None   # None: every layer a plain KV cache
     # per state leaf, per array: (shape without the row axis, dtype)
     state_shapes: tuple = ()
+    k_bits: int = 0   # stored keys and values in MLX affine groups (--kv-bits; 0: float)
+    v_bits: int = 0
 
     @property
     def cache_layout(self) -> CacheLayout:
         return self.layout or CacheLayout.all_kv(self.num_layers)
 
     @property
+    def k_format(self) -> KVFormat:
+        return KVFormat.of(self.dtype, self.k_bits, self.k_head_dim)
+
+    @property
+    def v_format(self) -> KVFormat:
+        return KVFormat.of(self.dtype, self.v_bits, self.v_head_dim)
+
+    @property
     def bytes_per_layer_token(self) -> int:
-        """KV of one token in one layer."""
-        return self.n_kv_heads * (self.k_head_dim + self.v_head_dim) * self.dtype.size
+        """Stored KV of one token in one layer (every store holds it alike)."""
+        return self.n_kv_heads * (self.k_format.token_bytes(self.k_head_dim) +
+                                  self.v_format.token_bytes(self.v_head_dim))
 
     @property
     def bytes_per_token(self) -> int:
@@ -115,7 +127,9 @@ def write_ids(slot_ids: list[int], window_ids: list[int]) -> WriteIds:
 
 class KVPool:
     """KV layers indexed by slot ids; with `window_capacity` > 0 and windowed layers
-    in the geometry's layout, those layers indexed by window ids instead."""
+    in the geometry's layout, those layers indexed by window ids instead. Each
+    layer's keys and values are lists of parts (kv_quant.py: one float array, or
+    quantized codes, scales, biases)."""
 
     def __init__(self, geometry: KVGeometry, capacity: int, state_slots: int = 0,
                  window_capacity: int = 0):
@@ -124,9 +138,10 @@ class KVPool:
         self.capacity = capacity
         self.window_capacity = window_capacity if g.max_window else 0
         self.window = g.max_window if self.window_capacity else 0
-        self.keys = [mx.zeros((self._rows(i), g.n_kv_heads, g.k_head_dim), g.dtype)
+        self.k_format, self.v_format = g.k_format, g.v_format
+        self.keys = [self.k_format.zeros((self._rows(i), g.n_kv_heads), g.k_head_dim)
                      for i in range(g.num_layers)]
-        self.values = [mx.zeros((self._rows(i), g.n_kv_heads, g.v_head_dim), g.dtype)
+        self.values = [self.v_format.zeros((self._rows(i), g.n_kv_heads), g.v_head_dim)
                        for i in range(g.num_layers)]
         self.states = StatePool(g, state_slots) if g.state_shapes else None
         mx.eval(self.keys, self.values)
@@ -145,7 +160,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return sum(a.nbytes for parts in self.keys + self.values for a in parts)
 
     @property
     def arrays(self) -> list:
@@ -167,8 +182,13 @@ class KVPool:
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store `[n, heads, dim]` keys/values at `slots` (an int32 array of n ids)."""
-        self.keys[layer][slots] = keys
-        self.values[layer][slots] = values
+        self.write_raw(layer, slots, self.k_format.encode(keys) + self.v_format.encode(values))
+
+    def write_raw(self, layer: int, slots: mx.array, parts: list[mx.array]) -> None:
+        """Store parts as `read_raw` gives them (keys' then values')."""
+        stored = self.keys[layer] + self.values[layer]
+        for target, part in zip(stored, parts, strict=True):
+            target[slots] = part
 
     def write_layers(self, kv: list[tuple[mx.array, mx.array]], ids: WriteIds,
                      rows: mx.array | None = None) -> None:
@@ -192,4 +212,14 @@ class KVPool:
         return ids.slots, None
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        return self.keys[layer][slots], self.values[layer][slots]
+        """Keys and values `[n, heads, dim]` at `slots`, as computed (dequantized)."""
+        return (self.k_format.decode([a[slots] for a in self.keys[layer]]),
+                self.v_format.decode([a[slots] for a in self.values[layer]]))
+
+    def read_raw(self, layer: int, slots: mx.array) -> list[mx.array]:
+        """The stored parts at `slots`: the keys' parts, then the values'."""
+        return [a[slots] for a in self.keys[layer] + self.values[layer]]
+
+    def raw_shapes(self, layer: int) -> list[tuple[tuple[int, ...], mx.Dtype]]:
+        """Each stored part's shape past the row axis, and its dtype."""
+        return [(tuple(a.shape[1:]), a.dtype) for a in self.keys[layer] + self.values[layer]]

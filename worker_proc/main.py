@@ -98,7 +98,7 @@ def build_runner(cfg: WorkerConfig):
     draft = load_draft(flags.draft_model, flags.dequantize, limit, model, tokenizer)
     weights_bytes = mx.get_active_memory()
     with local_stage(model):   # a pipeline stage probes its own layers
-        geometry = probe_geometry(model)
+        geometry = with_kv_bits(probe_geometry(model), flags)
         page = decode_page_for(model, geometry, flags.decode_layout)   # 0: padded
         vocab_size = probe_vocab_size(model)
     max_context = model_max_context(flags.model)
@@ -149,7 +149,7 @@ def build_runner(cfg: WorkerConfig):
         bytes_per_token=geometry.bytes_per_token,
         kv_pool_bytes=max(1, pool.nbytes + (drafter.pool.nbytes if drafter else 0)),
         weights_bytes=weights_bytes, buffer_cache_bytes=cache_bytes,
-        kv_dtype=str(geometry.dtype), device=str(mx.default_device()), blas=loaded_blas(),
+        kv_dtype=kv_format_name(geometry), device=str(mx.default_device()), blas=loaded_blas(),
         quantized=is_quantized(model), dequantize=dequantize,
         overlap=not flags.disable_overlap, state_slots=state_slots,
         tensor_parallel=cfg.ranks if flags.pp == 1 else 1, pipeline_parallel=flags.pp,
@@ -183,7 +183,7 @@ def open_disk_tier(flags: ServerFlags, pool, dequantize: bool, queue_bytes: int,
                                "yet (their KV is split between ranks or pools)")
     if hasattr(signal, "SIGXFSZ"):   # past a file-size limit a write fails (skipped), not us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    fprint = store_fingerprint(flags.model, str(pool.geometry.dtype),
+    fprint = store_fingerprint(flags.model, kv_format_name(pool.geometry),
                                f"dequantize={dequantize}")
     max_bytes = int(flags.kv_disk_max_gb * 2**30) or default_max_bytes(flags.kv_disk)
     try:
@@ -195,6 +195,31 @@ def open_disk_tier(flags: ServerFlags, pool, dequantize: bool, queue_bytes: int,
     return DiskIO(store, pool, queue_bytes)
 
 
+def with_kv_bits(geometry, flags: ServerFlags):
+    """The geometry with the stored KV's bits (--kv-bits, --kv-bits-k/-v); refused
+    (UnsupportedModel) where the bits or the model's head dimensions do not fit."""
+    from dataclasses import replace
+
+    from .decode import UnsupportedModel
+
+    bits = replace(geometry, k_bits=flags.kv_bits_k or flags.kv_bits,
+                   v_bits=flags.kv_bits_v or flags.kv_bits)
+    try:
+        bits.k_format, bits.v_format
+    except ValueError as exc:
+        raise UnsupportedModel(str(exc)) from None
+    return bits
+
+
+def kv_format_name(geometry) -> str:
+    """The stored KV's dtype, as reported (and fingerprinted for the disk tier)."""
+    k, v = geometry.k_format, geometry.v_format
+    name = str(geometry.dtype).removeprefix("mlx.core.")
+    if k.quantized or v.quantized:
+        name += f", keys {k.describe()}, values {v.describe()}"
+    return name
+
+
 def settings_digest(cfg: WorkerConfig) -> int:
     """What every rank of a group must share to run a Step alike (the same forwards,
     so the same collectives in the same order): the model's config and the flags
@@ -202,7 +227,8 @@ def settings_digest(cfg: WorkerConfig) -> int:
     flags = cfg.flags
     shared = [(Path(flags.model) / "config.json").read_text(), flags.decode_layout,
               flags.max_running_requests, flags.max_prefill_tokens, cfg.prefill_step_size,
-              flags.window_capacity, flags.preallocate_decode_pages, flags.pp]
+              flags.window_capacity, flags.preallocate_decode_pages, flags.pp,
+              flags.kv_bits, flags.kv_bits_k, flags.kv_bits_v]
     return zlib.crc32(json.dumps(shared).encode()) & 0x7FFFFFFF
 
 

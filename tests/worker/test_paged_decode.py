@@ -66,7 +66,7 @@ def arena_with(rows_kv, heads, dim, rng):
 
 def page_of(arena, leaf, p):
     """Page p of a leaf's keys: `[heads, page, dim]`."""
-    return np.asarray(arena.keys[leaf])[:, p * arena.page:(p + 1) * arena.page]
+    return np.asarray(arena.keys[leaf][0])[:, p * arena.page:(p + 1) * arena.page]
 
 
 @pytest.mark.parametrize("window", [0, 5, 13])
@@ -82,7 +82,7 @@ def test_paged_attention_matches_dense_attention(window, heads, sinks):
     q = mx.random.normal((len(lengths), hq, 1, dim))
     sink = mx.random.normal((hq,)) if sinks else None
     pairs = step_pairs(tables, lengths, arena, window)
-    got = paged_attention(q, arena.keys[0], arena.values[0], pairs, PAGE, 0.25, sink)
+    got = paged_attention(q, arena.keys[0][0], arena.values[0][0], pairs, PAGE, 0.25, sink)
     want = dense_reference(q, [k for k, _ in rows_kv], [v for _, v in rows_kv], 0.25, window,
                            None if sink is None else np.asarray(sink))
     assert got.shape == (len(lengths), hq, 1, dim)
@@ -109,8 +109,8 @@ def test_the_cache_writes_the_new_position_where_the_batch_says():
     cache = PagedLayerCache(arena, 1, mx.array([5]), at, pairs)
     k, v = mx.ones((1, 2, 1, 4)), 2 * mx.ones((1, 2, 1, 4))
     assert cache.update_and_fetch(k, v) == (k, v)
-    assert (page_of(arena, 1, 3)[:, 5] == 1).all() and np.asarray(arena.keys[1]).sum() == 2 * 4
-    assert np.asarray(arena.keys[0]).sum() == 0   # another layer untouched
+    assert (page_of(arena, 1, 3)[:, 5] == 1).all() and np.asarray(arena.keys[1][0]).sum() == 2 * 4
+    assert np.asarray(arena.keys[0][0]).sum() == 0   # another layer untouched
     assert cache.make_mask(1, window_size=4) is None
 
 
@@ -214,7 +214,7 @@ def test_the_arena_grows_one_array_at_a_time():
     """A growth copies the arena: the old arrays are let go of one by one, so the
     peak is the new arena and at most one old array, not both arenas."""
     arena = PageArena(4, 4, 16, 16, mx.float32, 64, PAGE)
-    one_old = arena.keys[0].nbytes
+    one_old = arena.keys[0][0].nbytes
     mx.reset_peak_memory()
     before = mx.get_active_memory() - arena.nbytes
     arena.allocate(arena.num_free + 1)   # doubles
@@ -275,7 +275,7 @@ def test_several_queries_per_row_attend_causally(window, heads, sinks):
     q = mx.random.normal((len(lengths), hq, max(queries), dim))
     sink = mx.random.normal((hq,)) if sinks else None
     pairs = step_pairs(tables, lengths, arena, window, queries)
-    got = paged_attention(q, arena.keys[0], arena.values[0], pairs, PAGE, 0.25, sink)
+    got = paged_attention(q, arena.keys[0][0], arena.values[0][0], pairs, PAGE, 0.25, sink)
     want = dense_reference(q, [k for k, _ in rows_kv], [v for _, v in rows_kv], 0.25, window,
                            None if sink is None else np.asarray(sink), queries)
     assert_matches(got, want, queries)
@@ -339,14 +339,14 @@ def test_the_cache_writes_every_new_position_of_every_row():
     k = mx.random.normal((2, heads, slots, dim))
     v = mx.random.normal((2, heads, slots, dim))
     assert cache.update_and_fetch(k, v) == (k, v)
-    keys, values = np.asarray(arena.keys[1]), np.asarray(arena.values[1])
+    keys, values = np.asarray(arena.keys[1][0]), np.asarray(arena.values[1][0])
     for r, (table, n) in enumerate(zip(tables, lengths)):
         for j, p in enumerate(range(n - slots, n)):
             row = table[p // PAGE] * PAGE + p % PAGE
             assert np.array_equal(keys[:, row], np.asarray(k[r, :, j]))
             assert np.array_equal(values[:, row], np.asarray(v[r, :, j]))
     assert np.count_nonzero(keys.any(-1)) == 2 * heads * slots   # nothing else written
-    assert not np.asarray(arena.keys[0]).any()                    # another layer untouched
+    assert not np.asarray(arena.keys[0][0]).any()                    # another layer untouched
     # row 0's earlier positions, then attend: what was written is what is read
     early = mx.random.normal((heads, PAGE + 1 - slots, dim))
     arena.write_run(1, 5, early, early)
