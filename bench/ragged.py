@@ -20,6 +20,7 @@ per call); overlap is off, so a step's time is its compute. Runs in a child proc
 with the worker's BLAS (bench/common.py blas_env).
 
     python -m bench.ragged --layouts paged,padded
+    python -m bench.ragged --layouts paged,paged:kv8 --cases ragged   # --kv-bits 8 vs float
 """
 
 import argparse
@@ -46,6 +47,7 @@ class Driver:
     """Books slots and sends Steps to one ModelRunner, like the scheduler."""
 
     def __init__(self, model, capacity: int, layout: str):
+        """`layout`: a decode layout, `:kvN` after it storing KV in N bits."""
         from mlxd.worker_proc.kv_pool import KVPool
         from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 
@@ -54,7 +56,11 @@ class Driver:
         from mlxd.runtime.kv_layout import decode_cache_budget
         from mlxd.worker_proc.memory import buffer_cache_bytes
 
-        geometry = probe_geometry(model)
+        from dataclasses import replace
+
+        layout, _, kv = layout.partition(":kv")
+        bits = int(kv) if kv else 0
+        geometry = replace(probe_geometry(model), k_bits=bits, v_bits=bits)
         self.runner = runner_for(model, KVPool(geometry, capacity), decode_layout=layout)
         page = self.runner.decode_page   # MLX's buffer cache set as the worker sets it
         mx.set_cache_limit(buffer_cache_bytes(page, decode_cache_budget(capacity, 64, page),
@@ -171,7 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the bench model with an 8k context")
     ap.add_argument("--cases", default="ragged,join")
-    ap.add_argument("--layouts", default="paged,padded", help="decode layouts to measure")
+    ap.add_argument("--layouts", default="paged,padded",
+                    help="decode layouts to measure; `paged:kv8`: in pages of 8-bit KV")
     ap.add_argument("--repeats", type=int, default=8, help="timed steps per figure")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -192,6 +199,14 @@ def main() -> None:
         for layout, r in result.get(case, {}).items():
             times = ", ".join(f"{k} {v} ms" for k, v in r.items() if k.endswith("_ms"))
             print(f"{case} ({layout}): ratio {r['ratio']} (target {goal}); median {times}")
+    for case in ("ragged", "join"):   # stored KV in 8 bits against float, in this run
+        runs = result.get(case, {})
+        for layout in [name for name in runs if ":kv" in name]:
+            base = runs.get(layout.partition(":kv")[0])
+            if base:
+                ratios = {k: round(runs[layout][k] / base[k], 3)
+                          for k in base if k.endswith("_ms")}
+                print(f"{case}: {layout} over {layout.partition(':kv')[0]} step time {ratios}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -177,12 +177,14 @@ def start_system(system: str, model: str, args):
         return MlxdProcess(model, shlex.split(args.mlxd_args))
     if system == "mlxd_padded":
         return MlxdProcess(model, shlex.split(args.mlxd_args) + ["--decode-layout", "padded"])
+    if system == "mlxd_kv8":
+        return MlxdProcess(model, shlex.split(args.mlxd_args) + ["--kv-bits", "8"])
     return MlxLmProcess(model, shlex.split(args.mlx_lm_args))
 
 
 async def drive_system(system: str, proc, traces: list[Trace], args, codecs: PromptCodecs,
                        warm_prompt: str, progress) -> dict:
-    driver = (proc.driver(args.timeout) if system in ("mlxd", "mlxd_padded") else
+    driver = (proc.driver(args.timeout) if system in ("mlxd", "mlxd_padded", "mlxd_kv8") else
               proc.http_driver(args.timeout) if system == "mlxd_http" else
               proc.driver(args.timeout, codecs.mlx_lm_eos_ids))
     out = {}
@@ -262,6 +264,9 @@ def trace_result(trace: Trace, runs: dict[str, dict]) -> dict:
     if all("metrics" in systems.get(s, {}) for s in ("mlxd_http", "mlxd")):
         result["http_over_sdk"] = ratios(systems["mlxd_http"]["metrics"],
                                          systems["mlxd"]["metrics"])
+    if all("metrics" in systems.get(s, {}) for s in ("mlxd_kv8", "mlxd")):
+        result["kv8_over_float"] = ratios(systems["mlxd_kv8"]["metrics"],
+                                          systems["mlxd"]["metrics"])
     if all("metrics" in systems.get(s, {}) for s in ("mlxd", "mlxd_padded")):
         result["paged_over_padded"] = ratios(systems["mlxd"]["metrics"],
                                              systems["mlxd_padded"]["metrics"])
@@ -311,9 +316,10 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None,
                     help="model folder, or 'smollm2'; default: the ~40M bench model, 8k context")
     ap.add_argument("--systems", type=_csv(str), default=["mlxd", "mlx_lm", "mlxd_http"],
-                    help="comma-separated: mlxd,mlx_lm,mlxd_http,mlxd_padded (default the "
-                         "first three; mlxd_http is mlxd through its HTTP API, mlxd_padded "
-                         "mlxd with --decode-layout padded)")
+                    help="comma-separated: mlxd,mlx_lm,mlxd_http,mlxd_padded,mlxd_kv8 (default "
+                         "the first three; mlxd_http is mlxd through its HTTP API, "
+                         "mlxd_padded mlxd with --decode-layout padded, mlxd_kv8 mlxd with "
+                         "--kv-bits 8)")
     ap.add_argument("--traces", type=_csv(str), default=list(KINDS),
                     help=f"comma-separated kinds to generate: {','.join(KINDS)}")
     ap.add_argument("--trace", action="append", default=[],

@@ -1,0 +1,127 @@
+"""--kv-bits through the real server, against mlx_lm: the pool's capacity under one
+memory limit, greedy agreement on a plain, a sliding-window and a recurrent model
+(alone, batched, a prefix hit, a chunked prompt), retraction on a small pool, and the
+disk tier keeping quantized entries apart from float ones."""
+
+import asyncio
+import random
+from dataclasses import replace
+
+import pytest
+
+from mlxd.client import AsyncClient, Client
+from mlxd.model_store.tiny import build_tiny_model, hybrid_spec
+from support import Server, reference_tokens
+
+MAX_TOKENS = 24
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, llama_model):
+    root = tmp_path_factory.mktemp("kv-bits-models")
+    return {"plain": llama_model,
+            **{kind: str(build_tiny_model(root / kind, replace(hybrid_spec(arch))))
+               for kind, arch in (("window", "gemma3_text"), ("hybrid", "qwen3_next"))}}
+
+
+def agreement(model: str, ids: list[int], result) -> int:
+    """How many leading tokens equal mlx_lm's (float KV); their logprobs must be
+    close to mlx_lm's."""
+    ref = reference_tokens(model, ids, MAX_TOKENS, ignore_eos=True)
+    same = 0
+    for token, (want, _) in zip(result.token_ids, ref):
+        if token != want:
+            break
+        same += 1
+    assert max((abs(a - b) for a, (_, b) in zip(result.logprobs[:same], ref)),
+               default=0.0) < 0.25
+    return same
+
+
+def test_capacity_under_one_memory_limit(llama_model):
+    capacity = {}
+    for bits in ("0", "8"):
+        server = Server(llama_model, "--kv-bits", bits, "--mem-limit-gb", "0.75",
+                        "--max-running-requests", "512", "--log-level", "warning")
+        try:
+            with Client(server.address) as c:
+                worker = c.stats()["worker"]
+        finally:
+            server.stop()
+        capacity[bits] = worker["kv_capacity"]
+        assert ("8-bit" in worker["kv_dtype"]) == (bits == "8")
+    assert capacity["8"] >= 1.9 * capacity["0"]
+
+
+@pytest.mark.parametrize("kind,bits,whole", [
+    ("plain", ("--kv-bits", "8"), 8), ("plain", ("--kv-bits-k", "8", "--kv-bits-v", "4"), 5),
+    ("window", ("--kv-bits", "8"), 8), ("hybrid", ("--kv-bits", "8"), 8)])
+def test_greedy_output_agrees_with_float_kv(models, kind, bits, whole):
+    """Of 9 requests, at least `whole` agree on all 24 tokens (4-bit values drift
+    sooner), every one on the first 12."""
+    model = models[kind]
+    repeated = ids_of(320, seed=1)   # in chunks of 256: a snapshot at 256 (hybrid)
+    prompts = [ids_of(40 + 30 * k, seed=10 + k) for k in range(6)] + [
+        repeated, repeated, ids_of(700, seed=4)]
+    server = Server(model, *bits, "--kv-capacity", "8192", "--chunked-prefill-size", "256",
+                    "--log-level", "warning")
+    try:
+        async def run_all():
+            async with AsyncClient(server.address, timeout=300) as c:
+                batched = await asyncio.gather(*(
+                    c.generate(input_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True,
+                               logprobs=True) for p in prompts[:6]))
+                alone = [await c.generate(input_ids=p, max_tokens=MAX_TOKENS,
+                                          ignore_eos=True, logprobs=True) for p in prompts[6:]]
+                return batched + alone
+        results = asyncio.run(run_all())
+    finally:
+        server.stop()
+    assert results[7].usage["cached_tokens"] >= 256   # read back from the quantized pool
+    agreed = [agreement(model, ids, r) for ids, r in zip(prompts, results)]
+    assert sum(n == MAX_TOKENS for n in agreed) >= whole, agreed
+    assert min(agreed) >= MAX_TOKENS // 2, agreed
+
+
+def test_retraction_on_a_small_quantized_pool(llama_model):
+    server = Server(llama_model, "--kv-bits", "8", "--kv-capacity", "640",
+                    "--max-running-requests", "12", "--log-level", "warning")
+    prompts = [ids_of(60 + 7 * i, seed=40 + i) for i in range(12)]
+    try:
+        async def flood():
+            async with AsyncClient(server.address, timeout=300) as c:
+                results = await asyncio.gather(*(
+                    c.generate(input_ids=p, max_tokens=120, ignore_eos=True, logprobs=True)
+                    for p in prompts))
+                return results, await c.stats()
+        results, stats = asyncio.run(flood())
+    finally:
+        server.stop()
+    assert stats["retractions"] > 0
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 120 for r in results)
+    assert stats["used_slots"] == 0 and stats["free_slots"] + stats["cached_slots"] == 640
+    ref = [reference_tokens(llama_model, p, 120, ignore_eos=True) for p in prompts]
+    firsts = [next((i for i, (a, (b, _)) in enumerate(zip(r.token_ids, want)) if a != b), 120)
+              for r, want in zip(results, ref)]
+    assert sum(f >= 64 for f in firsts) >= 0.9 * len(prompts), firsts
+
+
+def test_the_disk_tier_keeps_quantized_entries_apart(llama_model, tmp_path):
+    ids = ids_of(600, seed=50)
+    usage = {}
+    for name, bits in (("q", "8"), ("q again", "8"), ("float", "0")):
+        server = Server(llama_model, "--kv-bits", bits, "--kv-disk", str(tmp_path / "kv"),
+                        "--kv-capacity", "4096", "--log-level", "warning")
+        try:
+            with Client(server.address, timeout=120) as c:
+                usage[name] = c.generate(input_ids=ids, max_tokens=4).usage
+        finally:
+            server.stop()
+    assert usage["q"]["disk_tokens"] == 0 and usage["q again"]["disk_tokens"] >= 576
+    assert usage["float"]["disk_tokens"] == 0   # another fingerprint: not read
+    assert len([p for p in (tmp_path / "kv").iterdir() if p.is_dir()]) == 2
