@@ -172,9 +172,9 @@ class ServerFlags:
         shown="0 (half the free space)", minimum=0)
     kv_bits: int = flag(
         0, "hold stored KV (the pool, the window pool, the decode pages) in MLX affine "
-        "groups of this many bits, 8 or 4: 8-bit holds about 3.5x the tokens of float32 "
-        "KV (1.9x of float16), at a small cost in agreement with float KV; decode attends "
-        "the quantized pages directly (docs/design/kv_tiers.md); 0: as computed",
+        "groups of 32 values at this many bits, 8 or 4: 8-bit holds 3.2x the tokens of "
+        "float32 KV (1.8x of float16), at a cost in decode speed and in agreement with "
+        "float KV (README); decode attends the quantized pages directly; 0: as computed",
         (WORKER,), shown="0 (float)", minimum=0)
     kv_bits_k: int = flag(
         0, "the keys' bits, overriding `--kv-bits` (keys are the more sensitive: e.g. "
