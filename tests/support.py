@@ -266,3 +266,20 @@ def send_raw_garbage(address: str) -> None:
                 raw.sendall(b"\xff" + bytes(8) + b"\x7f" + rng.randbytes(size))
             except OSError:   # the peer may drop it part way: that is the point
                 pass
+
+
+def flood(address: str, prompts: list[list[int]], max_tokens: int) -> tuple[list, dict]:
+    """Every prompt at once through the async SDK (greedy, ignore_eos, logprobs): the
+    results in order, and the server's stats after."""
+    import asyncio
+
+    from mlxd.client import AsyncClient
+
+    async def run():
+        async with AsyncClient(address, timeout=300) as c:
+            results = await asyncio.gather(*(
+                c.generate(input_ids=p, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
+                for p in prompts))
+            return results, await c.stats()
+    return asyncio.run(run())
+

@@ -287,7 +287,7 @@ def meta(args, model: str, codecs: PromptCodecs) -> dict:
 
 def ignore_eos_note(codecs: PromptCodecs) -> dict:
     return {"mlxd": "ignore_eos=true", "mlxd_http": "ignore_eos: true",
-            "mlxd_padded": "ignore_eos=true",
+            "mlxd_padded": "ignore_eos=true", "mlxd_kv8": "ignore_eos=true",
             "mlx_lm": f"logit_bias {EOS_BIAS:g} on the EOS ids {codecs.mlx_lm_eos_ids} "
                       "(mlx_lm.server has no ignore_eos)"}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.serving.metrics import METRICS, itl_samples, winner
 
 LABELS = {"mlxd": "mlxd", "mlx_lm": "mlx_lm.server", "mlxd_http": "mlxd (HTTP)",
-          "mlxd_padded": "mlxd (padded)",
+          "mlxd_padded": "mlxd (padded)", "mlxd_kv8": "mlxd (--kv-bits 8)",
           "tie": "tie"}
 
 

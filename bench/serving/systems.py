@@ -29,7 +29,7 @@ from bench.common import MlxdServer, blas_env
 
 EOS_BIAS = -1e9
 CONNECT_RETRIES = 8
-SYSTEMS = ("mlxd", "mlx_lm", "mlxd_http", "mlxd_padded")
+SYSTEMS = ("mlxd", "mlx_lm", "mlxd_http", "mlxd_padded", "mlxd_kv8")
 # mlxd_padded: mlxd through its SDK with `--decode-layout padded` (the decode layout
 # the paged one replaced), for the before/after comparison in one run
 
@@ -76,7 +76,7 @@ class PromptCodecs:
 
     def text_ids(self, prompt: str) -> dict[str, list[int]]:
         ids = self.mlxd.encode_prompt(prompt)
-        return {"mlxd": ids, "mlxd_http": ids, "mlxd_padded": ids,
+        return {"mlxd": ids, "mlxd_http": ids, "mlxd_padded": ids, "mlxd_kv8": ids,
                 "mlx_lm": self.mlx_lm.encode(prompt)}
 
     def chat_ids(self, messages: list[dict]) -> dict[str, list[int]]:
@@ -84,7 +84,8 @@ class PromptCodecs:
         theirs = self.mlx_lm.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=True, tools=None, tokenize=True)
         ids = self.mlxd.encode_chat(messages)
-        return {"mlxd": ids, "mlxd_http": ids, "mlxd_padded": ids, "mlx_lm": list(theirs)}
+        return {"mlxd": ids, "mlxd_http": ids, "mlxd_padded": ids, "mlxd_kv8": ids,
+                "mlx_lm": list(theirs)}
 
 
 # ---- clients --------------------------------------------------------------------

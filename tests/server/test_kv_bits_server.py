@@ -11,7 +11,7 @@ import pytest
 
 from mlxd.client import AsyncClient, Client
 from mlxd.model_store.tiny import build_tiny_model, hybrid_spec
-from support import Server, reference_tokens
+from support import Server, flood, reference_tokens
 
 MAX_TOKENS = 24
 
@@ -93,13 +93,7 @@ def test_retraction_on_a_small_quantized_pool(llama_model):
                     "--max-running-requests", "12", "--log-level", "warning")
     prompts = [ids_of(60 + 7 * i, seed=40 + i) for i in range(12)]
     try:
-        async def flood():
-            async with AsyncClient(server.address, timeout=300) as c:
-                results = await asyncio.gather(*(
-                    c.generate(input_ids=p, max_tokens=120, ignore_eos=True, logprobs=True)
-                    for p in prompts))
-                return results, await c.stats()
-        results, stats = asyncio.run(flood())
+        results, stats = flood(server.address, prompts, 120)
     finally:
         server.stop()
     assert stats["retractions"] > 0

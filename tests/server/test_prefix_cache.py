@@ -6,7 +6,7 @@ import random
 import pytest
 
 from mlxd.client import AsyncClient, Client, MlxdError
-from support import Server, reference_tokens
+from support import Server, flood, reference_tokens
 
 MAX_TOKENS = 16
 VOCAB = 500   # the tiny test models' tokenizers have 512 tokens
@@ -118,14 +118,7 @@ def test_a_flood_on_a_small_cache_completes_by_retraction(llama_model):
                     "--mem-limit-gb", "2", "--log-level", "warning")
     prompts = [random_ids(60 + 7 * i, seed=40 + i) for i in range(12)]
     try:
-        async def flood():
-            async with AsyncClient(server.address, timeout=300) as c:
-                results = await asyncio.gather(*(
-                    c.generate(input_ids=p, max_tokens=120, ignore_eos=True, logprobs=True)
-                    for p in prompts))
-                return results, await c.stats()
-
-        results, stats = asyncio.run(flood())
+        results, stats = flood(server.address, prompts, 120)
     finally:
         server.stop()
     assert stats["retractions"] > 0
