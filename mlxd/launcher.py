@@ -287,11 +287,13 @@ class Launcher:
                                                entry.replicas)
         else:   # an equal share of the limit for every model and replica
             worker_flags = memory_share(flags, len(self.catalog.entries) * entry.replicas)
-        for _ in range(entry.replicas):
+        engines = sum(e.replicas for e in self.catalog.entries)
+        for replica in range(entry.replicas):
             index = self._engine_count
             self._engine_count += 1
-            self.engines.append(self._engine(index, flags, worker_flags, self._ipc("engines"),
-                                             f"engine{index}", entry.name, on_demand))
+            self.engines.append(self._engine(
+                index, flags, engine_disk(worker_flags, engines, entry.name, replica),
+                self._ipc("engines"), f"engine{index}", entry.name, on_demand))
 
     def start_engine(self, model: str, draft_model: str = "") -> None:
         """`mlxd engine`: one engine joining the front end at `--join`."""
@@ -629,6 +631,16 @@ def _raise_stop(signum, _frame):
     raise _Stop(signal.Signals(signum).name)
 
 
+def engine_disk(flags: ServerFlags, engines: int, model: str, replica: int) -> ServerFlags:
+    """With --kv-disk and several engines: a directory of its own for each (one server
+    per directory), named by its model and replica, so a restart or a reload finds
+    its entries again."""
+    if not flags.kv_disk or engines == 1:
+        return flags
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return dataclasses.replace(flags, kv_disk=os.path.join(flags.kv_disk, f"{name}-{replica}"))
+
+
 def models_command(argv: list[str]) -> int:
     """`mlxd models`: the models already here; `mlxd pull ID`: fetch one, print its path."""
     import argparse
@@ -695,9 +707,6 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     try:
-        if cfg.kv_disk and (cfg.dp > 1 or len(models) > 1 or cfg.models):
-            raise ChildFailure("--kv-disk serves one engine: with --dp or several models, "
-                               "each engine would need its own directory")
         if cfg.group_ranks > 1 and cfg.draft_model:
             raise ChildFailure(f"--draft-model is not served by a {split_flags(cfg)} group "
                                "yet")

@@ -401,10 +401,14 @@ def _remove(path: Path) -> None:
 # ---- `mlxd cache ls|clear DIR` ----------------------------------------------------
 
 def summary(root: str | os.PathLike) -> list[tuple[str, int, int, int]]:
-    """Per fingerprint folder of `root`: (fingerprint, entries, tokens, bytes), read
-    from the names and sizes only."""
+    """Per fingerprint folder of `root` (and of the engine folders inside it, one per
+    engine of a server with several: `ENGINE/FINGERPRINT`): (fingerprint, entries,
+    tokens, bytes), read from the names and sizes only."""
     out = []
     for folder in sorted(p for p in Path(root).iterdir() if p.is_dir()):
+        if (folder / LOCK_NAME).exists():   # an engine's own store
+            out += [(f"{folder.name}/{name}", *rest) for name, *rest in summary(folder)]
+            continue
         entries = tokens = nbytes = 0
         for item in os.scandir(folder):
             parsed = parse_name(item.name)
@@ -416,13 +420,16 @@ def summary(root: str | os.PathLike) -> list[tuple[str, int, int, int]]:
 
 
 def clear_all(root: str | os.PathLike) -> int:
-    """Remove every entry of every fingerprint under `root` (StoreLocked while a
-    server holds it); how many there were."""
+    """Remove every entry of every fingerprint under `root`, and under the engine
+    folders inside it (StoreLocked while a server holds any); how many there were."""
     root = Path(root)
     lock = _take_lock(root / LOCK_NAME)
     try:
         removed = 0
         for folder in [p for p in root.iterdir() if p.is_dir()]:
+            if (folder / LOCK_NAME).exists():
+                removed += clear_all(folder)
+                continue
             for item in os.scandir(folder):
                 if parse_name(item.name) is not None or item.name.endswith(".tmp"):
                     _remove(Path(item.path))

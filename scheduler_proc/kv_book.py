@@ -29,6 +29,9 @@ Pins (Anthropic's cache_control): once the tree holds a request's prefix up to a
 pin's offset, the path is pinned for the pin's TTL (`take_pins`), so eviction takes
 other KV first; at most `max_pinned` slots are pinned at once (a pin that would pass
 it is refused and counted, the request runs as it would have).
+
+With a disk tier (`disk`, disk_tier.py), every new KV the tree takes is also planned
+for writing to disk (`cache_progress`).
 """
 
 import time

@@ -311,3 +311,25 @@ def _serves(c: Client) -> bool:
         return c.generate(input_ids=[11, 12], max_tokens=1).finish_reason is not None
     except Exception:
         return False
+
+
+def test_replicas_each_keep_a_directory_of_their_own(models, tmp_path):
+    """--dp 2 --kv-disk DIR: each engine opens DIR/MODEL-REPLICA (one server per
+    directory), and `mlxd cache ls DIR` lists both."""
+    model, folder = models["plain"], tmp_path / "kv"
+    prompts = [ids_of(300, seed=60 + k) for k in range(4)]
+    server = Server(model, "--dp", "2", "--kv-disk", str(folder), "--kv-capacity", "4096",
+                    "--log-level", "info")
+    try:
+        results = [generate(server, ids) for ids in prompts]
+    finally:
+        stopped(server)
+    for ids, result in zip(prompts, results):
+        assert_exact(model, ids, result)
+    engines = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    assert engines == ["plain-0", "plain-1"]
+    assert all((folder / e / "lock").exists() for e in engines)
+    listed = subprocess.run([sys.executable, str(ROOT / "launch.py"), "cache", "ls",
+                             str(folder)], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0
+    assert "plain-0/" in listed.stdout and "plain-1/" in listed.stdout
