@@ -94,6 +94,12 @@ def entry_name(parent: int, end: int, n_tokens: int, resumable: bool = True) -> 
     return f"{parent & (2**64 - 1):016x}-{end & (2**64 - 1):016x}-{n_tokens}-{kind}{SUFFIX}"
 
 
+def run_name(run) -> str:
+    """The file name of an entry described by `run` (anything with `parent`, `end`,
+    `n_tokens`, `resumable`: the wire's DiskRun, an Entry's header)."""
+    return entry_name(run.parent, run.end, run.n_tokens, run.resumable)
+
+
 def parse_name(name: str) -> tuple[int, int, int, bool] | None:
     """(parent, end, n_tokens, resumable) of an entry's file name; None for any
     other name."""
@@ -130,6 +136,15 @@ class DiskIndex:
 
     def get(self, name: str) -> Listed | None:
         return self.entries.get(name)
+
+    def add_name(self, name: str, nbytes: int = 0, used: float = 0.0) -> bool:
+        """Index an entry from its file name alone; False for a name that is not one."""
+        parsed = parse_name(name)
+        if parsed is None:
+            return False
+        parent, end, n, resumable = parsed
+        self.add(name, Listed(parent, end, n, nbytes, used, resumable))
+        return True
 
     def add(self, name: str, listed: Listed) -> None:
         if name in self.entries:
@@ -206,13 +221,10 @@ class KVDiskStore:
             if item.name.endswith(".tmp"):
                 _remove(Path(item.path))
                 continue
-            parsed = parse_name(item.name)
-            if parsed is None or not item.is_file(follow_symlinks=False):
+            if parse_name(item.name) is None or not item.is_file(follow_symlinks=False):
                 continue
             info = item.stat(follow_symlinks=False)
-            parent, end, n, resumable = parsed
-            self.index.add(item.name, Listed(parent, end, n, info.st_size, info.st_mtime,
-                                             resumable))
+            self.index.add_name(item.name, info.st_size, info.st_mtime)
 
     def _drop(self, name: str) -> None:
         if self.index.remove(name) is not None:

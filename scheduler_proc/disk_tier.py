@@ -20,8 +20,8 @@ MLX, no sockets.
 from dataclasses import dataclass
 
 from mlxd.protocol import DiskRun, Spill
-from mlxd.runtime.kv_disk import DiskIndex, Listed, entry_name, parse_name
-from mlxd.runtime.prefix_hash import PREFIX_BLOCK, ROOT_HASH, block_hashes
+from mlxd.runtime.kv_disk import DiskIndex, Listed, run_name
+from mlxd.runtime.prefix_hash import PREFIX_BLOCK, ROOT_HASH
 
 PIECE = 1024   # most tokens of one entry (a multiple of PREFIX_BLOCK)
 
@@ -35,18 +35,11 @@ class DiskHit:
     end: int
 
 
-def run_name(run: DiskRun) -> str:
-    return entry_name(run.parent, run.end, run.n_tokens, run.resumable)
-
-
 class DiskTier:
     def __init__(self, names: list[str], window: int = 0, needs_state: bool = False):
         self.index = DiskIndex()
         for name in names:
-            parsed = parse_name(name)
-            if parsed is not None:
-                parent, end, n, resumable = parsed
-                self.index.add(name, Listed(parent, end, n, 0, 0.0, resumable))
+            self.index.add_name(name)
         self.window = window
         self.needs_state = needs_state
         self._spills: list[Spill] = []
@@ -67,19 +60,15 @@ class DiskTier:
         spills, self._spills = self._spills, []
         return spills
 
-    @property
-    def has_spills(self) -> bool:
-        return bool(self._spills)
-
     # ---- writing ------------------------------------------------------------------
 
-    def plan(self, tokens: list[int], slots: list[int], windows: list[int] = (),
-             snapshot: int = 0) -> None:
-        """The tree holds `tokens` at `slots` (and, with a window pool, window slots
-        `windows`; with a recurrent model, a state snapshot at their end): spill the
-        whole blocks past what the disk already holds of them."""
+    def plan(self, tokens: list[int], slots: list[int], hashes: list[int],
+             windows: list[int] = (), snapshot: int = 0) -> None:
+        """The tree holds `tokens` at `slots`, `hashes` their block hashes (and, with a
+        window pool, window slots `windows`; with a recurrent model, a state snapshot
+        at their end): spill the whole blocks past what the disk already holds."""
         end = len(tokens) - len(tokens) % PREFIX_BLOCK
-        hashes = block_hashes(tokens[:end])
+        assert len(hashes) == end // PREFIX_BLOCK
         start = sum(self.index.get(name).n_tokens for name in self.index.match(hashes))
         cuts = [start] + list(range(start - start % PIECE + PIECE, end, PIECE)) + [end]
         for a, b in zip(cuts, cuts[1:]):
@@ -87,8 +76,7 @@ class DiskTier:
                 continue
             spill = self._spill(tokens, slots, hashes, a, b, windows,
                                 snapshot if b == len(tokens) else 0, last=b == end)
-            self.index.add(run_name(spill.run), Listed(
-                spill.run.parent, spill.run.end, b - a, 0, 0.0, spill.run.resumable))
+            self.index.add_name(run_name(spill.run))
             self._spills.append(spill)
             self.spilled_tokens += b - a
 

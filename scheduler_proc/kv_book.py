@@ -270,8 +270,8 @@ class KVBook:
         slots, node = self.tree.match_prefix(tokens)
         self._place_snapshot(req, node)
         if self.disk is not None and already < len(tokens):   # new KV: on disk too
-            self.disk.plan(tokens, slots, self.tree.path_windows(node) if self.window else (),
-                           node.snapshot)
+            self.disk.plan(tokens, slots, self.tree.path_hashes(node),
+                           self.tree.path_windows(node) if self.window else (), node.snapshot)
         self.tree.lock(node)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)

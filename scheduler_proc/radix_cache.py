@@ -185,6 +185,11 @@ class RadixCache:
             node = node.parent
         return [w for part in reversed(parts) for w in part]
 
+    def path_hashes(self, node: Node) -> list[int]:
+        """The block hashes of the prefix ending at `node` (block_hashes of its
+        tokens), root first: each node keeps those of its edge."""
+        return [h for n in self.path(node) for h in n.hashes]
+
     def touch(self, node: Node) -> None:
         """Mark the path root..node as just used (LRU), as a match would."""
         now = next(self._clock)

@@ -401,7 +401,8 @@ class Scheduler:
         alone = not self.running
         loaded = cached - len(prefix)   # read from disk into new slots
         need = loaded + n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
-        windows = self.kv.window_need(loaded) + self.kv.window_need(n) + len(rows)   # and one per decoding row
+        # window slots for both parts, and one per decoding row
+        windows = self.kv.window_need(loaded) + self.kv.window_need(n) + len(rows)
         self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
         if not self.kv.can_have(need, windows) or not self.kv.take_state(req):
             self.kv.release(req, keep=False)

@@ -24,6 +24,7 @@ dtype, bfloat16 too, round-trips).
 """
 
 import logging
+import math
 import os
 import shutil
 import threading
@@ -36,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.protocol import DiskRun, PrefillInput, Spill
-from mlxd.runtime.kv_disk import ArrayBytes, Entry, KVDiskStore, entry_name, fingerprint
+from mlxd.runtime.kv_disk import ArrayBytes, Entry, KVDiskStore, fingerprint, run_name
 
 from .kv_pool import KVPool
 
@@ -94,10 +95,7 @@ def array_of(a: ArrayBytes) -> mx.array:
     dtype = getattr(mx, a.dtype, None)
     if not isinstance(dtype, mx.Dtype) or dtype.size not in _NP_UINT:
         raise ValueError(f"unknown dtype {a.dtype!r}")
-    count = 1
-    for d in a.shape:
-        count *= d
-    if count * dtype.size != len(a.data):
+    if math.prod(a.shape) * dtype.size != len(a.data):
         raise ValueError(f"{a.name}: {len(a.data)} bytes for shape {a.shape}")
     raw = np.frombuffer(a.data, _NP_UINT[dtype.size]).reshape(a.shape)
     return mx.array(raw).view(dtype)
@@ -132,7 +130,7 @@ class DiskIO:
         """Gather every spill's KV (evaluated now: the Step's writes come next) and
         queue it for the writer; skip (and report gone) what would pass the bound."""
         for spill in spills:
-            name = _name(spill.run)
+            name = run_name(spill.run)
             nbytes = len(spill.slot_ids) * self.pool.geometry.bytes_per_token
             if self._queued + nbytes > self.queue_bytes or not self._valid(spill):
                 self.skipped += 1
@@ -156,7 +154,7 @@ class DiskIO:
             if spill.snapshot_slot and pool.states is not None:
                 pool.states.check_slots([spill.snapshot_slot])
         except ValueError as exc:
-            log.error("kv disk: spill %s refused: %s", _name(spill.run), exc)
+            log.error("kv disk: spill %s refused: %s", run_name(spill.run), exc)
             return False
         return not (spill.snapshot_slot and pool.states is None)
 
@@ -189,9 +187,9 @@ class DiskIO:
             try:
                 self._write(spill, arrays)
             except Exception:   # never let the writer die: the spill is lost, reported
-                log.exception("kv disk: writing %s failed", _name(spill.run))
+                log.exception("kv disk: writing %s failed", run_name(spill.run))
                 with self._lock:
-                    self._gone.append(_name(spill.run))
+                    self._gone.append(run_name(spill.run))
             finally:
                 with self._wake:
                     self._queued -= nbytes
@@ -206,7 +204,7 @@ class DiskIO:
             written = self.store.put(entry)
             self._gone += self.store.take_gone()
             if written is None:
-                self._gone.append(_name(run))
+                self._gone.append(run_name(run))
             else:
                 self.written += 1
 
@@ -228,7 +226,7 @@ class DiskIO:
         entries = []
         for run in runs:
             with self._lock:
-                entry = self.store.get(_name(run))
+                entry = self.store.get(run_name(run))
                 self._gone += self.store.take_gone()
             if entry is None:
                 return None
@@ -362,10 +360,6 @@ def without_disk(p: PrefillInput) -> PrefillInput:
     if not p.disk_tokens:
         return p
     return replace(p, disk_runs=[], disk_start=0, disk_tokens=0, disk_state_slot=0)
-
-
-def _name(run: DiskRun) -> str:
-    return entry_name(run.parent, run.end, run.n_tokens, run.resumable)
 
 
 def _get(arrays: dict, name: str, shape: tuple | None = None,

@@ -22,7 +22,7 @@ from dataclasses import replace
 from mlxd.protocol import SamplingParams, Step, StepResult, TokenizedRequest, Usage, WorkerError
 from mlxd.runtime.kv_layout import cache_width as round_up
 from mlxd.runtime.prefix_hash import block_hashes
-from mlxd.scheduler_proc.disk_tier import run_name
+from mlxd.runtime.kv_disk import run_name
 from mlxd.scheduler_proc.request import Request
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 

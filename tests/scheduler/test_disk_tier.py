@@ -10,7 +10,8 @@ import pytest
 from mlxd.protocol import DiskRun
 from mlxd.runtime.kv_disk import entry_name, parse_name
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
-from mlxd.scheduler_proc.disk_tier import PIECE, DiskTier, run_name
+from mlxd.runtime.kv_disk import run_name
+from mlxd.scheduler_proc.disk_tier import PIECE, DiskTier
 from scheduler_harness import Harness, make_request, prompt_of
 
 KINDS = {
@@ -24,6 +25,11 @@ def harness(kind="plain", **limits) -> Harness:
     limits.setdefault("kv_capacity", 1024)
     limits.setdefault("chunked_prefill_size", 64)
     return Harness(kv_disk=True, **KINDS[kind], **limits)
+
+
+def hashes_of(tokens: list[int]) -> list[int]:
+    """The block hashes the radix tree keeps for `tokens`."""
+    return block_hashes(tokens[:len(tokens) - len(tokens) % PREFIX_BLOCK])
 
 
 def restart(h: Harness) -> None:
@@ -57,15 +63,15 @@ def test_a_finished_prompt_is_spilled_in_whole_blocks_and_chained():
 def test_a_long_insert_is_cut_in_pieces_at_multiples_of_the_piece():
     tier = DiskTier([])
     tokens = list(range(2 * PIECE + 100))
-    tier.plan(tokens, list(range(1, len(tokens) + 1)))
+    tier.plan(tokens, list(range(1, len(tokens) + 1)), hashes_of(tokens))
     spills = tier.take_spills()
     assert [s.run.n_tokens for s in spills] == [PIECE, PIECE, 96]
     assert spills[1].run.parent == spills[0].run.end   # chained
     assert spills[1].slot_ids[0] == PIECE + 1 and spills[1].tokens[0] == PIECE
-    tier.plan(tokens, list(range(1, len(tokens) + 1)))   # already there: nothing
+    tier.plan(tokens, list(range(1, len(tokens) + 1)), hashes_of(tokens))   # already there
     assert not tier.take_spills()
     longer = tokens + list(range(5000, 5100))
-    tier.plan(longer, list(range(1, len(longer) + 1)))
+    tier.plan(longer, list(range(1, len(longer) + 1)), hashes_of(longer))
     [more] = tier.take_spills()                        # from where the disk ends
     assert more.run.parent == spills[-1].run.end and more.run.n_tokens == 2240 - 2144
 
@@ -73,10 +79,10 @@ def test_a_long_insert_is_cut_in_pieces_at_multiples_of_the_piece():
 def test_a_gone_entry_is_written_again():
     tier = DiskTier([])
     tokens = list(range(64))
-    tier.plan(tokens, list(range(1, 65)))
+    tier.plan(tokens, list(range(1, 65)), hashes_of(tokens))
     [spill] = tier.take_spills()
     tier.forget([run_name(spill.run)])
-    tier.plan(tokens, list(range(1, 65)))
+    tier.plan(tokens, list(range(1, 65)), hashes_of(tokens))
     assert [s.run for s in tier.take_spills()] == [spill.run]
 
 
@@ -84,21 +90,22 @@ def test_window_entries_resume_only_where_the_window_is_held():
     tier = DiskTier([], window=4)
     tokens = list(range(40))
     held = [0] * 27 + [5] * 13   # window slots for positions 27..39
-    tier.plan(tokens, list(range(1, 41)), held)
+    tier.plan(tokens, list(range(1, 41)), hashes_of(tokens), held)
     [spill] = tier.take_spills()                     # [0, 32): needs 27..31: held
     assert spill.run.resumable and spill.window_ids == [5] * 5
     tier2 = DiskTier([], window=4)
-    tier2.plan(tokens, list(range(1, 41)), [0] * 30 + [5] * 10)
+    tier2.plan(tokens, list(range(1, 41)), hashes_of(tokens), [0] * 30 + [5] * 10)
     [spill2] = tier2.take_spills()
     assert not spill2.run.resumable and spill2.window_ids == []
 
 
 def test_state_entries_resume_only_at_a_snapshot_on_a_block_boundary():
     tier = DiskTier([], needs_state=True)
-    tier.plan(list(range(48)), list(range(1, 49)), snapshot=7)
+    tier.plan(list(range(48)), list(range(1, 49)), hashes_of(list(range(48))), snapshot=7)
     [spill] = tier.take_spills()
     assert spill.run.resumable and spill.snapshot_slot == 7
-    tier.plan(list(range(100, 150)), list(range(1, 51)), snapshot=8)   # ends at 50: not aligned
+    tokens = list(range(100, 150))   # ends at 50: not on a block boundary
+    tier.plan(tokens, list(range(1, 51)), hashes_of(tokens), snapshot=8)
     [spill] = tier.take_spills()
     assert not spill.run.resumable and spill.snapshot_slot == 0
 

@@ -60,6 +60,18 @@ def assert_exact(model: str, ids: list[int], result) -> None:
     assert max(abs(a - b) for a, (_, b) in zip(result.logprobs, ref)) < 1e-3
 
 
+def exact_answers(server: Server, model: str, prompts: list[list[int]]) -> list:
+    """Each prompt's result in turn, the server then stopped (cleanly), every result
+    equal to mlx_lm's."""
+    try:
+        results = [generate(server, ids) for ids in prompts]
+    finally:
+        stopped(server)
+    for ids, result in zip(prompts, results):
+        assert_exact(model, ids, result)
+    return results
+
+
 def entries(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*/*") if parse_name(p.name) is not None)
 
@@ -122,12 +134,7 @@ def test_a_prompt_evicted_from_memory_comes_back_from_disk(models, tmp_path):
     a, b = ids_of(1000, seed=5), ids_of(1000, seed=6)
     server = Server(model, "--kv-disk", str(tmp_path / "kv"), "--kv-capacity", "1300",
                     "--log-level", "info")
-    try:
-        results = [generate(server, ids) for ids in (a, b, a, b)]
-    finally:
-        stopped(server)
-    for result, ids in zip(results, (a, b, a, b)):
-        assert_exact(model, ids, result)
+    results = exact_answers(server, model, [a, b, a, b])
     for result in results[2:]:   # each evicted the other from the pool
         assert result.usage["cached_tokens"] >= 976
         assert result.usage["disk_tokens"] == result.usage["cached_tokens"]
@@ -247,13 +254,7 @@ def test_sigkill_while_writing_never_leaves_a_corrupt_entry_loaded(models, tmp_p
             os.killpg(server.proc.pid, signal.SIGKILL)
         finally:
             server.stop()
-    server = disk_server(model, folder)
-    try:
-        results = [generate(server, ids) for ids in prompts]
-    finally:
-        stopped(server)
-    for ids, result in zip(prompts, results):
-        assert_exact(model, ids, result)
+    exact_answers(disk_server(model, folder), model, prompts)
     assert not list(folder.glob("*/*.tmp"))   # interrupted writes removed at start
     assert entries(folder)
     assert_all_readable(folder)
@@ -320,12 +321,7 @@ def test_replicas_each_keep_a_directory_of_their_own(models, tmp_path):
     prompts = [ids_of(300, seed=60 + k) for k in range(4)]
     server = Server(model, "--dp", "2", "--kv-disk", str(folder), "--kv-capacity", "4096",
                     "--log-level", "info")
-    try:
-        results = [generate(server, ids) for ids in prompts]
-    finally:
-        stopped(server)
-    for ids, result in zip(prompts, results):
-        assert_exact(model, ids, result)
+    exact_answers(server, model, prompts)
     engines = sorted(p.name for p in folder.iterdir() if p.is_dir())
     assert engines == ["plain-0", "plain-1"]
     assert all((folder / e / "lock").exists() for e in engines)
