@@ -2,6 +2,8 @@
 the writer thread; reads that put the exact KV (and window tail, and state) into
 other slots; every unusable entry a miss that leaves the prefill to compute."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
@@ -156,3 +158,20 @@ def test_window_tail_and_state_travel_with_a_resumable_run(io_for):
     bad = prefill_of(spill, range(60, 60 + N), new_window_ids=[0] * (N - 6) + [1] * 6 + [2],
                      disk_state_slot=3)   # a window position the tail lacks
     assert io.load(bad) == without_disk(bad)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"disk_tokens": N}, "disk_tokens needs disk_runs"),                      # no runs
+    ({"disk_tokens": N + 1}, "disk_tokens needs disk_runs"),                  # nothing computed
+    ({"disk_tokens": N, "disk_start": 5}, "disk_tokens needs disk_runs"),     # starts past the prefix
+    ({"disk_state_slot": 2}, "state slots for a model without state"),
+])
+def test_the_worker_refuses_disk_fields_that_do_not_fit(fields, match):
+    from mlxd.worker_proc.step_checks import check_prefills
+
+    spill = spill_of(list(range(N)), range(1, N + 1))
+    p = prefill_of(spill, range(60, 60 + N))
+    runs = [] if fields == {"disk_tokens": N} else [spill.run]
+    bad = replace(p, **{"disk_runs": runs, "disk_tokens": 0, **fields})
+    with pytest.raises(ValueError, match=match):
+        check_prefills([bad], [], make_pool(), 1000)
