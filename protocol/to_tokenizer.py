@@ -112,3 +112,8 @@ class TokenBatch:
     cache_reset: bool = wire(Bool(), default=False)
     cache_stored: list[int] = wire(List(Int()), default_factory=list)
     cache_removed: list[int] = wire(List(Int()), default_factory=list)
+    # its disk tier (--kv-disk) likewise: the prefix hashes where entries a prefill
+    # can resume from end (scheduler_proc/disk_tier.py)
+    disk_reset: bool = wire(Bool(), default=False)
+    disk_stored: list[int] = wire(List(Int()), default_factory=list)
+    disk_removed: list[int] = wire(List(Int()), default_factory=list)

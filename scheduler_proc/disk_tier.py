@@ -9,6 +9,10 @@ of at most PIECE tokens, cut at multiples of PIECE (so a prompt that diverges la
 still reuses the pieces before). When a request is admitted, `match` finds how far
 the disk continues its cached prefix, to a point a prefill can resume from.
 
+The front end's router learns what the disk holds from `events`: the prefix hashes
+where entries a prefill can resume from end (each hash once, however many entries
+end there), stored and removed as the index changes, reset when it is rebuilt.
+
 What a prefill needs at its resume point beyond KV decides which entries are
 resumable: every one for plain KV models; for a window-pool model the last piece
 of a write whose `window + 1` preceding positions have window KV in the tree
@@ -17,11 +21,14 @@ where the tree holds a state snapshot (the entry carries it). Pure: no files, no
 MLX, no sockets.
 """
 
+from collections import Counter
 from dataclasses import dataclass
 
 from mlxd.protocol import DiskRun, Spill
 from mlxd.runtime.kv_disk import DiskIndex, Listed, run_name
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, ROOT_HASH
+
+from .radix_cache import CacheEvents
 
 PIECE = 1024   # most tokens of one entry (a multiple of PREFIX_BLOCK)
 
@@ -38,10 +45,13 @@ class DiskHit:
 class DiskTier:
     def __init__(self, names: list[str], window: int = 0, needs_state: bool = False):
         self.index = DiskIndex()
-        for name in names:
-            self.index.add_name(name)
         self.window = window
         self.needs_state = needs_state
+        self.events = CacheEvents()   # resumable entries' end hashes (the router's)
+        self._ends: Counter[int] = Counter()
+        self.events.dropped_all()
+        for name in names:
+            self._add(name)
         self._spills: list[Spill] = []
         self.hit_tokens = 0      # prompt tokens admitted as read from disk
         self.missed_tokens = 0   # of those, computed after all (a read missed)
@@ -54,7 +64,30 @@ class DiskTier:
     def forget(self, names: list[str]) -> None:
         """The worker no longer has these entries."""
         for name in names:
-            self.index.remove(name)
+            listed = self.index.remove(name)
+            if listed is not None and self._announced(listed):
+                self._ends[listed.end] -= 1
+                if not self._ends[listed.end]:
+                    del self._ends[listed.end]
+                    self.events.removed([listed.end])
+
+    def announce(self) -> None:
+        """Make the next events describe every end anew (a front end (re)joined)."""
+        self.events.dropped_all()
+        self.events.stored(list(self._ends))
+
+    def _add(self, name: str) -> None:
+        if name in self.index or not self.index.add_name(name):
+            return
+        listed = self.index.get(name)
+        if self._announced(listed):
+            self._ends[listed.end] += 1
+            if self._ends[listed.end] == 1:
+                self.events.stored([listed.end])
+
+    def _announced(self, listed: Listed) -> bool:
+        """A prefill can resume at the entry's end (so a router may count it)."""
+        return listed.resumable or not (self.window or self.needs_state)
 
     def take_spills(self) -> list[Spill]:
         spills, self._spills = self._spills, []
@@ -76,7 +109,7 @@ class DiskTier:
                 continue
             spill = self._spill(tokens, slots, hashes, a, b, windows,
                                 snapshot if b == len(tokens) else 0, last=b == end)
-            self.index.add_name(run_name(spill.run))
+            self._add(run_name(spill.run))
             self._spills.append(spill)
             self.spilled_tokens += b - a
 

@@ -167,7 +167,7 @@ class SchedulerLoop:
             entries = self.scheduler.take_outputs()
             if entries or self.scheduler.has_cache_events:
                 self.frontend.send(encode(TokenBatch(entries,
-                                                     *self.scheduler.take_cache_events())))
+                                                     **self.scheduler.take_cache_events())))
 
     def _drain_requests(self) -> None:
         while (frame := self.frontend.recv_nowait()) is not None:

@@ -130,10 +130,17 @@ class Scheduler:
         for rid in [*self.running, *(r.rid for r in self.waiting)]:
             self.abort(rid)
 
-    def take_cache_events(self) -> tuple[bool, list[int], list[int]]:
-        """What the prefix cache stored and removed since the last call, as block
-        hashes: (reset, stored, removed) (radix_cache.CacheEvents)."""
-        return self.kv.tree.events.take() if self.kv.tree else (False, [], [])
+    def take_cache_events(self) -> dict:
+        """What the prefix cache and the disk tier stored and removed since the last
+        call, as block hashes: TokenBatch's cache_* and disk_* fields
+        (radix_cache.CacheEvents)."""
+        events = {}
+        for side, source in (("cache", self.kv.tree), ("disk", self.kv.disk)):
+            if source is not None and source.events:
+                reset, stored, removed = source.events.take()
+                events.update({f"{side}_reset": reset, f"{side}_stored": stored,
+                               f"{side}_removed": removed})
+        return events
 
     def announce_cache(self) -> None:
         """Make the next events describe the whole cache (a front end that (re)joins
@@ -141,10 +148,13 @@ class Scheduler:
         if self.kv.tree:
             self.kv.tree.events.dropped_all()
             self.kv.tree.events.stored(self.kv.tree.all_hashes())
+        if self.kv.disk is not None:
+            self.kv.disk.announce()
 
     @property
     def has_cache_events(self) -> bool:
-        return bool(self.kv.tree and self.kv.tree.events)
+        return bool(self.kv.tree and self.kv.tree.events) or \
+            bool(self.kv.disk is not None and self.kv.disk.events)
 
     def process_result(self, result: StepResult) -> None:
         if self.kv.disk is not None:

@@ -73,7 +73,7 @@ class EngineSet:
         their aborts' targets moved with them) and the rids that must end with an
         error (streaming already, or no engine left to run them)."""
         engine = self.engines.pop(name, None)
-        self.router.index.drop(name)
+        self.router.forget(name)
         if engine is None:
             return [], []
         self.losses += 1
@@ -99,7 +99,7 @@ class EngineSet:
         out: Outgoing = [(engine, Abort(rid)) for rid, engine in self._engine_of.items()]
         rids = sorted(self._engine_of)
         for name in list(self.engines):
-            self.router.index.drop(name)
+            self.router.forget(name)
         for query_id in list(self._stats):   # answered with what came so far
             self._stats[query_id].waiting.clear()
             out += self._stats_reply(query_id, None, None)
@@ -170,6 +170,7 @@ class EngineSet:
             return TokenBatch([])
         self.router.index.apply(name, batch.cache_reset, batch.cache_stored,
                                 batch.cache_removed)
+        self.router.disk.apply(name, batch.disk_reset, batch.disk_stored, batch.disk_removed)
         entries = []
         for entry in batch.entries:
             if self._engine_of.get(entry.rid) != name:
@@ -207,7 +208,10 @@ class EngineSet:
         for name in sorted(replies):
             add_stats(merged, replies[name])
         merged["engines"] = {name: {**replies[name], "load": self.engines[name].load,
-                                    "routed": self.engines[name].routed}
+                                    "routed": self.engines[name].routed,
+                                    # what the router knows of its caches
+                                    "routing_blocks": self.router.index.size(name),
+                                    "routing_disk_ends": self.router.disk.size(name)}
                              for name in sorted(replies) if name in self.engines}
         merged["router"] = {"engines_up": len(self.engines), "joins": self.joins,
                             "losses": self.losses,

@@ -6,6 +6,12 @@ per hash, the engines holding it. A tree holds whole paths, so an engine holding
 prompt's k-th block hash holds every one before it: the deepest block any engine
 holds is found by binary search, O(log blocks) lookups after hashing the prompt once.
 
+Engines with a disk tier (--kv-disk) also report the prefix hashes where their disk
+entries end (an entry holds a run of blocks, so the index sees its end only): a
+second `PrefixIndex`, searched from the prompt's last block back (`deepest`, one set
+lookup per block). An engine's cached prefix is the longer of the two; memory wins a
+tie (a disk hit reads what a memory hit gathers).
+
 `Router.choose` is a cache-aware policy: the least-loaded of the engines holding the
 longest cached prefix, when that prefix is at least `min_match` of the prompt and that
 engine is not overloaded next to the idlest one (it has more than `balance_abs`
@@ -24,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
 
-REASONS = ("cache", "load", "affinity", "rerun")
+REASONS = ("cache", "disk", "load", "affinity", "rerun")
 POLICIES = ("cache", "least_load", "round_robin")
 UNSET_BALANCE_ABS = 64   # before an engine said its batch size (mlxd's default one)
 
@@ -74,6 +80,15 @@ class PrefixIndex:
                 hi = mid - 1
         return lo, (set(self.holders[hashes[lo - 1]]) if lo else set())
 
+    def deepest(self, hashes: list[int]) -> tuple[int, set[str]]:
+        """The last block of `hashes` some engine holds (its count from the start),
+        and the engines holding it: for holdings that are not prefix-closed."""
+        for k in range(len(hashes), 0, -1):
+            engines = self.holders.get(hashes[k - 1])
+            if engines:
+                return k, set(engines)
+        return 0, set()
+
 
 @dataclass(frozen=True)
 class RoutePolicy:
@@ -86,7 +101,8 @@ class RoutePolicy:
 class Router:
     def __init__(self, policy: RoutePolicy = RoutePolicy()):
         self.policy = policy
-        self.index = PrefixIndex()
+        self.index = PrefixIndex()   # the engines' radix trees
+        self.disk = PrefixIndex()    # where their disk tiers' entries end
         self.decisions: Counter[str] = Counter()   # by reason (REASONS)
         self._turn = 0   # round_robin's
 
@@ -104,13 +120,22 @@ class Router:
         least = min(loads, key=lambda e: (loads[e], self.index.size(e), e))
         if len(loads) == 1 or self.policy.kind == "least_load":
             return least, "load"
-        blocks, holders = self.index.longest(block_hashes(input_ids))
-        holders &= loads.keys()
+        blocks, holders, reason = self._cached(block_hashes(input_ids), loads)
         if holders and blocks * PREFIX_BLOCK >= self.policy.min_match * len(input_ids):
             best = min(holders, key=lambda e: (loads[e], e))
             if not self._overloaded(loads[best], loads[least]):
-                return best, "cache"
+                return best, reason
         return least, "load"
+
+    def _cached(self, hashes: list[int], loads: dict[str, int]) -> tuple[int, set[str], str]:
+        """The most leading blocks an engine in `loads` holds, in memory or on disk,
+        which engines hold them, and where ("cache": memory, "disk")."""
+        blocks, holders = self.index.longest(hashes)
+        on_disk, disk_holders = self.disk.deepest(hashes)
+        holders, disk_holders = holders & loads.keys(), disk_holders & loads.keys()
+        if disk_holders and (on_disk > blocks or not holders):
+            return on_disk, disk_holders, "disk"
+        return blocks, holders, "cache"
 
     def _overloaded(self, load: int, least: int) -> bool:
         limit = self.policy.balance_abs or UNSET_BALANCE_ABS
@@ -120,6 +145,11 @@ class Router:
         """The first engine's batch size: the overload threshold where none was set."""
         if not self.policy.balance_abs:
             self.policy = replace(self.policy, balance_abs=max_running_requests)
+
+    def forget(self, engine: str) -> None:
+        """`engine` left: nothing it held counts."""
+        self.index.drop(engine)
+        self.disk.drop(engine)
 
     def count(self, reason: str) -> None:
         self.decisions[reason] += 1

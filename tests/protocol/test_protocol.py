@@ -72,6 +72,8 @@ SAMPLES = [
     TokenBatch([]),
     TokenBatch([TokenEntry(1, [], []), ENTRY,
                 TokenEntry(2, [], [], finish_reason="error", error="the prompt is empty")]),
+    TokenBatch([], cache_stored=[2**63 - 1], disk_reset=True, disk_stored=[5, 2**40],
+               disk_removed=[7]),
     Step(1),
     Step(7, decode_rids=[1, 2], decode_slot_ids=[30, 31], prefills=[PREFILL],
          releases=[4, 5]),
@@ -239,8 +241,8 @@ def good_entry():
 
 
 def good_batch() -> list:
-    """A TokenBatch's fields: one entry, no cache events."""
-    return [[good_entry()], False, [], []]
+    """A TokenBatch's fields: one entry, no cache or disk events."""
+    return [[good_entry()], False, [], [], False, [], []]
 
 
 def good_timing():
@@ -530,9 +532,9 @@ def test_step_decode_rids_and_slots_must_match():
 
 def test_unknown_finish_reason():
     for reason in ("stop", "length", "abort", "error"):
-        decode_as(TokenBatch, [40, [replace(good_entry(), 4, reason)], False, [], []])
+        decode_as(TokenBatch, [40, [replace(good_entry(), 4, reason)], *good_batch()[1:]])
     with pytest.raises(ProtocolError, match="finish_reason"):
-        decode_as(TokenBatch, [40, [replace(good_entry(), 4, "eos")], False, [], []])
+        decode_as(TokenBatch, [40, [replace(good_entry(), 4, "eos")], *good_batch()[1:]])
 
 
 @pytest.mark.parametrize("index,value", [

@@ -116,6 +116,55 @@ def test_names_from_the_worker_are_the_index_and_foreign_names_are_ignored():
     assert list(tier.index.entries) == [run_name(run)]
 
 
+# ---- what the router is told ---------------------------------------------------------
+
+def test_events_tell_where_resumable_entries_end_once_per_hash():
+    first = DiskRun(0, 11, 16, True)
+    tier = DiskTier([run_name(first), run_name(DiskRun(0, 11, 16, False))])
+    assert tier.events.take() == (True, [11], [])   # built from the worker's names
+    tokens = list(range(2 * PIECE + 32))
+    tier.plan(tokens, list(range(1, len(tokens) + 1)), hashes_of(tokens))
+    spills = tier.take_spills()
+    reset, stored, removed = tier.events.take()
+    assert not reset and not removed and stored == [s.run.end for s in spills]
+    tier.forget([run_name(first)])   # another entry still ends at 11
+    assert not tier.events
+    tier.forget([run_name(DiskRun(0, 11, 16, False)), run_name(spills[1].run)])
+    assert tier.events.take() == (False, [], [11, spills[1].run.end])
+    tier.announce()
+    reset, stored, _ = tier.events.take()
+    assert reset and sorted(stored) == sorted([spills[0].run.end, spills[2].run.end])
+
+
+@pytest.mark.parametrize("kind", ["window", "state"])
+def test_entries_a_prefill_cannot_resume_from_are_not_told(kind):
+    tier = DiskTier([], **({"window": 4} if kind == "window" else {"needs_state": True}))
+    tier.events.take()
+    tokens = list(range(PIECE + 32))
+    tier.plan(tokens, list(range(1, len(tokens) + 1)), hashes_of(tokens),
+              [7] * len(tokens) if kind == "window" else (), snapshot=9)
+    spills = tier.take_spills()
+    assert [s.run.resumable for s in spills] == [False, True]
+    assert tier.events.take() == (False, [spills[1].run.end], [])
+
+
+def test_the_scheduler_hands_memory_and_disk_events_to_its_batches():
+    h = harness()
+    assert h.s.take_cache_events() == {"disk_reset": True, "disk_stored": [],
+                                       "disk_removed": []}
+    h.add(make_request(1, n=100, max_new=4))
+    h.run_until_idle()
+    events = h.s.take_cache_events()
+    tokens = prompt_of(1, 100)
+    assert set(events["cache_stored"]) >= set(hashes_of(tokens))
+    assert events["disk_stored"] == [hashes_of(tokens)[3], hashes_of(tokens)[5]]
+    assert not h.s.has_cache_events and h.s.take_cache_events() == {}
+    restart(h)   # a new worker: what its disk holds, anew
+    events = h.s.take_cache_events()
+    assert events["disk_reset"] and sorted(events["disk_stored"]) == \
+        sorted([hashes_of(tokens)[3], hashes_of(tokens)[5]])
+
+
 # ---- the match: what is read back --------------------------------------------------
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -316,16 +316,35 @@ def _serves(c: Client) -> bool:
 
 def test_replicas_each_keep_a_directory_of_their_own(models, tmp_path):
     """--dp 2 --kv-disk DIR: each engine opens DIR/MODEL-REPLICA (one server per
-    directory), and `mlxd cache ls DIR` lists both."""
+    directory), and `mlxd cache ls DIR` lists both. After a restart the router knows
+    what each replica's disk holds: every prompt goes to the replica that wrote it
+    and is read back from its disk."""
     model, folder = models["plain"], tmp_path / "kv"
     prompts = [ids_of(300, seed=60 + k) for k in range(4)]
-    server = Server(model, "--dp", "2", "--kv-disk", str(folder), "--kv-capacity", "4096",
-                    "--log-level", "info")
-    exact_answers(server, model, prompts)
+    flags = ("--dp", "2", "--kv-disk", str(folder), "--kv-capacity", "4096",
+             "--log-level", "info")
+    exact_answers(Server(model, *flags), model, prompts)
     engines = sorted(p.name for p in folder.iterdir() if p.is_dir())
     assert engines == ["plain-0", "plain-1"]
     assert all((folder / e / "lock").exists() for e in engines)
+    assert all(entries(folder / e) for e in engines)   # the prompts went to both
     listed = subprocess.run([sys.executable, str(ROOT / "launch.py"), "cache", "ls",
                              str(folder)], capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0
     assert "plain-0/" in listed.stdout and "plain-1/" in listed.stdout
+
+    def known_ends(c: Client) -> int:
+        return sum(e["routing_disk_ends"] for e in c.stats()["engines"].values())
+
+    server = Server(model, *flags)
+    try:
+        with Client(server.address, timeout=60) as c:
+            assert wait_until(lambda: known_ends(c) == sum(len(entries(folder / e))
+                                                           for e in engines), 60)
+            results = [generate(server, ids) for ids in prompts]
+            assert c.stats()["router"]["decisions"] == {"disk": len(prompts)}
+    finally:
+        stopped(server)
+    for ids, result in zip(prompts, results):
+        assert_exact(model, ids, result)
+        assert result.usage["disk_tokens"] >= 288, result.usage

@@ -101,6 +101,41 @@ def test_ties_go_to_the_engine_caching_least_and_the_other_policies():
     assert ll.choose(ids(4), {"a": 1, "b": 0}) == ("b", "load")
 
 
+def on_disk(router: Router, engine: str, tokens: list[int], ends: list[int]) -> None:
+    """`engine`'s disk entries end after the given blocks of `tokens`."""
+    hashes = block_hashes(tokens)
+    router.disk.apply(engine, False, [hashes[k - 1] for k in ends], [])
+
+
+def test_deepest_finds_the_last_held_block_of_holdings_that_are_not_prefix_closed():
+    index = PrefixIndex()
+    hashes = block_hashes(ids(2, 20 * PREFIX_BLOCK))
+    index.apply("a", False, [hashes[3], hashes[11]], [])
+    index.apply("b", False, [hashes[11], hashes[17]], [])
+    assert index.longest(hashes) == (0, set())
+    assert index.deepest(hashes) == (18, {"b"})
+    assert index.deepest(hashes[:15]) == (12, {"a", "b"})
+    assert index.deepest(block_hashes(ids(3, 64))) == (0, set())
+
+
+def test_a_prompt_goes_where_memory_or_disk_holds_most_of_it():
+    router = Router(RoutePolicy(balance_abs=4, min_match=0.5))
+    prompt = ids(11, 20 * PREFIX_BLOCK)
+    holds(router, "a", prompt[:8 * PREFIX_BLOCK])
+    on_disk(router, "b", prompt, [4, 16])
+    assert router.choose(prompt, {"a": 0, "b": 1}) == ("b", "disk")   # 16 blocks > 8
+    on_disk(router, "a", prompt, [16])
+    assert router.choose(prompt, {"a": 1, "b": 0}) == ("b", "disk")   # both: the idler
+    holds(router, "a", prompt[:16 * PREFIX_BLOCK])
+    assert router.choose(prompt, {"a": 1, "b": 0}) == ("a", "cache")  # a tie: memory
+    assert router.choose(prompt, {"b": 0, "c": 0}) == ("b", "disk")   # a is down
+    assert router.choose(prompt, {"a": 0, "b": 6}) == ("a", "cache")
+    router.forget("a")
+    assert router.choose(prompt, {"a": 0, "b": 9}) == ("a", "load")   # b: overloaded
+    assert router.choose(prompt, {"a": 0, "b": 0}) == ("b", "disk")
+    assert router.decisions == {"disk": 4, "cache": 2, "load": 1}
+
+
 # ---- EngineSet --------------------------------------------------------------------
 
 def ready(**limits) -> SchedulerReady:
@@ -193,3 +228,18 @@ def test_cache_events_in_batches_steer_the_next_request():
     engines.on_batch("e0", TokenBatch([], cache_stored=block_hashes(prompt)))
     out, _ = engines.dispatch([request(2, prompt)])
     assert out[0][0] == "e0"
+
+
+def test_disk_events_in_batches_steer_the_next_request_until_the_engine_is_lost():
+    engines = two_engines()
+    prompt = ids(6, 10 * PREFIX_BLOCK)
+    engines.on_batch("e1", TokenBatch([], disk_reset=True,
+                                      disk_stored=[block_hashes(prompt)[9]]))
+    out, _ = engines.dispatch([request(1, prompt)])
+    assert out[0][0] == "e1" and engines.router.decisions["disk"] == 1
+    engines.on_batch("e1", TokenBatch([entry(1, finish="stop")]))
+    engines.on_batch("e1", TokenBatch([], disk_removed=[block_hashes(prompt)[9]]))
+    assert not engines.router.disk.holders
+    engines.on_batch("e1", TokenBatch([], disk_stored=[block_hashes(prompt)[9]]))
+    engines.lost("e1")
+    assert not engines.router.disk.holders

@@ -115,7 +115,7 @@ class _EngineMetrics:
 
     def _router(self):
         decisions = CounterMetricFamily("mlxd_router_decisions", "routing decisions by "
-                                        "reason (cache, load, affinity, rerun)",
+                                        "reason (cache, disk, load, affinity, rerun)",
                                         labels=["model", "reason"])
         up = GaugeMetricFamily("mlxd_engines_up", "engines serving", labels=["model"])
         losses = CounterMetricFamily("mlxd_engine_losses", "engines lost (died, vanished)",
