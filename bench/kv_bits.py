@@ -5,6 +5,7 @@ server's.
 
     python -m bench.kv_bits                       # the default model, 32 prompts x 128
     python -m bench.kv_bits --bits 8 8/4 --n 32 --tokens 128 --json out.json
+    python -m bench.kv_bits --bits 8@64 8@128      # K[/V][@GROUP]: --kv-group-size
 """
 
 import argparse
@@ -47,7 +48,8 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--bits", nargs="+", default=["8", "8/4"], help="K[/V] bits to compare")
+    ap.add_argument("--bits", nargs="+", default=["8", "8/4"],
+                    help="K[/V][@GROUP] bits (and group size) to compare")
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mem-limit-gb", type=float, default=2.0)
@@ -62,8 +64,10 @@ def main() -> None:
     print(f"{args.n} prompts x {args.tokens} tokens; {report['machine']}; float KV: "
           f"capacity {base_worker['kv_capacity']} ({base_worker['kv_dtype']})")
     for bits in args.bits:
-        k, _, v = bits.partition("/")
-        outputs, worker = run(model, ["--kv-bits-k", k, "--kv-bits-v", v or k], prompts, args)
+        kv, _, group = bits.partition("@")
+        k, _, v = kv.partition("/")
+        outputs, worker = run(model, ["--kv-bits-k", k, "--kv-bits-v", v or k,
+                                      "--kv-group-size", group or "32"], prompts, args)
         firsts = [first_divergence(a, b) for a, b in zip(outputs, base)]
         r = {"kv_capacity": worker["kv_capacity"], "kv_dtype": worker["kv_dtype"],
              "capacity_ratio": worker["kv_capacity"] / base_worker["kv_capacity"],

@@ -172,16 +172,21 @@ class ServerFlags:
         shown="0 (half the free space)", minimum=0)
     kv_bits: int = flag(
         0, "hold stored KV (the pool, the window pool, the decode pages) in MLX affine "
-        "groups of 32 values at this many bits, 8 or 4: 8-bit holds 3.2x the tokens of "
-        "float32 KV (1.8x of float16), at a cost in decode speed and in agreement with "
-        "float KV (README); decode attends the quantized pages directly; 0: as computed",
-        (WORKER,), shown="0 (float)", minimum=0)
+        "groups (`--kv-group-size`) at this many bits, 8 or 4: 8-bit in groups of 32 "
+        "holds 3.2x the tokens of float32 KV (1.8x of float16), at a cost in decode speed "
+        "and in agreement with float KV (README); decode attends the quantized pages "
+        "directly; 0: as computed", (WORKER,), shown="0 (float)", minimum=0)
     kv_bits_k: int = flag(
         0, "the keys' bits, overriding `--kv-bits` (keys are the more sensitive: e.g. "
         "`--kv-bits-k 8 --kv-bits-v 4`)", (WORKER,), shown="`--kv-bits`", minimum=0)
     kv_bits_v: int = flag(
         0, "the values' bits, overriding `--kv-bits`", (WORKER,), shown="`--kv-bits`",
         minimum=0)
+    kv_group_size: int = flag(
+        32, "values per scale and bias of quantized KV (`--kv-bits`): 32, 64 or 128, "
+        "dividing the model's head dimension; larger groups hold more tokens (8-bit in "
+        "groups of 128: 1.94x float16 KV) and agree less with float KV", (WORKER,),
+        minimum=32)
     dequantize: str = flag(
         "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
         "(float32) when the float32 weights fit the memory limit, off on Metal and CUDA; "

@@ -129,5 +129,6 @@ def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
         return DecodeBatch(g.layout)
     arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
                       most_pages if preallocate else first_pages(most_pages), page,
-                      max_pages=most_pages, k_bits=g.k_bits, v_bits=g.v_bits)
+                      max_pages=most_pages, k_bits=g.k_bits, v_bits=g.v_bits,
+                      group=g.kv_group)
     return PagedDecodeBatch(g.cache_layout, arena, share=share)

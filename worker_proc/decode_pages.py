@@ -43,7 +43,7 @@ from mlx_lm.models import base
 
 from mlxd.runtime.kv_layout import DECODE_PAGE
 
-from .kv_quant import KVFormat
+from .kv_quant import GROUP, KVFormat
 
 # mlx_lm's attention, taken before `install_hook` replaces the name anywhere
 _MLX_LM_SDPA = base.scaled_dot_product_attention
@@ -63,12 +63,13 @@ class PageArena:
 
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  pages: int, page: int = DECODE_PAGE, max_pages: int = 0,
-                 k_bits: int = 0, v_bits: int = 0):
-        """`k_bits`/`v_bits`: pages hold keys/values in MLX affine groups (0: float)."""
+                 k_bits: int = 0, v_bits: int = 0, group: int = GROUP):
+        """`k_bits`/`v_bits`: pages hold keys/values in MLX affine groups of `group`
+        (0: float)."""
         self.num_leaves, self.heads, self.page = num_leaves, heads, page
         self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
-        self.k_format = KVFormat.of(dtype, k_bits, k_dim)
-        self.v_format = KVFormat.of(dtype, v_bits, v_dim)
+        self.k_format = KVFormat.of(dtype, k_bits, k_dim, group)
+        self.v_format = KVFormat.of(dtype, v_bits, v_dim, group)
         self.max_pages = max_pages   # 0: no limit
         self.pages = 0
         # per leaf, the parts of its keys and of its values (kv_quant.py)
@@ -250,7 +251,8 @@ def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, sc
     page): `[B, Hq, L, Dv]`. A KV head's query rows are its g = Hq / Hkv query heads
     x L positions, so each page is read once per row, whatever L is. With quantized
     formats, `keys`/`values` are their parts and the pages are multiplied as stored
-    (`mx.gather_qmm`), never dequantized whole."""
+    (`mx.gather_qmm`), never dequantized whole: the queries are rotated into the
+    stored basis, and the output out of it (kv_quant.py)."""
     b, hq, slots, d = queries.shape
     heads = pairs.lhs.shape[0] // pairs.rows.shape[0]
     g, n = hq // heads, pairs.rows.shape[0]
@@ -260,7 +262,7 @@ def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, sc
     v_parts = values if v_format.quantized else [values]
     dv = v_parts[0].shape[-1] * (32 // v_format.bits if v_format.quantized else 1)
     # [B, Hkv * g, L, D] head-major: (row, kv head) rows of g x L queries, a free reshape
-    q = (queries * scale).astype(k_format.dtype).reshape(b * heads, g * slots, d)
+    q = k_format.rotate(queries * scale).astype(k_format.dtype).reshape(b * heads, g * slots, d)
     scores = _page_matmul(q, k_parts, k_format, page, pairs.lhs, pairs.rhs,
                           transpose=True).astype(mx.float32)
     mask = pairs.mask.reshape(n, 1, 1, -1, page)
@@ -274,7 +276,7 @@ def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, sc
     out = _page_matmul(weights.astype(v_format.dtype).reshape(n * heads, g * slots, page),
                        v_parts, v_format, page, mx.arange(n * heads, dtype=mx.uint32),
                        pairs.rhs, transpose=False)
-    out = (out.astype(mx.float32).reshape(n, heads, g, slots, dv)
+    out = (v_format.rotate(out.astype(mx.float32), back=True).reshape(n, heads, g, slots, dv)
            / mx.maximum(total, 1e-30)[..., None])
     return _merge_rows(out, lse, pairs.rows, b, sinks).reshape(b, hq, slots, dv).astype(queries.dtype)
 

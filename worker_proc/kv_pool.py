@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .batch_cache import CacheLayout
-from .kv_quant import KVFormat
+from .kv_quant import GROUP, KVFormat
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class KVGeometry:
     state_shapes: tuple = ()
     k_bits: int = 0   # stored keys and values in MLX affine groups (--kv-bits; 0: float)
     v_bits: int = 0
+    kv_group: int = GROUP   # their values per scale and bias (--kv-group-size)
 
     @property
     def cache_layout(self) -> CacheLayout:
@@ -42,11 +43,11 @@ class KVGeometry:
 
     @property
     def k_format(self) -> KVFormat:
-        return KVFormat.of(self.dtype, self.k_bits, self.k_head_dim)
+        return KVFormat.of(self.dtype, self.k_bits, self.k_head_dim, self.kv_group)
 
     @property
     def v_format(self) -> KVFormat:
-        return KVFormat.of(self.dtype, self.v_bits, self.v_head_dim)
+        return KVFormat.of(self.dtype, self.v_bits, self.v_head_dim, self.kv_group)
 
     @property
     def bytes_per_layer_token(self) -> int:

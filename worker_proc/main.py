@@ -203,7 +203,7 @@ def with_kv_bits(geometry, flags: ServerFlags):
     from .decode import UnsupportedModel
 
     bits = replace(geometry, k_bits=flags.kv_bits_k or flags.kv_bits,
-                   v_bits=flags.kv_bits_v or flags.kv_bits)
+                   v_bits=flags.kv_bits_v or flags.kv_bits, kv_group=flags.kv_group_size)
     try:
         bits.k_format, bits.v_format
     except ValueError as exc:
@@ -228,7 +228,7 @@ def settings_digest(cfg: WorkerConfig) -> int:
     shared = [(Path(flags.model) / "config.json").read_text(), flags.decode_layout,
               flags.max_running_requests, flags.max_prefill_tokens, cfg.prefill_step_size,
               flags.window_capacity, flags.preallocate_decode_pages, flags.pp,
-              flags.kv_bits, flags.kv_bits_k, flags.kv_bits_v]
+              flags.kv_bits, flags.kv_bits_k, flags.kv_bits_v, flags.kv_group_size]
     return zlib.crc32(json.dumps(shared).encode()) & 0x7FFFFFFF
 
 

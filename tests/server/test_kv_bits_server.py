@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from mlxd.client import AsyncClient, Client
-from mlxd.model_store.tiny import build_tiny_model, hybrid_spec
+from mlxd.model_store.tiny import TinySpec, build_tiny_model, hybrid_spec
+from group_support import refused_at_start
 from support import Server, flood, reference_tokens
 
 MAX_TOKENS = 24
@@ -26,7 +27,11 @@ def models(tmp_path_factory, llama_model):
     root = tmp_path_factory.mktemp("kv-bits-models")
     return {"plain": llama_model,
             **{kind: str(build_tiny_model(root / kind, replace(hybrid_spec(arch))))
-               for kind, arch in (("window", "gemma3_text"), ("hybrid", "qwen3_next"))}}
+               for kind, arch in (("window", "gemma3_text"), ("hybrid", "qwen3_next"))},
+            # mlx_lm can pipeline qwen2, not llama
+            "qwen2": str(build_tiny_model(root / "qwen2", TinySpec(
+                arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=256, vocab_size=512, seed=5)))}
 
 
 def agreement(model: str, ids: list[int], result) -> int:
@@ -59,11 +64,15 @@ def test_capacity_under_one_memory_limit(llama_model):
 
 
 @pytest.mark.parametrize("kind,bits,whole", [
-    ("plain", ("--kv-bits", "8"), 8), ("plain", ("--kv-bits-k", "8", "--kv-bits-v", "4"), 5),
-    ("window", ("--kv-bits", "8"), 8), ("hybrid", ("--kv-bits", "8"), 8)])
+    ("plain", ("--kv-bits", "8"), 8), ("plain", ("--kv-bits-k", "8", "--kv-bits-v", "4"), 7),
+    ("window", ("--kv-bits", "8"), 8), ("hybrid", ("--kv-bits", "8"), 8),
+    # worker groups: each rank's pool holds its heads' (tensor) or layers' (pipeline) KV
+    ("plain", ("--kv-bits", "8", "--tp", "2"), 8), ("qwen2", ("--kv-bits", "8", "--pp", "2"), 8)])
 def test_greedy_output_agrees_with_float_kv(models, kind, bits, whole):
-    """Of 9 requests, at least `whole` agree on all 24 tokens (4-bit values drift
-    sooner), every one on the first 12."""
+    """Of 9 requests, at least `whole` agree on all 24 tokens, and the tokens that
+    agree have logprobs close to mlx_lm's. Not every one: a near tie flips under any
+    rounding (on the plain model, 3 of 100 prompts left float KV's greedy output
+    within 24 tokens at 8-bit, some at the first; at 8/4, 7)."""
     model = models[kind]
     repeated = ids_of(320, seed=1)   # in chunks of 256: a snapshot at 256 (hybrid)
     prompts = [ids_of(40 + 30 * k, seed=10 + k) for k in range(6)] + [
@@ -85,7 +94,6 @@ def test_greedy_output_agrees_with_float_kv(models, kind, bits, whole):
     assert results[7].usage["cached_tokens"] >= 256   # read back from the quantized pool
     agreed = [agreement(model, ids, r) for ids, r in zip(prompts, results)]
     assert sum(n == MAX_TOKENS for n in agreed) >= whole, agreed
-    assert min(agreed) >= MAX_TOKENS // 2, agreed
 
 
 def test_retraction_on_a_small_quantized_pool(llama_model):
@@ -119,3 +127,14 @@ def test_the_disk_tier_keeps_quantized_entries_apart(llama_model, tmp_path):
     assert usage["q"]["disk_tokens"] == 0 and usage["q again"]["disk_tokens"] >= 576
     assert usage["float"]["disk_tokens"] == 0   # another fingerprint: not read
     assert len([p for p in (tmp_path / "kv").iterdir() if p.is_dir()]) == 2
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--kv-bits", "3"), "--kv-bits takes 4, 8 (or 0), not 3"),
+    (("--kv-bits", "8", "--kv-group-size", "48"), "--kv-group-size takes 32, 64, 128, not 48"),
+    # the test model's heads have 32 dimensions
+    (("--kv-bits", "8", "--kv-group-size", "64"), "needs head dimensions divisible by 64"),
+])
+def test_bits_or_groups_that_do_not_fit_are_refused_at_start(llama_model, args, says):
+    stderr = refused_at_start("--model", llama_model, *args)
+    assert says in stderr, stderr[-2000:]
