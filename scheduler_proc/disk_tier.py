@@ -11,7 +11,10 @@ the disk continues its cached prefix, to a point a prefill can resume from.
 
 The front end's router learns what the disk holds from `events`: the prefix hashes
 where entries a prefill can resume from end (each hash once, however many entries
-end there), stored and removed as the index changes, reset when it is rebuilt.
+end there), stored and removed as the index changes, reset when it is rebuilt. Only
+entries a match can reach count: those chained from the root. An entry whose
+predecessor is gone (evicted first, or its write skipped) is not told, and stops
+being told when that happens, as are the entries after it.
 
 What a prefill needs at its resume point beyond KV decides which entries are
 resumable: every one for plain KV models; for a window-pool model the last piece
@@ -48,7 +51,9 @@ class DiskTier:
         self.window = window
         self.needs_state = needs_state
         self.events = CacheEvents()   # resumable entries' end hashes (the router's)
-        self._ends: Counter[int] = Counter()
+        self._reachable: set[str] = set()      # entries chained from the root
+        self._reached: Counter[int] = Counter()   # end hash -> reachable entries there
+        self._ends: Counter[int] = Counter()      # end hash -> of those, the told ones
         self.events.dropped_all()
         for name in names:
             self._add(name)
@@ -64,12 +69,9 @@ class DiskTier:
     def forget(self, names: list[str]) -> None:
         """The worker no longer has these entries."""
         for name in names:
-            listed = self.index.remove(name)
-            if listed is not None and self._announced(listed):
-                self._ends[listed.end] -= 1
-                if not self._ends[listed.end]:
-                    del self._ends[listed.end]
-                    self.events.removed([listed.end])
+            if name in self._reachable:
+                self._unreach(name)
+            self.index.remove(name)
 
     def announce(self) -> None:
         """Make the next events describe every end anew (a front end (re)joined)."""
@@ -79,11 +81,44 @@ class DiskTier:
     def _add(self, name: str) -> None:
         if name in self.index or not self.index.add_name(name):
             return
-        listed = self.index.get(name)
-        if self._announced(listed):
-            self._ends[listed.end] += 1
-            if self._ends[listed.end] == 1:
-                self.events.stored([listed.end])
+        parent = self.index.get(name).parent
+        if parent == ROOT_HASH or self._reached[parent]:
+            self._reach(name)
+
+    def _reach(self, name: str) -> None:
+        """`name` is chained from the root now, and so are the entries after it."""
+        todo = [name]
+        while todo:
+            name = todo.pop()
+            self._reachable.add(name)
+            listed = self.index.get(name)
+            self._reached[listed.end] += 1
+            if self._announced(listed):
+                self._ends[listed.end] += 1
+                if self._ends[listed.end] == 1:
+                    self.events.stored([listed.end])
+            if self._reached[listed.end] == 1:
+                todo += [c for c in self.index.children.get(listed.end, ())
+                         if c not in self._reachable]
+
+    def _unreach(self, name: str) -> None:
+        """`name` is gone (or cut off): it and the entries only it chained are not
+        reachable any more."""
+        todo = [name]
+        while todo:
+            name = todo.pop()
+            self._reachable.discard(name)
+            listed = self.index.get(name)
+            self._reached[listed.end] -= 1
+            if self._announced(listed):
+                self._ends[listed.end] -= 1
+                if not self._ends[listed.end]:
+                    del self._ends[listed.end]
+                    self.events.removed([listed.end])
+            if not self._reached[listed.end]:
+                del self._reached[listed.end]
+                todo += [c for c in self.index.children.get(listed.end, ())
+                         if c in self._reachable]
 
     def _announced(self, listed: Listed) -> bool:
         """A prefill can resume at the entry's end (so a router may count it)."""

@@ -135,11 +135,12 @@ class Scheduler:
         call, as block hashes: TokenBatch's cache_* and disk_* fields
         (radix_cache.CacheEvents)."""
         events = {}
-        for side, source in (("cache", self.kv.tree), ("disk", self.kv.disk)):
-            if source is not None and source.events:
-                reset, stored, removed = source.events.take()
-                events.update({f"{side}_reset": reset, f"{side}_stored": stored,
-                               f"{side}_removed": removed})
+        if self.kv.tree is not None and self.kv.tree.events:
+            reset, stored, removed = self.kv.tree.events.take()
+            events.update(cache_reset=reset, cache_stored=stored, cache_removed=removed)
+        if self.kv.disk is not None and self.kv.disk.events:
+            reset, stored, removed = self.kv.disk.events.take()
+            events.update(disk_reset=reset, disk_stored=stored, disk_removed=removed)
         return events
 
     def announce_cache(self) -> None:

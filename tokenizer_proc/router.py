@@ -83,6 +83,8 @@ class PrefixIndex:
     def deepest(self, hashes: list[int]) -> tuple[int, set[str]]:
         """The last block of `hashes` some engine holds (its count from the start),
         and the engines holding it: for holdings that are not prefix-closed."""
+        if not self.holders:   # no engine has a disk tier
+            return 0, set()
         for k in range(len(hashes), 0, -1):
             engines = self.holders.get(hashes[k - 1])
             if engines:

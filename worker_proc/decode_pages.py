@@ -276,9 +276,10 @@ def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, sc
     out = _page_matmul(weights.astype(v_format.dtype).reshape(n * heads, g * slots, page),
                        v_parts, v_format, page, mx.arange(n * heads, dtype=mx.uint32),
                        pairs.rhs, transpose=False)
-    out = (v_format.rotate(out.astype(mx.float32), back=True).reshape(n, heads, g, slots, dv)
+    out = (out.astype(mx.float32).reshape(n, heads, g, slots, dv)
            / mx.maximum(total, 1e-30)[..., None])
-    return _merge_rows(out, lse, pairs.rows, b, sinks).reshape(b, hq, slots, dv).astype(queries.dtype)
+    merged = _merge_rows(out, lse, pairs.rows, b, sinks)   # linear: rotated back after it
+    return v_format.rotate(merged, back=True).reshape(b, hq, slots, dv).astype(queries.dtype)
 
 
 def _page_matmul(x: mx.array, parts: list[mx.array], fmt: KVFormat, page: int,

@@ -21,6 +21,7 @@ pages: q . k = (q R) . (k R), and sum p v = (sum p (v R)) R^T, so the decode pag
 rotate the queries and the output (decode_pages.py), and `decode` un-rotates.
 """
 
+import hashlib
 from dataclasses import dataclass
 from functools import cache
 
@@ -30,21 +31,30 @@ import numpy as np
 KV_BITS = (4, 8)   # the widths --kv-bits takes (0: float)
 GROUPS = (32, 64, 128)   # the group sizes --kv-group-size takes
 GROUP = 32   # values per scale and bias by default (see the module's docstring)
-ROTATION_SEED = 0x6B76   # the rotation's sign flips; part of the stored format
+ROTATION = "kv-rotation-1"   # names the rotation's sign flips: part of the stored format
+
+
+def rotation_signs(dim: int) -> np.ndarray:
+    """`dim` signs (+-1) from the bits of blake2b(ROTATION, dim): the same on every
+    machine and numpy version (a stored entry depends on them)."""
+    digest = b""
+    while len(digest) * 8 < dim:
+        digest += hashlib.blake2b(f"{ROTATION}/{dim}/{len(digest)}".encode()).digest()
+    bits = np.unpackbits(np.frombuffer(digest, np.uint8))[:dim]
+    return 1.0 - 2.0 * bits
 
 
 @cache
 def rotation(dim: int) -> mx.array:
     """A fixed orthogonal `[dim, dim]` float32 matrix: block-diagonal Walsh-Hadamard
     blocks (the largest power of two dividing `dim`; all of it for the usual 64 or 128)
-    scaled to unit rows, rows' signs flipped by a seeded draw. Exact in any float
-    arithmetic (entries are +-1/sqrt(block)), so the same on every machine."""
+    scaled to unit rows, rows' signs flipped by `rotation_signs`. Deterministic: its
+    entries are +-1/sqrt(block) rounded to float32."""
     block = dim & -dim
     h = np.ones((1, 1))
     while h.shape[0] < block:
         h = np.block([[h, h], [h, -h]])
-    signs = np.random.default_rng(ROTATION_SEED).choice([-1.0, 1.0], size=dim)
-    r = np.kron(np.eye(dim // block), h / np.sqrt(block)) * signs[:, None]
+    r = np.kron(np.eye(dim // block), h / np.sqrt(block)) * rotation_signs(dim)[:, None]
     return mx.array(r.astype(np.float32))
 
 
@@ -110,4 +120,4 @@ class KVFormat:
         return x.astype(mx.float32) @ (r.T if back else r)
 
     def describe(self) -> str:
-        return f"{self.bits}-bit (groups of {self.group}, rotated)" if self.bits else "float"
+        return f"{self.bits}-bit (groups of {self.group}, {ROTATION})" if self.bits else "float"

@@ -8,7 +8,7 @@ import pytest
 
 from mlxd.worker_proc.decode_pages import PageArena, paged_attention, step_pairs
 from mlxd.worker_proc.kv_pool import KVGeometry, KVPool
-from mlxd.worker_proc.kv_quant import KVFormat, rotation
+from mlxd.worker_proc.kv_quant import KVFormat, rotation, rotation_signs
 
 PAGE = 16
 
@@ -42,13 +42,19 @@ def test_encode_decode_is_close(bits, tolerance):
     assert mx.abs(fmt.decode(parts) - x).max().item() < tolerance
 
 
+# the sign flips stored entries depend on (a change needs a new kv_quant.ROTATION)
+SIGNS_64 = "0010001000011100011100100011010011100000101000000100100001100000"
+
+
 @pytest.mark.parametrize("dim", [64, 96, 128])
-def test_the_rotation_is_orthogonal_fixed_and_exact(dim):
+def test_the_rotation_is_orthogonal_and_pinned(dim):
     r = np.array(rotation(dim))
     assert np.allclose(r @ r.T, np.eye(dim), atol=1e-6)
     block = dim & -dim
     assert set(np.round(np.abs(r[r != 0]) * np.sqrt(block), 6)) == {1.0}
-    assert np.array_equal(r, np.array(rotation(dim)))
+    assert "".join("1" if s < 0 else "0" for s in rotation_signs(64)) == SIGNS_64
+    assert np.array_equal(np.sign(r[np.arange(dim), np.arange(dim) // block * block]),
+                          rotation_signs(dim))   # row i's sign: its first block entry's
 
 
 def test_rotated_groups_hold_heads_with_outlier_channels_more_closely():
@@ -84,9 +90,13 @@ def test_a_quantized_pool_holds_more_tokens_per_byte_and_reads_back_close():
 
 
 @pytest.mark.parametrize("slots", [1, 3])
-def test_paged_attention_over_quantized_pages_is_attention_over_their_values(slots):
-    heads, hq, dim, rows = 2, 4, 32, 3
-    arena = PageArena(1, heads, dim, dim, mx.float32, 12, PAGE, k_bits=8, v_bits=4)
+@pytest.mark.parametrize("dim,group,dtype,atol", [
+    (32, 32, mx.float32, 1e-4), (128, 128, mx.float32, 1e-4), (64, 64, mx.float16, 2e-2)])
+def test_paged_attention_over_quantized_pages_is_attention_over_their_values(
+        slots, dim, group, dtype, atol):
+    heads, hq, rows = 2, 4, 3
+    mx.random.seed(dim + slots)
+    arena = PageArena(1, heads, dim, dim, dtype, 12, PAGE, k_bits=8, v_bits=4, group=group)
     lengths = [20, 5, 40]
     tables = [arena.allocate(-(-n // PAGE)) for n in lengths]
     for table, n in zip(tables, lengths):
@@ -95,13 +105,15 @@ def test_paged_attention_over_quantized_pages_is_attention_over_their_values(slo
             arena.write_run(0, page, mx.random.normal((heads, m, dim)),
                             mx.random.normal((heads, m, dim)))
     pairs = step_pairs(tables, lengths, arena, queries=[slots] * rows)
-    q = mx.random.normal((rows, hq, slots, dim))
+    q = mx.random.normal((rows, hq, slots, dim)).astype(dtype)
     got = paged_attention(q, arena.keys[0], arena.values[0], pairs, PAGE, 0.2, None,
                           arena.k_format, arena.v_format)
-    keys = arena.k_format.decode(arena.keys[0])     # the same pages, dequantized
-    values = arena.v_format.decode(arena.values[0])
-    want = paged_attention(q, keys, values, pairs, PAGE, 0.2)
-    assert np.allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    # the same pages, dequantized, attended in float32
+    keys = arena.k_format.decode(arena.keys[0]).astype(mx.float32)
+    values = arena.v_format.decode(arena.values[0]).astype(mx.float32)
+    want = paged_attention(q.astype(mx.float32), keys, values, pairs, PAGE, 0.2)
+    assert got.dtype == dtype
+    assert np.allclose(np.asarray(got.astype(mx.float32)), np.asarray(want), atol=atol)
 
 
 def test_pages_written_per_position_read_back_close():

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from mlxd.protocol import StreamChunk
 
 from ..engines import add_stats
+from ..router import REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -115,7 +116,7 @@ class _EngineMetrics:
 
     def _router(self):
         decisions = CounterMetricFamily("mlxd_router_decisions", "routing decisions by "
-                                        "reason (cache, disk, load, affinity, rerun)",
+                                        f"reason ({', '.join(REASONS)})",
                                         labels=["model", "reason"])
         up = GaugeMetricFamily("mlxd_engines_up", "engines serving", labels=["model"])
         losses = CounterMetricFamily("mlxd_engine_losses", "engines lost (died, vanished)",
