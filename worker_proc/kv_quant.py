@@ -16,7 +16,7 @@ A few channels of a head's keys carry most of their magnitude, so in a group hol
 one of them every other value gets a coarse step; rotated, each group's values are
 mixed from all channels and have a like range. On the default model the rotation
 cut 8-bit keys' rounding error by a quarter and the output's mean KL from float KV
-from 1.9e-4 to 1.5e-4 (bench/kv_rounding.py). Attention needs no un-rotation of the
+from 1.9e-4 to 1.3e-4 (bench/kv_rounding.py). Attention needs no un-rotation of the
 pages: q . k = (q R) . (k R), and sum p v = (sum p (v R)) R^T, so the decode pages
 rotate the queries and the output (decode_pages.py), and `decode` un-rotates.
 """
