@@ -66,8 +66,9 @@ def main() -> None:
     for bits in args.bits:
         kv, _, group = bits.partition("@")
         k, _, v = kv.partition("/")
-        outputs, worker = run(model, ["--kv-bits-k", k, "--kv-bits-v", v or k,
-                                      "--kv-group-size", group or "32"], prompts, args)
+        grouped = ["--kv-group-size", group] if group else []   # else the server's default
+        outputs, worker = run(model, ["--kv-bits-k", k, "--kv-bits-v", v or k, *grouped],
+                              prompts, args)
         firsts = [first_divergence(a, b) for a, b in zip(outputs, base)]
         r = {"kv_capacity": worker["kv_capacity"], "kv_dtype": worker["kv_dtype"],
              "capacity_ratio": worker["kv_capacity"] / base_worker["kv_capacity"],

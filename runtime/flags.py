@@ -12,6 +12,8 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
+from .kv_layout import KV_GROUP, KV_GROUPS
+
 WORKER, SCHEDULER, TOKENIZER = "worker", "scheduler", "tokenizer"
 CHILDREN = (WORKER, SCHEDULER, TOKENIZER)
 WORKER_RESTART_WINDOW_SECONDS = 600.0   # --worker-restarts counts restarts this recent
@@ -183,10 +185,10 @@ class ServerFlags:
         0, "the values' bits, overriding `--kv-bits`", (WORKER,), shown="`--kv-bits`",
         minimum=0)
     kv_group_size: int = flag(
-        32, "values per scale and bias of quantized KV (`--kv-bits`): 32, 64 or 128, "
-        "dividing the model's head dimension; larger groups hold more tokens (8-bit in "
+        KV_GROUP, "values per scale and bias of quantized KV (`--kv-bits`): "
+        f"{', '.join(map(str, KV_GROUPS))}, dividing the model's head dimension; larger groups hold more tokens (8-bit in "
         "groups of 128: 1.94x float16 KV) and agree less with float KV", (WORKER,),
-        minimum=32)
+        minimum=min(KV_GROUPS))
     dequantize: str = flag(
         "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
         "(float32) when the float32 weights fit the memory limit, off on Metal and CUDA; "

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 CACHE_STEP = 256    # mlx_lm's KV caches grow in steps of this many positions
 ROW_ROOM = 2        # beyond a row's KV: the next input's position, and a chained one
 DECODE_PAGE = 64    # positions per decode page
+KV_GROUPS = (32, 64, 128)   # values per scale and bias --kv-group-size takes
+KV_GROUP = 32   # and by default: the best agreement (worker_proc/kv_quant.py)
 
 
 def cache_width(n: int) -> int:

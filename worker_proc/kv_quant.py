@@ -28,9 +28,10 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from mlxd.runtime.kv_layout import KV_GROUP, KV_GROUPS
+
 KV_BITS = (4, 8)   # the widths --kv-bits takes (0: float)
-GROUPS = (32, 64, 128)   # the group sizes --kv-group-size takes
-GROUP = 32   # values per scale and bias by default (see the module's docstring)
+GROUPS, GROUP = KV_GROUPS, KV_GROUP   # group sizes --kv-group-size takes, the default
 ROTATION = "kv-rotation-1"   # names the rotation's sign flips: part of the stored format
 
 
