@@ -6,6 +6,7 @@ server's.
     python -m bench.kv_bits                       # the default model, 32 prompts x 128
     python -m bench.kv_bits --bits 8 8/4 --n 32 --tokens 128 --json out.json
     python -m bench.kv_bits --bits 8@64 8@128      # K[/V][@GROUP]: --kv-group-size
+    python -m bench.kv_bits --bits 8 8+0 8+16      # [+TAIL]: --kv-float-tail
 """
 
 import argparse
@@ -49,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--bits", nargs="+", default=["8", "8/4"],
-                    help="K[/V][@GROUP] bits (and group size) to compare")
+                    help="K[/V][@GROUP][+TAIL] bits (and group size, float tail) to compare")
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mem-limit-gb", type=float, default=2.0)
@@ -64,20 +65,25 @@ def main() -> None:
     print(f"{args.n} prompts x {args.tokens} tokens; {report['machine']}; float KV: "
           f"capacity {base_worker['kv_capacity']} ({base_worker['kv_dtype']})")
     for bits in args.bits:
-        kv, _, group = bits.partition("@")
+        spec, _, tail = bits.partition("+")
+        kv, _, group = spec.partition("@")
         k, _, v = kv.partition("/")
-        grouped = ["--kv-group-size", group] if group else []   # else the server's default
-        outputs, worker = run(model, ["--kv-bits-k", k, "--kv-bits-v", v or k, *grouped],
-                              prompts, args)
+        # else the server's defaults
+        grouped = ["--kv-group-size", group] if group else []
+        tailed = ["--kv-float-tail", tail] if tail else []
+        outputs, worker = run(model, ["--kv-bits-k", k, "--kv-bits-v", v or k, *grouped,
+                                      *tailed], prompts, args)
         firsts = [first_divergence(a, b) for a, b in zip(outputs, base)]
         r = {"kv_capacity": worker["kv_capacity"], "kv_dtype": worker["kv_dtype"],
+             "kv_float_tail": worker["kv_float_tail"],
              "capacity_ratio": worker["kv_capacity"] / base_worker["kv_capacity"],
              "first_divergence": firsts,
              "share_at_least_64": sum(f >= 64 for f in firsts) / len(firsts),
              "identical": sum(f >= args.tokens for f in firsts),
              "median_first_divergence": statistics.median(firsts)}
         report[bits] = r
-        print(f"{bits}: capacity {r['kv_capacity']} ({r['capacity_ratio']:.2f}x float), "
+        print(f"{bits} (float tail {r['kv_float_tail']}): capacity {r['kv_capacity']} "
+              f"({r['capacity_ratio']:.2f}x float), "
               f"first divergence >= 64 on {r['share_at_least_64']:.0%} of prompts, identical "
               f"{r['identical']}/{args.n}, median first divergence "
               f"{r['median_first_divergence']}")

@@ -21,6 +21,7 @@ with the worker's BLAS (bench/common.py blas_env).
 
     python -m bench.ragged --layouts paged,padded
     python -m bench.ragged --layouts paged,paged:kv8 --cases ragged   # --kv-bits 8 vs float
+    python -m bench.ragged --layouts paged,paged:kv8+64 --cases ragged   # with --kv-float-tail 64
 """
 
 import argparse
@@ -47,7 +48,8 @@ class Driver:
     """Books slots and sends Steps to one ModelRunner, like the scheduler."""
 
     def __init__(self, model, capacity: int, layout: str):
-        """`layout`: a decode layout, `:kvN` after it storing KV in N bits."""
+        """`layout`: a decode layout, `:kvN` after it storing KV in N bits, `+T` after
+        that with a float tail of T positions."""
         from mlxd.worker_proc.kv_pool import KVPool
         from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 
@@ -59,9 +61,11 @@ class Driver:
         from dataclasses import replace
 
         layout, _, kv = layout.partition(":kv")
+        kv, _, tail = kv.partition("+")
         bits = int(kv) if kv else 0
         geometry = replace(probe_geometry(model), k_bits=bits, v_bits=bits)
-        self.runner = runner_for(model, KVPool(geometry, capacity), decode_layout=layout)
+        self.runner = runner_for(model, KVPool(geometry, capacity), decode_layout=layout,
+                                 float_tail=int(tail or 0))
         page = self.runner.decode_page   # MLX's buffer cache set as the worker sets it
         mx.set_cache_limit(buffer_cache_bytes(page, decode_cache_budget(capacity, 64, page),
                                               geometry.bytes_per_token))
@@ -178,7 +182,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the bench model with an 8k context")
     ap.add_argument("--cases", default="ragged,join")
     ap.add_argument("--layouts", default="paged,padded",
-                    help="decode layouts to measure; `paged:kv8`: in pages of 8-bit KV")
+                    help="decode layouts to measure; `paged:kv8`: in pages of 8-bit KV, "
+                    "`paged:kv8+64`: with a float tail of 64 positions")
     ap.add_argument("--repeats", type=int, default=8, help="timed steps per figure")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)

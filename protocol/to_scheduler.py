@@ -162,6 +162,9 @@ class WorkerLimits:
     # the disk tier (--kv-disk): on, and the entries its directory holds at start
     kv_disk: bool = wire(Bool(), default=False)
     kv_disk_entries: list[str] = wire(List(Str(max_len=128)), default_factory=list)
+    # quantized KV (--kv-bits): each running request's newest positions the decode
+    # attends in float (--kv-float-tail; 0: none)
+    kv_float_tail: int = wire(Int(minimum=0), default=0)
 
 
 @message

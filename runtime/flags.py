@@ -189,6 +189,13 @@ class ServerFlags:
         f"{', '.join(map(str, KV_GROUPS))}, dividing the model's head dimension; larger groups hold more tokens (8-bit in "
         "groups of 128: 1.94x float16 KV) and agree less with float KV", (WORKER,),
         minimum=min(KV_GROUPS))
+    kv_float_tail: int = flag(
+        64, "with `--kv-bits`: each running request's newest positions, this many, are "
+        "also held in float (a ring per request, taken from the memory split for "
+        "`--max-running-requests` of them: this many positions and 8 more each) and "
+        "decode attends them from there, the rest from the quantized pages; rounding "
+        "the newest positions moves the output most (README); 0: none", (WORKER,),
+        minimum=0)
     dequantize: str = flag(
         "auto", "dequantize quantized weights at load: `auto` = on for the CPU backend "
         "(float32) when the float32 weights fit the memory limit, off on Metal and CUDA; "

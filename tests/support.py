@@ -283,3 +283,27 @@ def flood(address: str, prompts: list[list[int]], max_tokens: int) -> tuple[list
             return results, await c.stats()
     return asyncio.run(run())
 
+
+def dense_reference(q, keys, values, scale, window=0, sinks=None, queries=None):
+    """Per row, softmax attention over its own positions (numpy, float64): row r's
+    last `queries[r]` positions (default 1) are its queries, in its first slots of
+    `q` `[B, Hq, L, D]`, each attending causally (within the window); `[B, Hq, L,
+    Dv]`, NaN in the slots past a row's queries."""
+    import numpy as np
+
+    hq, slots = q.shape[1], q.shape[2]
+    queries = [1] * len(keys) if queries is None else queries
+    out = np.full((len(keys), hq, slots, values[0].shape[-1]), np.nan)
+    for r, (k, v) in enumerate(zip(keys, values)):   # k: [Hkv, n, D]
+        g, n = hq // k.shape[0], k.shape[1]
+        k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+        for j in range(queries[r]):
+            at = n - queries[r] + j
+            low = max(0, at + 1 - window) if window else 0
+            for h in range(hq):
+                s = (np.asarray(q[r, h, j], np.float64) * scale) @ k[h // g, low:at + 1].T
+                logits = s if sinks is None else np.append(s, float(sinks[h]))
+                w = np.exp(logits - logits.max())
+                w = w / w.sum()
+                out[r, h, j] = w[:at + 1 - low] @ v[h // g, low:at + 1]
+    return out

@@ -10,7 +10,7 @@ two layouts, and the choice between them, made once at startup.
 `runtime/kv_layout.py` is the rule both layouts are budgeted by (`page`: 0 padded).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Protocol
 
 import mlx.core as mx
@@ -109,17 +109,31 @@ def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
     return 0
 
 
+def float_tail_bytes(geometry: KVGeometry, page: int, float_tail: int, max_rows: int) -> int:
+    """Memory the float tails of `max_rows` rows take in the decode pages (`page`; the
+    padded layout has none), where the geometry's KV is quantized."""
+    if not (page and float_tail and (geometry.k_bits or geometry.v_bits)):
+        return 0
+    from .decode_pages import tail_ring
+
+    float_kv = replace(geometry, k_bits=0, v_bits=0)
+    return max_rows * tail_ring(float_tail) * float_kv.bytes_per_token
+
+
 def first_pages(most: int) -> int:
     """The page arena's first size for a budget of `most` pages."""
     return min(most, max(FIRST_PAGES, most // FIRST_SHARE))
 
 
 def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
-                preallocate: bool = False, share: bool = True) -> DecodeRows:
+                preallocate: bool = False, share: bool = True, float_tail: int = 0,
+                max_rows: int = 0) -> DecodeRows:
     """The decode batch of the layout `decode_page_for` chose (`page`; 0: padded). In
     pages the arena grows to `most_pages` (the memory split's decode budget), from
     `first_pages(most_pages)` or, with `preallocate`, all of it at once; `share`:
-    rows from one cached prefix hold its full pages once (not with a window pool)."""
+    rows from one cached prefix hold its full pages once (not with a window pool).
+    Quantized pages keep each row's newest `float_tail` positions in float too, for
+    up to `max_rows` rows (memory: `float_tail_bytes`)."""
     from .decode_batch import DecodeBatch
     from .decode_pages import PageArena
     from .paged_batch import PagedDecodeBatch
@@ -130,5 +144,5 @@ def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
     arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
                       most_pages if preallocate else first_pages(most_pages), page,
                       max_pages=most_pages, k_bits=g.k_bits, v_bits=g.v_bits,
-                      group=g.kv_group)
+                      group=g.kv_group, float_tail=float_tail, max_rows=max_rows)
     return PagedDecodeBatch(g.cache_layout, arena, share=share)

@@ -32,6 +32,17 @@ layout instead.
 
 Sliding-window layers attend only the pages that overlap their window, masked to
 the window's positions; attention sinks (gpt_oss) join the log-sum-exp merge.
+
+Quantized pages (--kv-bits) keep a float tail (--kv-float-tail T): each row also
+holds its newest positions in float, in a ring of its own (a page of the arena's
+`tail`, T + RING_SLACK positions, position p at index p mod the ring's size, stored
+in the quantized pages' rotated basis). Every new position is written to both; a
+step attends each row's positions from T back (fewer after rejected drafts wrote
+over the ring's oldest) from its ring, as one more (row, page) pair, and the older
+ones from the quantized pages, whose pairs count only those; the merge takes them
+all. Rounding the newest positions is what moves greedy output most (the model
+attends them most), so this brings 8-bit KV's agreement with float KV near float16's
+(docs/design/kv_tiers.md) for T float positions per running row.
 """
 
 import sys
@@ -48,6 +59,18 @@ from .kv_quant import GROUP, KVFormat
 # mlx_lm's attention, taken before `install_hook` replaces the name anywhere
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 
+# A float tail's ring holds this many positions beyond those it keeps: a verify writes
+# its drafts' positions before knowing which it keeps, and those it rejects overwrite
+# the ring's oldest; with this slack a verify of up to RING_SLACK drafts leaves the
+# kept tail whole (a longer one shortens it until the row has moved past them).
+RING_SLACK = 8
+FIRST_RINGS = 16   # rows the tail has rings for at first (it doubles as rows join)
+
+
+def tail_ring(keep: int) -> int:
+    """Positions of one row's ring for a float tail of `keep` positions."""
+    return keep + RING_SLACK
+
 
 class PageArena:
     """The decode pages of every KV leaf. `keys[i]`/`values[i]` are leaf i's arena,
@@ -63,13 +86,22 @@ class PageArena:
 
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  pages: int, page: int = DECODE_PAGE, max_pages: int = 0,
-                 k_bits: int = 0, v_bits: int = 0, group: int = GROUP):
+                 k_bits: int = 0, v_bits: int = 0, group: int = GROUP,
+                 float_tail: int = 0, max_rows: int = 0):
         """`k_bits`/`v_bits`: pages hold keys/values in MLX affine groups of `group`
-        (0: float)."""
+        (0: float). `float_tail` (with either quantized): each row's newest positions
+        are attended from a float ring too (`tail`), for up to `max_rows` rows (0: no
+        limit)."""
         self.num_leaves, self.heads, self.page = num_leaves, heads, page
         self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
         self.k_format = KVFormat.of(dtype, k_bits, k_dim, group)
         self.v_format = KVFormat.of(dtype, v_bits, v_dim, group)
+        quantized = self.k_format.quantized or self.v_format.quantized
+        # the float tail: a ring of `tail_ring(float_tail)` positions per row, one page each
+        self.tail_keep = float_tail if quantized else 0
+        self.tail = PageArena(num_leaves, heads, k_dim, v_dim, dtype,
+                              min(max_rows or FIRST_RINGS, FIRST_RINGS), tail_ring(float_tail),
+                              max_pages=max_rows) if self.tail_keep else None
         self.max_pages = max_pages   # 0: no limit
         self.pages = 0
         # per leaf, the parts of its keys and of its values (kv_quant.py)
@@ -87,7 +119,8 @@ class PageArena:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for parts in self.keys + self.values for a in parts)
+        tail = self.tail.nbytes if self.tail is not None else 0
+        return tail + sum(a.nbytes for parts in self.keys + self.values for a in parts)
 
     def _grow(self, pages: int) -> None:
         """Room for `pages` pages (page 0 included beyond them)."""
@@ -158,6 +191,8 @@ class PageArena:
         self.values = [[sized(a) for a in parts] for parts in self.values]
         self._holders = {}
         self._free = list(range(self.pages, 0, -1))
+        if self.tail is not None:
+            self.tail.reset()
 
     def check_integrity(self, held: list[list[int]]) -> None:
         """Every page is free or held, never both; a held page's count of holders is
@@ -175,20 +210,34 @@ class PageArena:
         `first` on, through pages first .. first + ceil(m / page) - 1: one slice per
         array, a copy of what is written."""
         start, m = first * self.page, keys.shape[1]
-        for stored, part in self._parts(leaf, keys, values):
+        for stored, part in self._parts(leaf, self._basis(keys, values)):
             stored[:, start:start + m] = part
 
     def write(self, leaf: int, heads: mx.array, rows: mx.array, keys: mx.array,
-              values: mx.array) -> None:
+              values: mx.array, tail_at: tuple[mx.array, mx.array] | None = None) -> None:
         """Store `[n, dim]` keys/values at (head, row) pairs (MLX donates the
-        buffer: the write costs the rows written)."""
-        for stored, part in self._parts(leaf, keys, values):
+        buffer: the write costs the rows written), and at the (head, ring row) pairs
+        `tail_at` of the float tail."""
+        basis = self._basis(keys, values)
+        for stored, part in self._parts(leaf, basis):
             stored[heads, rows] = part
+        if tail_at is not None:
+            self.tail.write(leaf, *tail_at, *basis)
 
-    def _parts(self, leaf: int, keys: mx.array, values: mx.array):
+    def write_tail(self, leaf: int, heads: mx.array, rows: mx.array, keys: mx.array,
+                   values: mx.array) -> None:
+        """Store `[n, dim]` keys/values at (head, ring row) pairs of the float tail."""
+        self.tail.write(leaf, heads, rows, *self._basis(keys, values))
+
+    def _basis(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values in the stored basis (the float tail holds them so)."""
+        return self.k_format.basis(keys), self.v_format.basis(values)
+
+    def _parts(self, leaf: int, basis: tuple[mx.array, mx.array]):
         """(stored array, its part of the new keys or values), for each part."""
+        keys, values = basis
         return zip(self.keys[leaf] + self.values[leaf],
-                   self.k_format.encode(keys) + self.v_format.encode(values), strict=True)
+                   self.k_format.pack(keys) + self.v_format.pack(values), strict=True)
 
 
 @dataclass(frozen=True)
@@ -206,45 +255,82 @@ class Pairs:
 
 
 def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
-               window: int = 0, queries: list[int] | None = None) -> Pairs:
+               window: int = 0, queries: list[int] | None = None,
+               below: list[int] | None = None) -> Pairs:
     """The pairs of rows holding `lengths[i]` positions (the new ones included) in
     pages `tables[i]` of `arena`, row i's last `queries[i]` positions (default 1)
     being its queries. Each query counts the positions up to its own and, with a
-    `window`, only the last `window` of them. Query slots past a row's own (the
-    forward is rectangular, L = max(queries)) count what its last query does, so no
-    slot is fully masked."""
-    heads, page = arena.heads, arena.page
+    `window`, only the last `window` of them; with `below`, only those before
+    `below[i]` (the float tail attends the rest): a row with none has no pairs. Query
+    slots past a row's own (the forward is rectangular, L = max(queries)) count what
+    its last query does, so no slot is fully masked."""
+    page = arena.page
+    queries = [1] * len(lengths) if queries is None else list(queries)
+    below = list(lengths) if below is None else below
+    slots = max(queries)
+    rows, pages, starts, last_pos, ends = [], [], [], [], []
+    for r, (table, n, q, end) in enumerate(zip(tables, lengths, queries, below)):
+        low = max(0, n - q - window + 1) if window else 0   # the first query's window start
+        first, last = low // page, (min(n, end) - 1) // page
+        count = max(0, last - first + 1) if end > low else 0
+        rows.append(np.full(count, r))
+        pages.append(np.asarray(table[first:first + count], dtype=np.int64))
+        starts.append(np.arange(first, first + count) * page)
+        last_pos.append(np.broadcast_to(_query_positions(n, q, slots), (count, slots)))
+        ends.append(np.full(count, end))
+    positions = np.concatenate(starts)[:, None] + np.arange(page)   # [n, page]
+    return _pairs(np.concatenate(rows), np.concatenate(pages), arena, positions,
+                  np.concatenate(last_pos), window, slots, below=np.concatenate(ends))
+
+
+def tail_pairs(rings: list[int], lengths: list[int], lows: list[int], tail: "PageArena",
+               window: int = 0, queries: list[int] | None = None) -> Pairs:
+    """One pair per row: its float ring (a page of `tail`, ring position p at index p
+    mod the ring's size) with the positions from `lows[i]` on counted, as
+    `step_pairs` counts them for each query."""
+    ring = tail.page
     queries = [1] * len(lengths) if queries is None else list(queries)
     slots = max(queries)
-    rows, pages, starts, last_pos = [], [], [], []
-    for r, (table, n, q) in enumerate(zip(tables, lengths, queries)):
-        low = max(0, n - q - window + 1) if window else 0   # the first query's window start
-        first, last = low // page, (n - 1) // page
-        count = last - first + 1
-        rows.append(np.full(count, r))
-        pages.append(np.asarray(table[first:last + 1]))
-        starts.append(np.arange(first, last + 1) * page)
-        # each slot's position, padding slots at the row's last query
-        own = n - q + np.minimum(np.arange(slots), q - 1)
-        last_pos.append(np.broadcast_to(own, (count, slots)))
-    rows_np, pages_np = np.concatenate(rows), np.concatenate(pages)
-    stride = arena.pages + 1
-    positions = (np.concatenate(starts)[:, None] + np.arange(page))[:, None, :]   # [n, 1, page]
-    at = np.concatenate(last_pos)[:, :, None]                                      # [n, L, 1]
-    mask = positions <= at
+    ends = np.asarray(lengths)[:, None] - ring   # a ring's index j holds the position of
+    held = ends + (np.arange(ring) - ends) % ring   # [rows, ring]: j's residue among the last `ring`
+    at = np.stack([_query_positions(n, q, slots) for n, q in zip(lengths, queries)])
+    return _pairs(np.arange(len(rings)), np.asarray(rings), tail, held, at, window, slots,
+                  low=np.asarray(lows))
+
+
+def _query_positions(n: int, q: int, slots: int) -> np.ndarray:
+    """The positions of a row's `slots` query slots, its `q` queries the last of its
+    `n` positions, padding slots at its last query."""
+    return n - q + np.minimum(np.arange(slots), q - 1)
+
+
+def _pairs(rows: np.ndarray, pages: np.ndarray, arena: "PageArena", positions: np.ndarray,
+           at: np.ndarray, window: int, slots: int, low: np.ndarray | None = None,
+           below: np.ndarray | None = None) -> Pairs:
+    """The Pairs of (row, page) pairs whose pages hold `positions` `[n, page]`, the
+    pairs' query slots at `at` `[n, L]`: each counts a position up to its own, in
+    its window, from `low` and before `below` (per pair)."""
+    heads, stride = arena.heads, arena.pages + 1
+    held, own = positions[:, None, :], at[:, :, None]   # [n, 1, page], [n, L, 1]
+    mask = held <= own
     if window:
-        mask &= positions > at - window
+        mask &= held > own - window
+    if low is not None:
+        mask &= held >= low[:, None, None]
+    if below is not None:
+        mask &= held < below[:, None, None]
     mask = mask[:, None, None] if slots > 1 else mask[:, None]   # [n,1,1,L,page] | [n,1,1,page]
     per_head = np.arange(heads)
-    return Pairs(mx.array(rows_np, mx.int32),
-                 mx.array((rows_np[:, None] * heads + per_head).reshape(-1), mx.uint32),
-                 mx.array((per_head * stride + pages_np[:, None]).reshape(-1), mx.uint32),
+    return Pairs(mx.array(rows, mx.int32),
+                 mx.array((rows[:, None] * heads + per_head).reshape(-1), mx.uint32),
+                 mx.array((per_head * stride + pages[:, None]).reshape(-1), mx.uint32),
                  mx.array(mask), window)
 
 
 def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, scale: float,
                     sinks: mx.array | None = None, k_format: KVFormat | None = None,
-                    v_format: KVFormat | None = None) -> mx.array:
+                    v_format: KVFormat | None = None,
+                    tail: tuple[mx.array, mx.array, Pairs] | None = None) -> mx.array:
     """Attention of L query positions per row `[B, Hq, L, D]` over the pairs' pages of
     an arena (`keys`/`values` `[Hkv, (pages + 1) * page, D]`; as `[Hkv * (pages + 1),
     page, D]`, a free reshape, matrix `head * (pages + 1) + page` is one head's
@@ -252,17 +338,41 @@ def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, sc
     x L positions, so each page is read once per row, whatever L is. With quantized
     formats, `keys`/`values` are their parts and the pages are multiplied as stored
     (`mx.gather_qmm`), never dequantized whole: the queries are rotated into the
-    stored basis, and the output out of it (kv_quant.py)."""
+    stored basis, and the output out of it (kv_quant.py). `tail`: a float tail's
+    keys, values (in the stored basis) and pairs (`tail_pairs`), attended beside the
+    pages and merged with them."""
     b, hq, slots, d = queries.shape
-    heads = pairs.lhs.shape[0] // pairs.rows.shape[0]
-    g, n = hq // heads, pairs.rows.shape[0]
     k_format = k_format or KVFormat(keys.dtype)
     v_format = v_format or KVFormat(values.dtype)
     k_parts = keys if k_format.quantized else [keys]
     v_parts = values if v_format.quantized else [values]
-    dv = v_parts[0].shape[-1] * (32 // v_format.bits if v_format.quantized else 1)
+    heads = k_parts[0].shape[0]
     # [B, Hkv * g, L, D] head-major: (row, kv head) rows of g x L queries, a free reshape
-    q = k_format.rotate(queries * scale).astype(k_format.dtype).reshape(b * heads, g * slots, d)
+    q = k_format.rotate(queries * scale).astype(k_format.dtype).reshape(b * heads, hq // heads * slots, d)
+    parts = []
+    if pairs.rows.shape[0]:
+        parts.append(_attend_pairs(q, k_parts, v_parts, k_format, v_format, pairs, page))
+    if tail is not None:
+        tk, tv, ring = tail
+        parts.append(_attend_pairs(q, [tk], [tv], KVFormat(tk.dtype), KVFormat(tv.dtype),
+                                   ring, ring.mask.shape[-1]))
+    out, lse, rows = (mx.concatenate(p) if len(parts) > 1 else p[0] for p in zip(*parts))
+    merged = _merge_rows(out, lse, rows, b, sinks)   # linear: rotated back after it
+    dv = merged.shape[-1]
+    return v_format.rotate(merged, back=True).reshape(b, hq, slots, dv).astype(queries.dtype)
+
+
+def _attend_pairs(q: mx.array, k_parts: list[mx.array], v_parts: list[mx.array],
+                  k_format: KVFormat, v_format: KVFormat, pairs: Pairs,
+                  page: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Each pair's attention of its row's queries `q` `[B * Hkv, g * L, D]` over its
+    page alone: the output `[n, Hkv, g, L, Dv]` (normalized within the page), its
+    log-sum-exp `[n, Hkv, g, L]` (-inf where no position counts), the pairs' rows."""
+    n = pairs.rows.shape[0]
+    heads = pairs.lhs.shape[0] // n
+    slots = pairs.mask.shape[-2] if pairs.mask.ndim == 5 else 1
+    g = q.shape[1] // slots
+    dv = v_parts[0].shape[-1] * (32 // v_format.bits if v_format.quantized else 1)
     scores = _page_matmul(q, k_parts, k_format, page, pairs.lhs, pairs.rhs,
                           transpose=True).astype(mx.float32)
     mask = pairs.mask.reshape(n, 1, 1, -1, page)
@@ -278,8 +388,7 @@ def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, sc
                        pairs.rhs, transpose=False)
     out = (out.astype(mx.float32).reshape(n, heads, g, slots, dv)
            / mx.maximum(total, 1e-30)[..., None])
-    merged = _merge_rows(out, lse, pairs.rows, b, sinks)   # linear: rotated back after it
-    return v_format.rotate(merged, back=True).reshape(b, hq, slots, dv).astype(queries.dtype)
+    return out, lse, pairs.rows
 
 
 def _page_matmul(x: mx.array, parts: list[mx.array], fmt: KVFormat, page: int,
@@ -336,20 +445,25 @@ class PagedLayerCache:
 
     def __init__(self, arena: PageArena, leaf: int, offset: mx.array,
                  write_at: tuple[mx.array, mx.array], pairs: Pairs,
-                 span: tuple[int, int] | None = None):
+                 span: tuple[int, int] | None = None,
+                 tail: tuple[tuple[mx.array, mx.array], Pairs] | None = None):
         self.arena, self.leaf, self.pairs = arena, leaf, pairs
         # attended as a slice (no gather, no merge)
         self.span = span
         self.offset = offset            # [B]: each row's first query's position (RoPE)
         self.write_at = write_at        # ([B * heads * L] head, [B * heads * L] arena row)
+        # the float tail's (head, ring row) of each new position, and its pairs
+        self.tail = tail
         self.newest: tuple[mx.array, mx.array] | None = None
         self.attended = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the new positions `[B, heads, L, dim]` into the rows' pages."""
+        """Write the new positions `[B, heads, L, dim]` into the rows' pages (and
+        their float tails)."""
         self.newest = (keys, values)
         self.arena.write(self.leaf, *self.write_at,
-                         keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1]))
+                         keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1]),
+                         tail_at=self.tail[0] if self.tail is not None else None)
         return keys, values
 
     def make_mask(self, *args, **kwargs):
@@ -378,10 +492,13 @@ class PagedLayerCache:
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
                                                         sinks=sinks)
         keys, values = arena.keys[self.leaf], arena.values[self.leaf]
+        tail = None
+        if self.tail is not None:
+            tail = (arena.tail.keys[self.leaf][0], arena.tail.values[self.leaf][0], self.tail[1])
         return paged_attention(queries, keys if arena.k_format.quantized else keys[0],
                                values if arena.v_format.quantized else values[0],
                                self.pairs, arena.page, scale, sinks,
-                               arena.k_format, arena.v_format)
+                               arena.k_format, arena.v_format, tail)
 
 
 # ---- the hook -------------------------------------------------------------

@@ -100,9 +100,18 @@ class KVFormat:
 
     def encode(self, x: mx.array) -> list[mx.array]:
         """`x [..., dim]` as stored."""
+        return self.pack(self.basis(x))
+
+    def basis(self, x: mx.array) -> mx.array:
+        """`x [..., dim]` in the stored heads' basis (rotated where quantized), as the
+        float dtype: what `pack` stores, and what a float tail holds (decode_pages)."""
+        x = self.rotate(x)
+        return x if x.dtype == self.dtype else x.astype(self.dtype)
+
+    def pack(self, x: mx.array) -> list[mx.array]:
+        """`x` in the stored basis (`basis`) as stored."""
         if not self.bits:
-            return [x if x.dtype == self.dtype else x.astype(self.dtype)]
-        x = self.rotate(x).astype(self.dtype)
+            return [x]
         return list(mx.quantize(x, group_size=self.group, bits=self.bits))
 
     def decode(self, parts: list[mx.array]) -> mx.array:

@@ -77,7 +77,7 @@ def loaded_blas() -> str:
 def build_runner(cfg: WorkerConfig):
     import mlx.core as mx
 
-    from .decode import UnsupportedModel, decode_page_for, decode_rows
+    from .decode import UnsupportedModel, decode_page_for, decode_rows, float_tail_bytes
     from .draft_model import drafter_for
     from .grammar import Grammars
     from .kv_pool import KVPool
@@ -115,7 +115,10 @@ def build_runner(cfg: WorkerConfig):
         pool_token_bytes += draft[1].bytes_per_token
     # --kv-disk: spills wait for the writer in memory, up to this many bytes
     disk_queue = min(256 << 20, max(32 << 20, limit // 16)) if flags.kv_disk else 0
-    budget = kv_budget(limit, weights_bytes + state_bytes + disk_queue, max(1, pool_token_bytes),
+    tail_bytes = float_tail_bytes(geometry, page, flags.kv_float_tail,
+                                  flags.max_running_requests)
+    budget = kv_budget(limit, weights_bytes + state_bytes + disk_queue + tail_bytes,
+                       max(1, pool_token_bytes),
                        flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
                        capacity=flags.kv_capacity, windows=windows, page=page)
@@ -126,7 +129,8 @@ def build_runner(cfg: WorkerConfig):
     cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
     mx.set_cache_limit(cache_bytes)
     batch = decode_rows(geometry, page, -(-budget.decode_cache_tokens // page) if page else 0,
-                        flags.preallocate_decode_pages, share=not pool.uses_windows)
+                        flags.preallocate_decode_pages, share=not pool.uses_windows,
+                        float_tail=flags.kv_float_tail, max_rows=flags.max_running_requests)
     drafter = None
     if draft is not None:   # in pages beside the model's
         if not page:
@@ -163,7 +167,8 @@ def build_runner(cfg: WorkerConfig):
         draft_model=Path(flags.draft_model).name if draft is not None else "",
         draft_cost=measure_draft_cost(model, draft[0]) if measured and draft is not None else 0.0,
         kv_disk=runner.disk is not None,
-        kv_disk_entries=runner.disk.entries() if runner.disk is not None else [])
+        kv_disk_entries=runner.disk.entries() if runner.disk is not None else [],
+        kv_float_tail=flags.kv_float_tail if tail_bytes else 0)
     return runner, limits, group
 
 
@@ -228,7 +233,8 @@ def settings_digest(cfg: WorkerConfig) -> int:
     shared = [(Path(flags.model) / "config.json").read_text(), flags.decode_layout,
               flags.max_running_requests, flags.max_prefill_tokens, cfg.prefill_step_size,
               flags.window_capacity, flags.preallocate_decode_pages, flags.pp,
-              flags.kv_bits, flags.kv_bits_k, flags.kv_bits_v, flags.kv_group_size]
+              flags.kv_bits, flags.kv_bits_k, flags.kv_bits_v, flags.kv_group_size,
+              flags.kv_float_tail]
     return zlib.crc32(json.dumps(shared).encode()) & 0x7FFFFFFF
 
 

@@ -70,14 +70,16 @@ class _Output:
 
 
 def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: int = 0,
-               preallocate_pages: bool = False, **options) -> "ModelRunner":
+               preallocate_pages: bool = False, float_tail: int = 0,
+               **options) -> "ModelRunner":
     """A ModelRunner for `model`, its decode layout chosen (`decode_page_for`) and the
     model probed here, once. `decode_pages`: the most the page arena grows to (0: the
-    pool's capacity); `options`: ModelRunner's."""
+    pool's capacity); `float_tail`: quantized pages' (decode_rows); `options`:
+    ModelRunner's."""
     page = decode_page_for(model, pool.geometry, decode_layout)
     most = decode_pages or (-(-pool.capacity // page) + 1 if page else 0)
     batch = decode_rows(pool.geometry, page, most, preallocate_pages,
-                        share=not pool.uses_windows)
+                        share=not pool.uses_windows, float_tail=float_tail)
     return ModelRunner(model, pool, batch, probe_vocab_size(model), **options)
 
 

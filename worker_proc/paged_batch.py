@@ -15,7 +15,7 @@ import numpy as np
 from . import batch_cache
 from .batch_cache import CacheLayout
 from .decode import JoinGroup
-from .decode_pages import PageArena, PagedLayerCache, step_pairs
+from .decode_pages import PageArena, PagedLayerCache, step_pairs, tail_pairs
 from .sampling import RowState
 from .shared_pages import SharedPages
 
@@ -33,6 +33,10 @@ class PagedDecodeBatch:
         self.rows: list[RowState] = []
         self.tables: list[list[int]] = []   # per row: its pages, in position order
         self.lengths: list[int] = []        # per row: positions held (the newest input's excluded)
+        # with a float tail (arena.tail), per row: its ring, and one past the newest
+        # position it was written (a verify's rejected drafts included)
+        self.rings: list[int] = []
+        self.reached: list[int] = []
         self.tokens: mx.array | None = None  # [rows] next input token of each row
         # per state leaf, in the layout's order: [rows, ...] arrays (hybrid models)
         self.states: list[list[mx.array]] = []
@@ -82,6 +86,11 @@ class PagedDecodeBatch:
             fresh.append(todo)
         if end:
             self._write_pages(kv, tables, fresh, lefts, end)
+        if self.arena.tail is not None:
+            rings = self.arena.tail.allocate(len(lengths))
+            self._write_rings(kv, rings, lengths, lefts)
+            self.rings += rings
+            self.reached += lengths
         self.tables += tables
         self.lengths += lengths
         for i, leaf in enumerate(states):
@@ -125,6 +134,30 @@ class PagedDecodeBatch:
                     k, v = batch_cache.row_columns(cache, r, start, stop)   # [heads, m, dim]
                     self.arena.write_run(leaf, first, k, v)
 
+    def _write_rings(self, kv: list, rings: list[int], lengths: list[int],
+                     lefts: list[int]) -> None:
+        """Every joining row's newest positions (as many as its ring holds) of every
+        KV leaf into its ring of the float tail, position p at index p mod the ring."""
+        tail, heads = self.arena.tail, self.arena.heads
+        for r, (ring, n, left) in enumerate(zip(rings, lengths, lefts)):
+            first = max(0, n - tail.page)
+            if first == n:
+                continue
+            at = ring * tail.page + np.arange(first, n) % tail.page
+            head_ids = mx.array(np.repeat(np.arange(heads), n - first), mx.int32)
+            ring_rows = mx.array(np.tile(at, heads), mx.int32)
+            for leaf, cache in enumerate(kv):
+                k, v = batch_cache.row_columns(cache, r, left + first, left + n)
+                self.arena.write_tail(leaf, head_ids, ring_rows, k.reshape(-1, k.shape[-1]),
+                                      v.reshape(-1, v.shape[-1]))
+
+    def check_integrity(self) -> None:
+        """The arena's pages are those the tables hold; each row holds a ring of the
+        float tail of its own."""
+        self.arena.check_integrity(self.tables)
+        if self.arena.tail is not None:
+            self.arena.tail.check_integrity([[r] for r in self.rings])
+
     def slots_written(self, slots) -> None:
         """The pool's `slots` are being written (a prefill's new tokens, a decode's
         inputs): pages shared under them are no longer found by them."""
@@ -147,10 +180,15 @@ class PagedDecodeBatch:
         for i, rid in enumerate(self.row_rids):
             if rid in rids:
                 self._let_go(self.tables[i])
+                if self.rings:
+                    self.arena.tail.free([self.rings[i]])
         self.row_rids = [self.row_rids[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.tables = [self.tables[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
+        if self.rings:
+            self.rings = [self.rings[i] for i in keep]
+            self.reached = [self.reached[i] for i in keep]
         index = mx.array(keep)
         self.tokens = self.tokens[index]
         self.states = [[a[index] for a in leaf] for leaf in self.states]
@@ -162,6 +200,7 @@ class PagedDecodeBatch:
         if self.shared is not None:
             self.shared = SharedPages(self.arena.page)
         self.row_rids, self.rows, self.tables, self.lengths = [], [], [], []
+        self.rings, self.reached = [], []
         self.tokens, self.states, self._leaves = None, [], []
         self._verified = None
 
@@ -215,10 +254,15 @@ class PagedDecodeBatch:
         offset = mx.array(np.array(self.lengths), mx.int32)
         after = [n + q for n, q in zip(self.lengths, queries)]
         several = queries if width > 1 else None
-        pairs = {w: step_pairs(self.tables, after, self.arena, w, several)
+        ring_rows, lows = self._tail_step(after, queries, width)
+        tail_at = (write_at[0], ring_rows)   # the heads as write_at's
+        pairs = {w: step_pairs(self.tables, after, self.arena, w, several, lows)
                  for w in set(self.layout.windows)}
         spans = {w: self._span(after, w, queries[0]) for w in pairs}
-        self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w], spans[w])
+        tails = {w: (tail_at, tail_pairs(self.rings, after, lows, self.arena.tail, w, several))
+                 for w in pairs} if lows is not None else {}
+        self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w], spans[w],
+                                        tails.get(w))
                         for i, w in enumerate(self.layout.windows)]
         caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states,
                                                     queries if width > 1 else None)
@@ -228,6 +272,26 @@ class PagedDecodeBatch:
         self._held = list(self.lengths)
         self.lengths = after
         return logits
+
+    def _tail_step(self, after: list[int], queries: list[int], width: int):
+        """With a float tail: the ring row of each new position `[B * heads * L]` (in
+        write_at's order; the positions a ring cannot hold, and padding, at ring 0),
+        and each row's first position the tail attends: the newest `keep`, less any
+        its ring lost to positions written past them (rejected drafts). (None, None)
+        without one."""
+        tail = self.arena.tail
+        if tail is None:
+            return None, None
+        ring, heads = tail.page, self.arena.heads
+        at = np.zeros((len(after), width), dtype=np.int64)   # padding: ring 0
+        lows = []
+        for i, (r, n, q) in enumerate(zip(self.rings, after, queries)):
+            new = np.arange(n - q, n)
+            kept = new >= n - ring
+            at[i, :q][kept] = r * ring + new[kept] % ring
+            self.reached[i] = max(self.reached[i], n)
+            lows.append(max(0, n - self.arena.tail_keep, self.reached[i] - ring))
+        return mx.array(np.repeat(at[:, None, :], heads, axis=1).reshape(-1), mx.int32), lows
 
     def needs_replay(self, kept: list[int], drafts: list[list[int]]) -> bool:
         """After a verify: whether a row keeps fewer positions than it verified while
@@ -285,7 +349,9 @@ class PagedDecodeBatch:
 
     def arrays(self) -> list[mx.array]:
         """What a step evaluates to complete the batch's writes."""
-        return [self.arena.keys, self.arena.values, self.states]
+        tail = self.arena.tail
+        rings = [tail.keys, tail.values] if tail is not None else []
+        return [self.arena.keys, self.arena.values, *rings, self.states]
 
     def pending_writes(self) -> list[mx.array]:
         return self.arrays()

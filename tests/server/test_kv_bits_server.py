@@ -65,6 +65,8 @@ def test_capacity_under_one_memory_limit(llama_model):
 
 @pytest.mark.parametrize("kind,bits,whole", [
     ("plain", ("--kv-bits", "8"), 8), ("plain", ("--kv-bits-k", "8", "--kv-bits-v", "4"), 7),
+    # every position from the quantized pages, none from a float tail
+    ("plain", ("--kv-bits", "8", "--kv-float-tail", "0"), 8),
     ("window", ("--kv-bits", "8"), 8), ("hybrid", ("--kv-bits", "8"), 8),
     # worker groups: each rank's pool holds its heads' (tensor) or layers' (pipeline) KV
     ("plain", ("--kv-bits", "8", "--tp", "2"), 8), ("qwen2", ("--kv-bits", "8", "--pp", "2"), 8)])
@@ -94,6 +96,61 @@ def test_greedy_output_agrees_with_float_kv(models, kind, bits, whole):
     assert results[7].usage["cached_tokens"] >= 256   # read back from the quantized pool
     agreed = [agreement(model, ids, r) for ids, r in zip(prompts, results)]
     assert sum(n == MAX_TOKENS for n in agreed) >= whole, agreed
+
+
+@pytest.mark.parametrize("kind", ["plain", "window", "hybrid"])
+def test_a_float_tail_longer_than_every_request_is_float_kv(models, kind):
+    """Fresh prompts (no prefix read from the quantized pool, one chunk each) and a
+    float tail longer than prompt and output: decode attends only float KV, so the
+    output is mlx_lm's token for token (speculative verifies included), logprobs to
+    rounding."""
+    model = models[kind]
+    prompts = [[11 + k] + ids_of(20 + 37 * k, seed=60 + k) for k in range(5)]
+    server = Server(model, "--kv-bits", "8", "--kv-float-tail", "512",
+                    "--log-level", "warning")
+    try:
+        with Client(server.address) as c:
+            assert c.stats()["worker"]["kv_float_tail"] == 512
+        results, stats = flood(server.address, prompts, MAX_TOKENS)
+    finally:
+        server.stop()
+    for ids, r in zip(prompts, results):
+        ref = reference_tokens(model, ids, MAX_TOKENS, ignore_eos=True)
+        assert r.token_ids == [t for t, _ in ref]
+        assert max(abs(a - b) for a, (_, b) in zip(r.logprobs, ref)) < 2e-3
+
+
+def test_the_float_tail_is_taken_from_the_pool_split(llama_model):
+    """A tail's rings for every running request come out of the memory split: the
+    pool shrinks by their bytes, at about half a token per token (the split holds
+    the pool and a decode budget of its size)."""
+    from mlxd.worker_proc.decode_pages import tail_ring
+
+    found = {}
+    for tail in ("0", "64"):   # (many requests: the pool stays below its ceiling)
+        server = Server(llama_model, "--kv-bits", "8", "--kv-float-tail", tail,
+                        "--mem-limit-gb", "0.75", "--max-running-requests", "512",
+                        "--log-level", "warning")
+        try:
+            with Client(server.address) as c:
+                found[tail] = c.stats()["worker"]
+        finally:
+            server.stop()
+    assert found["0"]["kv_float_tail"] == 0 and found["64"]["kv_float_tail"] == 64
+    rings = 512 * tail_ring(64) * _float_token_bytes(llama_model)
+    lost = found["0"]["kv_capacity"] - found["64"]["kv_capacity"]
+    want = rings / found["0"]["bytes_per_token"] / 2
+    assert abs(lost - want) <= 2, (lost, want)
+
+
+def _float_token_bytes(model: str) -> int:
+    """One token's float KV, all layers, of a test model."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 2 * dim * 4
 
 
 def test_retraction_on_a_small_quantized_pool(llama_model):
