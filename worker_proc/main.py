@@ -143,7 +143,7 @@ def build_runner(cfg: WorkerConfig):
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)
     if flags.kv_disk:
         runner.disk = open_disk_tier(flags, pool, dequantize, disk_queue,
-                                     refused=group is not None or drafter is not None)
+                                     refused=group is not None)
     # measuring runs forwards (collectives, in a group) of rank 0's choosing: not there
     measured = runner.verifies_drafts and flags.speculative != "off" and \
         flags.spec_cost == "measured" and group is None
@@ -184,8 +184,8 @@ def open_disk_tier(flags: ServerFlags, pool, dequantize: bool, queue_bytes: int,
     from .disk_io import DiskIO, default_max_bytes, store_fingerprint
 
     if refused:
-        raise UnsupportedModel("--kv-disk does not work with --tp, --pp or --draft-model "
-                               "yet (their KV is split between ranks or pools)")
+        raise UnsupportedModel("--kv-disk does not work with --tp or --pp yet (their KV "
+                               "is split between ranks)")
     if hasattr(signal, "SIGXFSZ"):   # past a file-size limit a write fails (skipped), not us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     fprint = store_fingerprint(flags.model, kv_format_name(pool.geometry),

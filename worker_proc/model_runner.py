@@ -414,8 +414,11 @@ class ModelRunner:
 
     def _prefill(self, prefills: list[PrefillInput]) -> list[_Output]:
         check_prefills(prefills, self.batch.rids, self.pool, self.vocab_size)
+        asked = prefills
         prefills = [self.disk.load(p) if self.disk is not None else without_disk(p)
                     for p in prefills]
+        if self.drafter is not None:
+            self._draft_disk_tokens(asked, prefills)
         self._new_grammars = {p.rid: self._grammar(p) for p in prefills
                               if p.needs_logits and p.sampling.grammar is not None}
         self.batch.slots_written(s for p in prefills for s in p.new_slot_ids)
@@ -431,6 +434,18 @@ class ModelRunner:
         if draft_joins:
             self.drafter.join(draft_joins)
         return outputs
+
+    def _draft_disk_tokens(self, asked: list[PrefillInput], loaded: list[PrefillInput]) -> None:
+        """The draft model's KV of the tokens whose KV the model read from disk (the
+        draft's pool holds none there): computed by the draft alone, written at
+        their slots, before the prefills read them as their prefix."""
+        runs = [replace(without_disk(p), input_ids=p.input_ids[:p.disk_tokens],
+                        new_slot_ids=p.new_slot_ids[:p.disk_tokens], new_window_ids=[],
+                        needs_logits=False, state_slot=0, snapshot_slot=0)
+                for p, q in zip(asked, loaded)
+                if len(q.prefix_slot_ids) > len(p.prefix_slot_ids)]   # a read that hit
+        for group in plan_groups(runs, self.prefill_step_size):
+            self.drafter.prefill(group, self.prefill_step_size, [])
 
     def _grammar(self, p: PrefillInput) -> RowGrammar:
         if self.grammars is None:

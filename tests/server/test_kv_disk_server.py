@@ -229,6 +229,28 @@ def test_a_full_disk_skips_writes_and_serves_on(models, tmp_path):
     assert "could not write" in "\n".join(server.stderr_lines)
 
 
+def test_a_draft_model_drafts_from_prompts_read_from_disk(models, tmp_path):
+    """--draft-model (the model drafting for itself) with a disk tier: after a
+    restart the model reads the prompt from disk, and the draft model, whose pool
+    holds none of it, computes those tokens itself; its drafts are then the
+    model's own greedy choices (all accepted), and the output mlx_lm's."""
+    model, ids = models["plain"], ids_of(SHORT, seed=31)
+    draft = ("--draft-model", model, "--spec-cost", "none")
+    exact_answers(disk_server(model, tmp_path / "kv", *draft), model, [ids])
+    second = disk_server(model, tmp_path / "kv", *draft)
+    try:
+        with Client(second.address, timeout=300) as c:
+            warm = c.generate(input_ids=ids, max_tokens=48, logprobs=True)
+            spec = c.stats()["speculative"]
+    finally:
+        stopped(second)
+    assert warm.usage["disk_tokens"] >= SHORT - 32
+    ref = reference_tokens(model, ids, 48)
+    assert warm.token_ids == [t for t, _ in ref]
+    assert spec["method"] == "draft" and spec["draft_tokens"] >= 16
+    assert spec["accepted_tokens"] == spec["draft_tokens"], spec
+
+
 def test_a_second_server_on_the_same_directory_is_refused(models, tmp_path):
     first = disk_server(models["plain"], tmp_path / "kv")
     try:
