@@ -485,13 +485,18 @@ class Launcher:
         engine.spawn_scheduler()
 
     def stop(self) -> None:
-        # the front end first: its clients see the server go, not each engine
-        order = ([self.tokenizer] if self.tokenizer else []) + \
-            [c for c in self.children if c is not self.tokenizer]
-        for child in order:
-            if child.alive():
-                child.proc.terminate()
         deadline = time.monotonic() + STOP_GRACE_SECONDS
+        # the front end first, gone before the engines are told: its clients see the
+        # server go, not each engine lost (nor does it log them lost)
+        if self.tokenizer is not None and self.tokenizer.alive():
+            self.tokenizer.proc.terminate()
+            try:
+                self.tokenizer.proc.wait(STOP_GRACE_SECONDS / 2)
+            except subprocess.TimeoutExpired:
+                pass   # killed at the deadline below
+        for child in self.children:
+            if child is not self.tokenizer and child.alive():
+                child.proc.terminate()
         for child in self.children:
             try:
                 child.proc.wait(max(0.1, deadline - time.monotonic()))

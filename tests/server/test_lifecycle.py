@@ -98,6 +98,22 @@ def test_sigterm_right_after_a_request_is_clean(server):
     assert not bad, "\n".join(server.stderr_lines[-40:])
 
 
+def test_a_stop_while_requests_stream_reports_no_engine_lost(server):
+    """The front end is stopped before the engines: its requests end with the
+    server, and it never sees (nor logs at ERROR) an engine lost."""
+    with Client(server.address, timeout=30) as c:
+        streams = [iter(c.stream(f"hello {k}", max_tokens=3000, ignore_eos=True))
+                   for k in range(3)]
+        for stream in streams:
+            next(stream)
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(15)
+    assert server.proc.returncode == 0
+    assert wait_until(lambda: all_gone(server.child_pids), 5)
+    lost = [line for line in server.stderr_lines if "was lost" in line or "ERROR" in line]
+    assert not lost, "\n".join(server.stderr_lines[-40:])
+
+
 def test_a_second_signal_does_not_cut_the_worker_s_clean_up_short(server):
     """Ctrl-C reaches the whole process group, then the launcher's SIGTERM follows:
     the worker, busy with a chained decode, must still exit cleanly."""
