@@ -192,7 +192,8 @@ class ServerFlags:
     kv_float_tail: int = flag(
         64, "with `--kv-bits`: each running request's newest positions, this many, are "
         "also held in float (a ring per request, taken from the memory split for "
-        "`--max-running-requests` of them: this many positions and 8 more each) and "
+        "`--max-running-requests` of them: this many positions and `--spec-max-draft` "
+        "more each) and "
         "decode attends them from there, the rest from the quantized pages; rounding "
         "the newest positions moves the output most (README); 0: none", (WORKER,),
         minimum=0)
@@ -266,7 +267,8 @@ class ServerFlags:
         "of that cost beat decoding without them), or `none` (every proposal goes out, "
         "at the row's draft length)", (WORKER,), choices=("measured", "none"))
     spec_max_draft: int = flag(
-        8, "the most draft tokens one request verifies in a step", (SCHEDULER,), minimum=1)
+        8, "the most draft tokens one request verifies in a step", (WORKER, SCHEDULER),
+        minimum=1)
     spec_ngram_min: int = flag(
         2, "the shortest n-gram match an n-gram draft follows", (SCHEDULER,), minimum=1)
     spec_ngram_max: int = flag(

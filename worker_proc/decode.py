@@ -109,15 +109,17 @@ def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
     return 0
 
 
-def float_tail_bytes(geometry: KVGeometry, page: int, float_tail: int, max_rows: int) -> int:
-    """Memory the float tails of `max_rows` rows take in the decode pages (`page`; the
-    padded layout has none), where the geometry's KV is quantized."""
+def float_tail_bytes(geometry: KVGeometry, page: int, float_tail: int, max_rows: int,
+                     slack: int) -> int:
+    """Memory the float tails of `max_rows` rows (verifies of up to `slack` drafts)
+    take in the decode pages (`page`; the padded layout has none), where the
+    geometry's KV is quantized: a ring each, and ring 0 (never handed out)."""
     if not (page and float_tail and (geometry.k_bits or geometry.v_bits)):
         return 0
     from .decode_pages import tail_ring
 
     float_kv = replace(geometry, k_bits=0, v_bits=0)
-    return max_rows * tail_ring(float_tail) * float_kv.bytes_per_token
+    return (max_rows + 1) * tail_ring(float_tail, slack) * float_kv.bytes_per_token
 
 
 def first_pages(most: int) -> int:
@@ -127,13 +129,14 @@ def first_pages(most: int) -> int:
 
 def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
                 preallocate: bool = False, share: bool = True, float_tail: int = 0,
-                max_rows: int = 0) -> DecodeRows:
+                max_rows: int = 0, tail_slack: int = 0) -> DecodeRows:
     """The decode batch of the layout `decode_page_for` chose (`page`; 0: padded). In
     pages the arena grows to `most_pages` (the memory split's decode budget), from
     `first_pages(most_pages)` or, with `preallocate`, all of it at once; `share`:
     rows from one cached prefix hold its full pages once (not with a window pool).
     Quantized pages keep each row's newest `float_tail` positions in float too, for
-    up to `max_rows` rows (memory: `float_tail_bytes`)."""
+    up to `max_rows` rows and verifies of up to `tail_slack` drafts (memory:
+    `float_tail_bytes`)."""
     from .decode_batch import DecodeBatch
     from .decode_pages import PageArena
     from .paged_batch import PagedDecodeBatch
@@ -144,5 +147,6 @@ def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
     arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
                       most_pages if preallocate else first_pages(most_pages), page,
                       max_pages=most_pages, k_bits=g.k_bits, v_bits=g.v_bits,
-                      group=g.kv_group, float_tail=float_tail, max_rows=max_rows)
+                      group=g.kv_group, float_tail=float_tail, max_rows=max_rows,
+                      tail_slack=tail_slack)
     return PagedDecodeBatch(g.cache_layout, arena, share=share)

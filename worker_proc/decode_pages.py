@@ -59,17 +59,19 @@ from .kv_quant import GROUP, KVFormat
 # mlx_lm's attention, taken before `install_hook` replaces the name anywhere
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 
-# A float tail's ring holds this many positions beyond those it keeps: a verify writes
-# its drafts' positions before knowing which it keeps, and those it rejects overwrite
-# the ring's oldest; with this slack a verify of up to RING_SLACK drafts leaves the
-# kept tail whole (a longer one shortens it until the row has moved past them).
-RING_SLACK = 8
 FIRST_RINGS = 16   # rows the tail has rings for at first (it doubles as rows join)
 
 
-def tail_ring(keep: int) -> int:
-    """Positions of one row's ring for a float tail of `keep` positions."""
-    return keep + RING_SLACK
+def tail_ring(keep: int, slack: int) -> int:
+    """Positions of one row's ring for a float tail of `keep` positions and verifies
+    of up to `slack` drafts (--spec-max-draft). A verify writes every draft's
+    position before knowing which it keeps: its first query needs the `keep`
+    positions before its own, its last writes `slack` past it, and the rejected
+    ones overwrite the ring's oldest. With this room every query of such a verify
+    attends the float positions a decode step at its position would, and after
+    the verify the kept tail is whole; a longer verify shortens the tail until the
+    row has moved past what it wrote (PagedDecodeBatch.reached)."""
+    return keep + slack
 
 
 class PageArena:
@@ -87,11 +89,11 @@ class PageArena:
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  pages: int, page: int = DECODE_PAGE, max_pages: int = 0,
                  k_bits: int = 0, v_bits: int = 0, group: int = GROUP,
-                 float_tail: int = 0, max_rows: int = 0):
+                 float_tail: int = 0, max_rows: int = 0, tail_slack: int = 8):
         """`k_bits`/`v_bits`: pages hold keys/values in MLX affine groups of `group`
         (0: float). `float_tail` (with either quantized): each row's newest positions
-        are attended from a float ring too (`tail`), for up to `max_rows` rows (0: no
-        limit)."""
+        are attended from a float ring too (`tail`; `tail_ring(float_tail,
+        tail_slack)` positions each), for up to `max_rows` rows (0: no limit)."""
         self.num_leaves, self.heads, self.page = num_leaves, heads, page
         self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
         self.k_format = KVFormat.of(dtype, k_bits, k_dim, group)
@@ -99,8 +101,11 @@ class PageArena:
         quantized = self.k_format.quantized or self.v_format.quantized
         # the float tail: a ring of `tail_ring(float_tail)` positions per row, one page each
         self.tail_keep = float_tail if quantized else 0
-        self.tail = PageArena(num_leaves, heads, k_dim, v_dim, dtype,
-                              min(max_rows or FIRST_RINGS, FIRST_RINGS), tail_ring(float_tail),
+        # rings for every row at once where the pages are allocated whole at once
+        rings = max_rows if max_rows and max_pages and pages >= max_pages else \
+            min(max_rows or FIRST_RINGS, FIRST_RINGS)
+        self.tail = PageArena(num_leaves, heads, k_dim, v_dim, dtype, rings,
+                              tail_ring(float_tail, tail_slack),
                               max_pages=max_rows) if self.tail_keep else None
         self.max_pages = max_pages   # 0: no limit
         self.pages = 0
@@ -260,45 +265,46 @@ def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
     """The pairs of rows holding `lengths[i]` positions (the new ones included) in
     pages `tables[i]` of `arena`, row i's last `queries[i]` positions (default 1)
     being its queries. Each query counts the positions up to its own and, with a
-    `window`, only the last `window` of them; with `below`, only those before
-    `below[i]` (the float tail attends the rest): a row with none has no pairs. Query
-    slots past a row's own (the forward is rectangular, L = max(queries)) count what
-    its last query does, so no slot is fully masked."""
+    `window`, only the last `window` of them; with `below` (`[rows, L]`: per query
+    slot), only those before `below[i][j]` (the float tail attends the rest): a row
+    with none has no pairs. Query slots past a row's own (the forward is
+    rectangular, L = max(queries)) count what its last query does, so no slot is
+    fully masked."""
     page = arena.page
     queries = [1] * len(lengths) if queries is None else list(queries)
-    below = list(lengths) if below is None else below
     slots = max(queries)
     rows, pages, starts, last_pos, ends = [], [], [], [], []
-    for r, (table, n, q, end) in enumerate(zip(tables, lengths, queries, below)):
+    for r, (table, n, q) in enumerate(zip(tables, lengths, queries)):
         low = max(0, n - q - window + 1) if window else 0   # the first query's window start
-        first, last = low // page, (min(n, end) - 1) // page
-        count = max(0, last - first + 1) if end > low else 0
+        end = np.full(slots, n) if below is None else np.asarray(below[r])
+        first, last = low // page, (min(n, int(end.max())) - 1) // page
+        count = max(0, last - first + 1) if end.max() > low else 0
         rows.append(np.full(count, r))
         pages.append(np.asarray(table[first:first + count], dtype=np.int64))
         starts.append(np.arange(first, first + count) * page)
-        last_pos.append(np.broadcast_to(_query_positions(n, q, slots), (count, slots)))
-        ends.append(np.full(count, end))
+        last_pos.append(np.broadcast_to(query_positions(n, q, slots), (count, slots)))
+        ends.append(np.broadcast_to(end, (count, slots)))
     positions = np.concatenate(starts)[:, None] + np.arange(page)   # [n, page]
     return _pairs(np.concatenate(rows), np.concatenate(pages), arena, positions,
                   np.concatenate(last_pos), window, slots, below=np.concatenate(ends))
 
 
-def tail_pairs(rings: list[int], lengths: list[int], lows: list[int], tail: "PageArena",
+def tail_pairs(rings: list[int], lengths: list[int], lows, tail: "PageArena",
                window: int = 0, queries: list[int] | None = None) -> Pairs:
     """One pair per row: its float ring (a page of `tail`, ring position p at index p
-    mod the ring's size) with the positions from `lows[i]` on counted, as
-    `step_pairs` counts them for each query."""
+    mod the ring's size) with the positions from `lows[i][j]` on counted for query
+    slot j (`[rows, L]`), as `step_pairs` counts them for each query."""
     ring = tail.page
     queries = [1] * len(lengths) if queries is None else list(queries)
     slots = max(queries)
     ends = np.asarray(lengths)[:, None] - ring   # a ring's index j holds the position of
     held = ends + (np.arange(ring) - ends) % ring   # [rows, ring]: j's residue among the last `ring`
-    at = np.stack([_query_positions(n, q, slots) for n, q in zip(lengths, queries)])
+    at = np.stack([query_positions(n, q, slots) for n, q in zip(lengths, queries)])
     return _pairs(np.arange(len(rings)), np.asarray(rings), tail, held, at, window, slots,
                   low=np.asarray(lows))
 
 
-def _query_positions(n: int, q: int, slots: int) -> np.ndarray:
+def query_positions(n: int, q: int, slots: int) -> np.ndarray:
     """The positions of a row's `slots` query slots, its `q` queries the last of its
     `n` positions, padding slots at its last query."""
     return n - q + np.minimum(np.arange(slots), q - 1)
@@ -309,16 +315,16 @@ def _pairs(rows: np.ndarray, pages: np.ndarray, arena: "PageArena", positions: n
            below: np.ndarray | None = None) -> Pairs:
     """The Pairs of (row, page) pairs whose pages hold `positions` `[n, page]`, the
     pairs' query slots at `at` `[n, L]`: each counts a position up to its own, in
-    its window, from `low` and before `below` (per pair)."""
+    its window, from `low` and before `below` (`[n, L]`: per pair and slot)."""
     heads, stride = arena.heads, arena.pages + 1
     held, own = positions[:, None, :], at[:, :, None]   # [n, 1, page], [n, L, 1]
     mask = held <= own
     if window:
         mask &= held > own - window
     if low is not None:
-        mask &= held >= low[:, None, None]
+        mask &= held >= low[:, :, None]
     if below is not None:
-        mask &= held < below[:, None, None]
+        mask &= held < below[:, :, None]
     mask = mask[:, None, None] if slots > 1 else mask[:, None]   # [n,1,1,L,page] | [n,1,1,page]
     per_head = np.arange(heads)
     return Pairs(mx.array(rows, mx.int32),

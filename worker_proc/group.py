@@ -107,8 +107,9 @@ def agree(group: mx.distributed.Group, budget, settings: int, layers: int):
     if not _same(group, settings):
         raise GroupBroken("the ranks of the group run with different settings (model "
                           "config, --decode-layout, --max-running-requests, "
-                          "--max-prefill-tokens, --window-capacity or --pp): start every "
-                          "rank with the same")
+                          "--max-prefill-tokens, --window-capacity, --pp, --kv-bits, "
+                          "--kv-bits-k/-v, --kv-group-size or --kv-float-tail): start "
+                          "every rank with the same")
     if not _same(group, layers):
         raise GroupBroken("the pipeline stages hold different kinds of layers (attention, "
                           "sliding-window attention, recurrent state): every stage must "

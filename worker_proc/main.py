@@ -115,8 +115,10 @@ def build_runner(cfg: WorkerConfig):
         pool_token_bytes += draft[1].bytes_per_token
     # --kv-disk: spills wait for the writer in memory, up to this many bytes
     disk_queue = min(256 << 20, max(32 << 20, limit // 16)) if flags.kv_disk else 0
+    # the float tail's rings have room for the longest verify
+    slack = flags.spec_max_draft if flags.speculative != "off" else 0
     tail_bytes = float_tail_bytes(geometry, page, flags.kv_float_tail,
-                                  flags.max_running_requests)
+                                  flags.max_running_requests, slack)
     budget = kv_budget(limit, weights_bytes + state_bytes + disk_queue + tail_bytes,
                        max(1, pool_token_bytes),
                        flags.max_running_requests,
@@ -130,7 +132,8 @@ def build_runner(cfg: WorkerConfig):
     mx.set_cache_limit(cache_bytes)
     batch = decode_rows(geometry, page, -(-budget.decode_cache_tokens // page) if page else 0,
                         flags.preallocate_decode_pages, share=not pool.uses_windows,
-                        float_tail=flags.kv_float_tail, max_rows=flags.max_running_requests)
+                        float_tail=flags.kv_float_tail, max_rows=flags.max_running_requests,
+                        tail_slack=slack)
     drafter = None
     if draft is not None:   # in pages beside the model's
         if not page:

@@ -70,7 +70,7 @@ class _Output:
 
 
 def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: int = 0,
-               preallocate_pages: bool = False, float_tail: int = 0,
+               preallocate_pages: bool = False, float_tail: int = 0, tail_slack: int = 8,
                **options) -> "ModelRunner":
     """A ModelRunner for `model`, its decode layout chosen (`decode_page_for`) and the
     model probed here, once. `decode_pages`: the most the page arena grows to (0: the
@@ -79,7 +79,8 @@ def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: i
     page = decode_page_for(model, pool.geometry, decode_layout)
     most = decode_pages or (-(-pool.capacity // page) + 1 if page else 0)
     batch = decode_rows(pool.geometry, page, most, preallocate_pages,
-                        share=not pool.uses_windows, float_tail=float_tail)
+                        share=not pool.uses_windows, float_tail=float_tail,
+                        tail_slack=tail_slack)
     return ModelRunner(model, pool, batch, probe_vocab_size(model), **options)
 
 

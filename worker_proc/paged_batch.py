@@ -15,7 +15,9 @@ import numpy as np
 from . import batch_cache
 from .batch_cache import CacheLayout
 from .decode import JoinGroup
-from .decode_pages import PageArena, PagedLayerCache, step_pairs, tail_pairs
+from .decode_pages import (
+    PageArena, PagedLayerCache, query_positions, step_pairs, tail_pairs,
+)
 from .sampling import RowState
 from .shared_pages import SharedPages
 
@@ -276,21 +278,24 @@ class PagedDecodeBatch:
     def _tail_step(self, after: list[int], queries: list[int], width: int):
         """With a float tail: the ring row of each new position `[B * heads * L]` (in
         write_at's order; the positions a ring cannot hold, and padding, at ring 0),
-        and each row's first position the tail attends: the newest `keep`, less any
-        its ring lost to positions written past them (rejected drafts). (None, None)
-        without one."""
+        and for each query slot `[rows, L]` the first position the tail attends: the
+        `keep` up to the query's own, as a decode step at its position would (a
+        verify's queries see what one-at-a-time decoding would), less any its ring
+        lost to positions written past them (rejected drafts of a longer verify than
+        the ring has room for). (None, None) without one."""
         tail = self.arena.tail
         if tail is None:
             return None, None
-        ring, heads = tail.page, self.arena.heads
+        ring, heads, keep = tail.page, self.arena.heads, self.arena.tail_keep
         at = np.zeros((len(after), width), dtype=np.int64)   # padding: ring 0
-        lows = []
+        lows = np.zeros((len(after), width), dtype=np.int64)
         for i, (r, n, q) in enumerate(zip(self.rings, after, queries)):
             new = np.arange(n - q, n)
             kept = new >= n - ring
             at[i, :q][kept] = r * ring + new[kept] % ring
             self.reached[i] = max(self.reached[i], n)
-            lows.append(max(0, n - self.arena.tail_keep, self.reached[i] - ring))
+            own = query_positions(n, q, width)
+            lows[i] = np.maximum(np.maximum(own + 1 - keep, self.reached[i] - ring), 0)
         return mx.array(np.repeat(at[:, None, :], heads, axis=1).reshape(-1), mx.int32), lows
 
     def needs_replay(self, kept: list[int], drafts: list[list[int]]) -> bool:

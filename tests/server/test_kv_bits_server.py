@@ -102,11 +102,12 @@ def test_greedy_output_agrees_with_float_kv(models, kind, bits, whole):
 def test_a_float_tail_longer_than_every_request_is_float_kv(models, kind):
     """Fresh prompts (no prefix read from the quantized pool, one chunk each) and a
     float tail longer than prompt and output: decode attends only float KV, so the
-    output is mlx_lm's token for token (speculative verifies included), logprobs to
+    output is mlx_lm's token for token (n-gram verifies included), logprobs to
     rounding."""
     model = models[kind]
-    prompts = [[11 + k] + ids_of(20 + 37 * k, seed=60 + k) for k in range(5)]
-    server = Server(model, "--kv-bits", "8", "--kv-float-tail", "512",
+    # (repeated pieces: n-gram drafts to verify)
+    prompts = [[11 + k] + ids_of(10 + 9 * k, seed=60 + k) * 4 for k in range(5)]
+    server = Server(model, "--kv-bits", "8", "--kv-float-tail", "512", "--spec-cost", "none",
                     "--log-level", "warning")
     try:
         with Client(server.address) as c:
@@ -114,10 +115,35 @@ def test_a_float_tail_longer_than_every_request_is_float_kv(models, kind):
         results, stats = flood(server.address, prompts, MAX_TOKENS)
     finally:
         server.stop()
+    # (the window test model's greedy output never repeats itself within 24 tokens:
+    # no n-gram draft to verify there)
+    assert stats["speculative"]["verifies"] > 0 or kind == "window"
     for ids, r in zip(prompts, results):
         ref = reference_tokens(model, ids, MAX_TOKENS, ignore_eos=True)
         assert r.token_ids == [t for t, _ in ref]
         assert max(abs(a - b) for a, (_, b) in zip(r.logprobs, ref)) < 2e-3
+
+
+def test_speculation_keeps_quantized_greedy_output_as_without_it(llama_model):
+    """A float tail shorter than the requests: the n-gram verifies attend what
+    decoding one token at a time would, so greedy output with speculation is the
+    output without it, token for token, logprobs to rounding."""
+    prompts = [ids_of(12 + 5 * k, seed=80 + k) * 5 for k in range(3)]
+    outputs, verifies = {}, {}
+    for spec in ("off", "ngram"):
+        server = Server(llama_model, "--kv-bits", "8", "--kv-float-tail", "8",
+                        "--speculative", spec, "--spec-cost", "none", "--log-level", "warning")
+        try:
+            with Client(server.address, timeout=300) as c:
+                outputs[spec] = [c.generate(input_ids=p, max_tokens=48, ignore_eos=True,
+                                            logprobs=True) for p in prompts]
+                verifies[spec] = c.stats()["speculative"].get("verifies", 0)
+        finally:
+            server.stop()
+    assert verifies["ngram"] > 0
+    for a, b in zip(outputs["ngram"], outputs["off"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
 def test_the_float_tail_is_taken_from_the_pool_split(llama_model):
@@ -137,7 +163,7 @@ def test_the_float_tail_is_taken_from_the_pool_split(llama_model):
         finally:
             server.stop()
     assert found["0"]["kv_float_tail"] == 0 and found["64"]["kv_float_tail"] == 64
-    rings = 512 * tail_ring(64) * _float_token_bytes(llama_model)
+    rings = (512 + 1) * tail_ring(64, 8) * _float_token_bytes(llama_model)   # ring 0 too
     lost = found["0"]["kv_capacity"] - found["64"]["kv_capacity"]
     want = rings / found["0"]["bytes_per_token"] / 2
     assert abs(lost - want) <= 2, (lost, want)

@@ -15,7 +15,7 @@ import pytest
 from mlxd.worker_proc import batch_cache
 from mlxd.worker_proc.decode import JoinGroup
 from mlxd.worker_proc.decode_pages import (
-    RING_SLACK, PageArena, install_hook, paged_attention, step_pairs, tail_pairs, tail_ring,
+    PageArena, install_hook, paged_attention, step_pairs, tail_pairs, tail_ring,
 )
 from mlxd.worker_proc.model_runner import probe_geometry
 from mlxd.worker_proc.paged_batch import PagedDecodeBatch
@@ -32,7 +32,7 @@ def test_pages_below_the_tail_and_the_ring_from_it(slots, window, sinks):
     its oldest positions to rejected drafts (its tail starts later): each attends
     the quantized values below its start and the float ones from it."""
     heads, hq, dim, keep = 2, 4, 32, 5
-    ring = tail_ring(keep)
+    ring = tail_ring(keep, 8)
     rng = np.random.default_rng(slots + window + sinks)
     arena = PageArena(1, heads, dim, dim, mx.float32, 16, PAGE, k_bits=8, v_bits=8,
                       float_tail=keep, max_rows=4)
@@ -66,6 +66,7 @@ def test_pages_below_the_tail_and_the_ring_from_it(slots, window, sinks):
         want_k.append(np.concatenate([stored_k[:, :low], k[:, low:]], axis=1))
         want_v.append(np.concatenate([stored_v[:, :low], v[:, low:]], axis=1))
     queries = [min(slots, n) for n in lengths]
+    lows = [np.full(max(queries), low) for low in lows]   # every query slot alike
     pairs = step_pairs(tables, lengths, arena, window, queries, below=lows)
     assert 0 not in np.asarray(pairs.rows)   # the short row reads its ring only
     tail = (arena.tail.keys[0][0], arena.tail.values[0][0],
@@ -88,13 +89,13 @@ def test_a_row_attended_only_from_its_ring():
     arena.write_run(0, table[0], k, k)
     arena.write_tail(0, mx.zeros((5,), mx.int32), mx.arange(5) + r * arena.tail.page,
                      k[0], k[0])
-    pairs = step_pairs([table], [5], arena, below=[0])
+    pairs = step_pairs([table], [5], arena, below=[[0]])
     assert pairs.rows.shape[0] == 0
     q = mx.random.normal((1, 1, 1, 32))
     got = paged_attention(q, arena.keys[0], arena.values[0], pairs, PAGE, 1.0, None,
                           arena.k_format, arena.v_format,
                           (arena.tail.keys[0][0], arena.tail.values[0][0],
-                           tail_pairs([r], [5], [0], arena.tail)))
+                           tail_pairs([r], [5], [[0]], arena.tail)))
     want = dense_reference(np.asarray(q), [np.asarray(k)], [np.asarray(k)], 1.0, queries=[1])
     assert np.allclose(np.asarray(got), want, atol=1e-5)
 
@@ -129,52 +130,77 @@ def ring_positions(batch, row, leaf):
     return np.asarray(batch.arena.k_format.rotate(k, back=True))
 
 
-def check_rings_hold_the_tail(batch, float_batch):
-    """Each row's ring holds, from the row's tail start, the keys its first layer
-    wrote (the first layer's KV depends on the tokens only: the float batch's)."""
+def check_the_tail_reads_what_was_written(batch, float_batch):
+    """After a forward: every ring entry the attention counts (for any row, query
+    slot and layer kind) holds the keys the first layer wrote at the position it
+    stands for (the first layer's KV depends on the tokens only: the float batch's
+    pages hold them)."""
     batch.check_integrity()
     ring = batch.arena.tail.page
+    counted = np.asarray(batch._leaves[0].tail[1].mask).reshape(len(batch.lengths), -1, ring)
     for row, n in enumerate(batch.lengths):
-        low = max(0, n - batch.arena.tail_keep, batch.reached[row] - ring)
         held = ring_positions(batch, row, 0)
+        base = n - ring
+        at = base + (np.arange(ring) - base) % ring   # the position each index stands for
         table = float_batch.tables[row]
-        for p in range(low, n):
+        for j in np.flatnonzero(counted[row].any(axis=0)):
+            p = at[j]
             page = table[p // PAGE]
             want = np.asarray(float_batch.arena.keys[0][0][:, page * PAGE + p % PAGE])
-            assert np.allclose(held[:, p % ring], want, atol=1e-5), (row, p)
+            assert np.allclose(held[:, j], want, atol=1e-5), (row, p)
 
 
-def test_rings_follow_joins_steps_and_rejected_drafts(llama_model):
-    """Decode steps and verifies (drafts longer than the ring's slack, most of them
-    rejected) on a quantized batch and a float one fed the same tokens: after each,
-    the rings hold the newest positions the tail attends, and a tail cut short by
-    rejected drafts grows back."""
+@pytest.mark.parametrize("slack", [8, 2])
+def test_the_tail_reads_only_what_its_rings_hold(llama_model, slack):
+    """Decode steps and verifies (drafts within the ring's slack, and longer ones:
+    the tail is then cut short) on a quantized batch and a float one fed the same
+    tokens, most drafts rejected: after each forward every ring entry attended
+    holds its position's KV, and a tail cut short grows back."""
     model, _ = load_reference(llama_model)
     g = probe_geometry(model)
     keep = 6
-    batch = joined(model, g, arena_for(g, k_bits=8, v_bits=8, float_tail=keep, max_rows=2),
-                   [3, 2 * PAGE + 5, 12])
+    batch = joined(model, g, arena_for(g, k_bits=8, v_bits=8, float_tail=keep, max_rows=2,
+                                       tail_slack=slack), [3, 2 * PAGE + 5, 12])
     float_batch = joined(model, g, arena_for(g), [3, 2 * PAGE + 5, 12])
-    check_rings_hold_the_tail(batch, float_batch)
-    long_draft = list(range(5, 5 + RING_SLACK + 3))
+    long_draft = list(range(5, 5 + 7))
+    cut = False
     for step, drafts in enumerate([None, None, [[4, 4], [], long_draft], None,
-                                   [[9], long_draft, [3, 3, 3]], None, None, None]):
+                                   [[9], long_draft, [3, 3, 3]], None, None, None, None, None]):
         for b in (batch, float_batch):
-            logits = b.forward(model, drafts)
-            if drafts is None:
-                mx.eval(logits, b.arrays())
-                continue
-            kept = [1 + (len(d) > 0) for d in drafts]   # at most one draft kept
-            tokens = mx.array([5 + step] * len(drafts))
-            mx.eval(logits, b.arrays())
-            b.accept(kept, tokens)
-        check_rings_hold_the_tail(batch, float_batch)
+            mx.eval(b.forward(model, drafts), b.arrays())
+        check_the_tail_reads_what_was_written(batch, float_batch)
+        if drafts is not None:
+            for b in (batch, float_batch):
+                b.accept([1 + (len(d) > 0) for d in drafts], mx.array([5 + step] * 3))
+        ring = batch.arena.tail.page
+        cut |= any(r - ring > n - keep for n, r in zip(batch.lengths, batch.reached))
+    assert cut == (slack < len(long_draft))   # only a verify longer than the slack cuts
     # a tail cut short by the long drafts is whole again
-    assert all(n - max(0, n - keep, r - batch.arena.tail.page) == min(n, keep)
-               for n, r in zip(batch.lengths, batch.reached))
+    assert all(r - ring <= n - keep for n, r in zip(batch.lengths, batch.reached))
     batch.remove({1})
     batch.check_integrity()
     assert len(batch.rings) == 2 and batch.arena.tail.num_free == batch.arena.tail.pages - 2
+
+
+def test_a_verify_attends_as_one_at_a_time_decoding(llama_model):
+    """Rows longer than the tail verify drafts, all kept: each position's logits are
+    those of decoding its tokens one at a time (each query's tail is the positions
+    up to its own), so speculation keeps greedy output exact with --kv-bits."""
+    model, _ = load_reference(llama_model)
+    g = probe_geometry(model)
+    lengths, drafts = [40, 3, 21], [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
+    at_once, one_by_one = (joined(model, g, arena_for(g, k_bits=8, v_bits=8, float_tail=6,
+                                                      max_rows=3), lengths)
+                           for _ in range(2))
+    inputs = np.asarray(at_once.tokens)
+    verified = np.asarray(at_once.forward(model, drafts)).reshape(3, 5, -1)
+    stepped = []
+    for j in range(5):
+        one_by_one.tokens = mx.array([int(inputs[i]) if j == 0 else drafts[i][j - 1]
+                                      for i in range(3)], mx.int32)
+        stepped.append(np.asarray(one_by_one.forward(model)))
+    stepped = np.stack(stepped, axis=1)
+    assert np.abs(verified - stepped).max() < 1e-5
 
 
 def test_a_tail_as_long_as_the_rows_decodes_as_float_pages(llama_model):
