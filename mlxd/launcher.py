@@ -161,7 +161,7 @@ class EngineProcs:
 
     def spawn_worker(self) -> None:
         """(Re)start the worker: every rank, those still alive stopped first."""
-        _stop_all(self.workers)
+        stop_in_order([self.workers])
         self.workers = [Child(config.name, "mlxd.worker_proc", config, env)
                         for config, env in self._worker_specs()]
         self.worker_ready = False   # a worker that reported READY may be restarted
@@ -177,19 +177,30 @@ class EngineProcs:
         return [*self.workers, self.scheduler]
 
     def stop(self) -> None:
-        _stop_all(self.children)
+        stop_in_order([[self.scheduler], self.workers])
 
 
-def _stop_all(children: list[Child]) -> None:
-    """Terminate, then kill what has not exited within the grace (a stopped process
-    too: SIGKILL ends it)."""
-    for child in children:
-        if child.alive():
-            child.proc.terminate()
-    for child in children:
+def stop_in_order(tiers: list[list[Child]]) -> None:
+    """Terminate tier by tier, each given a share of the grace to exit before the
+    next is told (a process whose peer upstream went first is being stopped, and
+    does not report it lost), then kill what has not exited by the end of the grace
+    (a stopped process too: SIGKILL ends it)."""
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for tier in tiers:
+        for child in tier:
+            if child.alive():
+                child.proc.terminate()
+        tier_end = min(deadline, time.monotonic() + STOP_GRACE_SECONDS / (len(tiers) + 1))
+        for child in tier:
+            try:
+                child.proc.wait(max(0.0, tier_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass   # killed at the deadline below
+    for child in (c for tier in tiers for c in tier):
         try:
-            child.proc.wait(STOP_GRACE_SECONDS)
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time; killing it", child.name)
             child.proc.kill()
             child.proc.wait()
 
@@ -485,25 +496,11 @@ class Launcher:
         engine.spawn_scheduler()
 
     def stop(self) -> None:
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        # the front end first, gone before the engines are told: its clients see the
-        # server go, not each engine lost (nor does it log them lost)
-        if self.tokenizer is not None and self.tokenizer.alive():
-            self.tokenizer.proc.terminate()
-            try:
-                self.tokenizer.proc.wait(STOP_GRACE_SECONDS / 2)
-            except subprocess.TimeoutExpired:
-                pass   # killed at the deadline below
-        for child in self.children:
-            if child is not self.tokenizer and child.alive():
-                child.proc.terminate()
-        for child in self.children:
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", child.name)
-                child.proc.kill()
-                child.proc.wait()
+        # top down: the front end (its clients see the server go, not each engine
+        # lost), the schedulers, the workers
+        stop_in_order([[self.tokenizer] if self.tokenizer else [],
+                       [e.scheduler for e in self.engines],
+                       [w for e in self.engines for w in e.workers]])
         self.ready_sock.close(linger=0)
         self.ctx.term()
         if self.published_port is not None:

@@ -123,7 +123,10 @@ class SchedulerLoop:
     def _on_frontend_events(self) -> None:
         for event in self.frontend.events():
             if event == "ended":
-                log.warning("the front end's connection ended; its requests are aborted")
+                # (a server stopping stops its front end first: no request, no alarm)
+                requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+                log.log(logging.WARNING if requests else logging.INFO,
+                        "the front end's connection ended; %d requests aborted", requests)
                 self.scheduler.abort_all()
                 self.rejoin = True
             elif self.rejoin:

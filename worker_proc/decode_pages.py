@@ -35,12 +35,12 @@ the window's positions; attention sinks (gpt_oss) join the log-sum-exp merge.
 
 Quantized pages (--kv-bits) keep a float tail (--kv-float-tail T): each row also
 holds its newest positions in float, in a ring of its own (a page of the arena's
-`tail`, T + RING_SLACK positions, position p at index p mod the ring's size, stored
-in the quantized pages' rotated basis). Every new position is written to both; a
-step attends each row's positions from T back (fewer after rejected drafts wrote
-over the ring's oldest) from its ring, as one more (row, page) pair, and the older
-ones from the quantized pages, whose pairs count only those; the merge takes them
-all. Rounding the newest positions is what moves greedy output most (the model
+`tail`, `tail_ring` positions, position p at index p mod the ring's size, stored
+in the quantized pages' rotated basis). Every new position is written to both;
+each query attends the T positions up to its own (fewer after a verify longer than
+the ring has room for) from its row's ring, as one more (row, page) pair, and the
+older ones from the quantized pages, whose pairs count only those; the merge takes
+them all. Rounding the newest positions is what moves greedy output most (the model
 attends them most), so this brings 8-bit KV's agreement with float KV near float16's
 (docs/design/kv_tiers.md) for T float positions per running row.
 """
