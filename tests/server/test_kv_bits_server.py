@@ -125,14 +125,16 @@ def test_a_float_tail_longer_than_every_request_is_float_kv(models, kind):
 
 
 def test_speculation_keeps_quantized_greedy_output_as_without_it(llama_model):
-    """A float tail shorter than the requests: the n-gram verifies attend what
-    decoding one token at a time would, so greedy output with speculation is the
-    output without it, token for token, logprobs to rounding."""
+    """A float tail shorter than the requests: verifies (of n-gram drafts, of a draft
+    model's) attend what decoding one token at a time would, so greedy output with
+    speculation is the output without it, token for token, logprobs to rounding."""
     prompts = [ids_of(12 + 5 * k, seed=80 + k) * 5 for k in range(3)]
     outputs, verifies = {}, {}
-    for spec in ("off", "ngram"):
-        server = Server(llama_model, "--kv-bits", "8", "--kv-float-tail", "8",
-                        "--speculative", spec, "--spec-cost", "none", "--log-level", "warning")
+    modes = {"off": ("--speculative", "off"), "ngram": ("--speculative", "ngram"),
+             "draft": ("--draft-model", llama_model)}   # the model drafting for itself
+    for spec, args in modes.items():
+        server = Server(llama_model, "--kv-bits", "8", "--kv-float-tail", "8", *args,
+                        "--spec-cost", "none", "--log-level", "warning")
         try:
             with Client(server.address, timeout=300) as c:
                 outputs[spec] = [c.generate(input_ids=p, max_tokens=48, ignore_eos=True,
@@ -140,10 +142,11 @@ def test_speculation_keeps_quantized_greedy_output_as_without_it(llama_model):
                 verifies[spec] = c.stats()["speculative"].get("verifies", 0)
         finally:
             server.stop()
-    assert verifies["ngram"] > 0
-    for a, b in zip(outputs["ngram"], outputs["off"]):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert verifies["ngram"] > 0 and verifies["draft"] > 0
+    for spec in ("ngram", "draft"):
+        for a, b in zip(outputs[spec], outputs["off"]):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
 def test_the_float_tail_is_taken_from_the_pool_split(llama_model):
