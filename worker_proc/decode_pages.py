@@ -99,7 +99,7 @@ class PageArena:
         self.k_format = KVFormat.of(dtype, k_bits, k_dim, group)
         self.v_format = KVFormat.of(dtype, v_bits, v_dim, group)
         quantized = self.k_format.quantized or self.v_format.quantized
-        # the float tail: a ring of `tail_ring(float_tail)` positions per row, one page each
+        # the float tail: a ring (`tail_ring` positions) per row, one page of `tail` each
         self.tail_keep = float_tail if quantized else 0
         # rings for every row at once where the pages are allocated whole at once
         rings = max_rows if max_rows and max_pages and pages >= max_pages else \
