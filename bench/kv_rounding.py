@@ -29,8 +29,10 @@ def rounding(name: str):
         return lambda x: x.astype(dtype).astype(x.dtype)
     bits, group = int(name[1]), 64 if name.endswith("g64") else 32
     if "rot" in name:
-        return lambda x: KVFormat.of(x.dtype, bits, x.shape[-1], group).decode(
-            KVFormat.of(x.dtype, bits, x.shape[-1], group).encode(x))
+        def rotated(x):
+            fmt = KVFormat.of(x.dtype, bits, x.shape[-1], group)
+            return fmt.decode(fmt.encode(x))
+        return rotated
     return lambda x: mx.dequantize(*mx.quantize(x, group_size=group, bits=bits),
                                    group_size=group, bits=bits)
 

@@ -176,8 +176,14 @@ class EngineProcs:
     def children(self) -> list[Child]:
         return [*self.workers, self.scheduler]
 
+    @property
+    def tiers(self) -> list[list[Child]]:
+        """The engine's processes in the order they stop: the scheduler, then the
+        workers it drives."""
+        return [[self.scheduler], self.workers]
+
     def stop(self) -> None:
-        stop_in_order([[self.scheduler], self.workers])
+        stop_in_order(self.tiers)
 
 
 def stop_in_order(tiers: list[list[Child]]) -> None:
@@ -497,10 +503,10 @@ class Launcher:
 
     def stop(self) -> None:
         # top down: the front end (its clients see the server go, not each engine
-        # lost), the schedulers, the workers
-        stop_in_order([[self.tokenizer] if self.tokenizer else [],
-                       [e.scheduler for e in self.engines],
-                       [w for e in self.engines for w in e.workers]])
+        # lost), then every engine's tiers side by side
+        engines = [[c for tier in level for c in tier]
+                   for level in zip(*(e.tiers for e in self.engines))]
+        stop_in_order([[self.tokenizer] if self.tokenizer else [], *engines])
         self.ready_sock.close(linger=0)
         self.ctx.term()
         if self.published_port is not None:

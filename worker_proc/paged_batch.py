@@ -252,17 +252,19 @@ class PagedDecodeBatch:
             rows[i, :q] = np.asarray(table)[at // page] * page + at % page
         # (row, head, position) order, as update_and_fetch flattens the new KV
         write_at = (mx.array(np.tile(np.repeat(np.arange(heads), width), len(rows)), mx.int32),
-                    mx.array(np.repeat(rows[:, None, :], heads, axis=1).reshape(-1), mx.int32))
+                    _per_head(rows, heads))
         offset = mx.array(np.array(self.lengths), mx.int32)
         after = [n + q for n, q in zip(self.lengths, queries)]
         several = queries if width > 1 else None
         ring_rows, lows = self._tail_step(after, queries, width)
-        tail_at = (write_at[0], ring_rows)   # the heads as write_at's
         pairs = {w: step_pairs(self.tables, after, self.arena, w, several, lows)
                  for w in set(self.layout.windows)}
         spans = {w: self._span(after, w, queries[0]) for w in pairs}
-        tails = {w: (tail_at, tail_pairs(self.rings, after, lows, self.arena.tail, w, several))
-                 for w in pairs} if lows is not None else {}
+        tails = {}
+        if lows is not None:
+            tail_at = (write_at[0], ring_rows)   # the heads as write_at's
+            tails = {w: (tail_at, tail_pairs(self.rings, after, lows, self.arena.tail, w,
+                                             several)) for w in pairs}
         self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w], spans[w],
                                         tails.get(w))
                         for i, w in enumerate(self.layout.windows)]
@@ -286,7 +288,7 @@ class PagedDecodeBatch:
         tail = self.arena.tail
         if tail is None:
             return None, None
-        ring, heads, keep = tail.page, self.arena.heads, self.arena.tail_keep
+        ring, keep = tail.page, self.arena.tail_keep
         at = np.zeros((len(after), width), dtype=np.int64)   # padding: ring 0
         lows = np.zeros((len(after), width), dtype=np.int64)
         for i, (r, n, q) in enumerate(zip(self.rings, after, queries)):
@@ -296,7 +298,7 @@ class PagedDecodeBatch:
             self.reached[i] = max(self.reached[i], n)
             own = query_positions(n, q, width)
             lows[i] = np.maximum(np.maximum(own + 1 - keep, self.reached[i] - ring), 0)
-        return mx.array(np.repeat(at[:, None, :], heads, axis=1).reshape(-1), mx.int32), lows
+        return _per_head(at, self.arena.heads), lows
 
     def needs_replay(self, kept: list[int], drafts: list[list[int]]) -> bool:
         """After a verify: whether a row keeps fewer positions than it verified while
@@ -365,6 +367,12 @@ class PagedDecodeBatch:
         """The decode's reads of the pages come before the joins' writes into them,
         or the writes would copy the whole arena."""
         mx.eval(decoded, self.arrays())
+
+
+def _per_head(rows: np.ndarray, heads: int) -> mx.array:
+    """Each row's `[rows, L]` arena rows repeated for every head, in (row, head,
+    position) order: the order update_and_fetch flattens the new KV in."""
+    return mx.array(np.repeat(rows[:, None, :], heads, axis=1).reshape(-1), mx.int32)
 
 
 def _real_positions(a: mx.array, index: mx.array) -> mx.array:
