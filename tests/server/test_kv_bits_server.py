@@ -220,6 +220,10 @@ def test_the_disk_tier_keeps_quantized_entries_apart(llama_model, tmp_path):
     (("--kv-bits", "8", "--kv-group-size", "48"), "--kv-group-size takes 32, 64, 128, not 48"),
     # the test model's heads have 32 dimensions
     (("--kv-bits", "8", "--kv-group-size", "64"), "needs head dimensions divisible by 64"),
+    # rings for every running request that do not fit the memory limit
+    (("--kv-bits", "8", "--kv-float-tail", "10000000", "--mem-limit-gb", "1"),
+     "leaves no room for a KV cache"),
+    (("--kv-bits", "8", "--kv-float-tail", "-1"), "--kv-float-tail"),
 ])
 def test_bits_or_groups_that_do_not_fit_are_refused_at_start(llama_model, args, says):
     stderr = refused_at_start("--model", llama_model, *args)
