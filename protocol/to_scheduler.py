@@ -21,7 +21,11 @@ class Pin:
 @message
 class TokenizedRequest:
     """A validated request. `stop_token_ids` already includes EOS unless ignored;
-    `pin`: prefixes of the prompt to pin in the prefix cache once computed."""
+    `pin`: prefixes of the prompt to pin in the prefix cache once computed.
+    A request resumed after the death of the process running it carries the tokens
+    it had generated (`output_ids`, streamed already: it goes on after them, its
+    sampling state rebuilt from them as after a retraction) and how many times it
+    was resumed (`resumes`; request_limits.resume_refusal)."""
 
     TAG = 30
     rid: int = wire(Int())
@@ -31,6 +35,8 @@ class TokenizedRequest:
     stop_token_ids: list[int] = wire(List(Int()), default_factory=list)
     # (the scheduler refuses a request whose pin ends past its prompt)
     pin: list[Pin] = wire(List(Struct(Pin), max_len=MAX_PINS), default_factory=list)
+    output_ids: list[int] = wire(List(Int()), default_factory=list)
+    resumes: int = wire(Int(minimum=0), default=0)
 
 
 @message

@@ -80,6 +80,8 @@ class Usage:
     pinned_tokens: int = wire(Int(minimum=0), default=0)
     # completion tokens that were verified draft tokens (speculative decoding)
     accepted_tokens: int = wire(Int(minimum=0), default=0)
+    # times the request went on after the death of a process running it
+    resumes: int = wire(Int(minimum=0), default=0)
 
     def with_completion_tokens(self, n: int) -> "Usage":
         """The same request's usage with `n` tokens generated (the tokenizer's count

@@ -281,13 +281,14 @@ class ServerFlags:
         "OpenBLAS, else MKL from the `mkl` wheel); `off`; or a library path")
     worker_timeout: float = flag(
         60.0, "seconds a Step may go unanswered before the worker counts as "
-        "unresponsive: its running requests then finish with an error, and later ones "
-        "wait for it; a rank of a `--tp` group whose step runs this long exits, and the "
+        "unresponsive: its running requests then wait to resume (from their tokens so "
+        "far) with later ones until it answers or is replaced; a rank of a `--tp` group whose step runs this long exits, and the "
         "group is restarted", (SCHEDULER, WORKER), positive=True)
     restart_worker: bool = flag(
         True, "start a new worker when the worker process dies (crash, kill, out of "
-        "memory): its running requests end with an error, waiting ones run on the new "
-        "worker, whose prefix cache starts empty. Off: any process's death stops the "
+        "memory): its running requests resume on the new worker from their tokens so "
+        "far (a request running at a second death ends with an error), waiting ones run "
+        "there too; its prefix cache starts empty. Off: any process's death stops the "
         "server")
     worker_restarts: int = flag(
         3, f"the most worker restarts within {WORKER_RESTART_WINDOW_SECONDS / 60:g} "

@@ -32,3 +32,18 @@ def length_error(n: int, max_tokens: int, max_context: int, kv_capacity: int) ->
                 f"cache holds {kv_capacity} tokens: lower max_tokens to at most "
                 f"{kv_capacity - n + 1}")
     return None
+
+
+MAX_RESUMES = 1   # a request running at a second process death is not resumed again
+
+
+def resume_refusal(resumes: int, cause: str) -> str | None:
+    """Why a request that was running when `cause` happened (a process death) ends
+    with an error instead of going on elsewhere, or None. One resumed already was
+    running at two deaths in a row: it may be what kills them (an out-of-memory
+    prefill), and resuming it again could crash-loop the server."""
+    if resumes < MAX_RESUMES:
+        return None
+    return (f"{cause}; the request was running at {resumes + 1} failures in a row "
+            "(process deaths or failed steps) and is not resumed again: it may be their "
+            "cause")

@@ -221,10 +221,9 @@ class SchedulerLoop:
             log.debug("a lost connection while no worker serves (counted already)")
             return            # (a new worker dying while it loads stops the server)
         self.worker_restarts += 1
-        message = "the worker process died; the request was lost"
         log.error("the worker's socket closed: the worker died (death %d); running "
-                  "requests fail, waiting ones wait for a new worker", self.worker_restarts)
-        self.scheduler.reset_worker(message)
+                  "requests resume, with waiting ones, on a new worker", self.worker_restarts)
+        self.scheduler.reset_worker("the worker process died")
         self.restarting, self.in_flight, self.abandoned = True, None, False
         self._answered = None
         self.worker_memory = {}

@@ -51,12 +51,15 @@ class Request:
     pins: list[Pin] = field(default_factory=list)
     pinned_tokens: int = 0       # prompt tokens it computed and pinned
     accepted_tokens: int = 0     # of its output, draft tokens verified (speculation)
+    resumes: int = 0             # times it went on after a process running it died
+    report_usage: bool = False   # send usage with its next tokens (resumed: a new count)
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, max_new_tokens: int) -> "Request":
         req = cls(msg.rid, msg.input_ids, msg.sampling, max_new_tokens,
-                  frozenset(msg.stop_token_ids))
-        req.fill_len = len(msg.input_ids)
+                  frozenset(msg.stop_token_ids), output_ids=list(msg.output_ids),
+                  resumes=msg.resumes)
+        req.fill_len = len(req.all_ids)
         req.pins = sorted(msg.pin, key=lambda p: p.offset)
         return req
 
@@ -80,4 +83,4 @@ class Request:
         return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
                      cached_tokens=self.cached_tokens or 0, disk_tokens=self.disk_tokens,
                      pinned_tokens=self.pinned_tokens,
-                     accepted_tokens=self.accepted_tokens)
+                     accepted_tokens=self.accepted_tokens, resumes=self.resumes)

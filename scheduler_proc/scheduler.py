@@ -20,7 +20,7 @@ from mlxd.protocol import (
 from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_tokens
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
-from mlxd.runtime.request_limits import length_error, max_new_tokens
+from mlxd.runtime.request_limits import length_error, max_new_tokens, resume_refusal
 
 from .disk_tier import DiskHit, DiskTier
 from .kv_book import KVBook
@@ -86,6 +86,7 @@ class Scheduler:
         self._outbox: list[TokenEntry] = []
         self._step_id = 0
         self.num_retractions = 0
+        self.num_resumes = 0   # requests put back to run again after a worker's death
         self.spec = Speculation(limits.speculative, limits.verifies_drafts,
                                 list(limits.verify_costs), limits.worker_overlaps,
                                 replays=limits.state_slots > 0,
@@ -196,38 +197,61 @@ class Scheduler:
         self.kv.drop_tail(req, len(req.all_ids) - 1)
         entry = TokenEntry(req.rid, tokens[:n], logprobs[:n],
                            None if all(t is None for t in tops[:n]) else tops[:n])
-        if len(req.output_ids) == n:
-            entry.usage = req.usage()   # tells the tokenizer cached_tokens early
+        if len(req.output_ids) == n or req.report_usage:
+            entry.usage = req.usage()   # tells the tokenizer cached_tokens (resumes) early
+            req.report_usage = False
         if reason:
             self._finish(req, reason, entry)
         else:
             self._outbox.append(entry)
 
     def fail_step(self, error: WorkerError) -> None:
-        """The worker dropped every request's state: running requests fail, and the
-        cache is forgotten (the failed step may have half-written the pool)."""
-        self.reset_worker(error.message)
+        """The worker dropped every request's state: running requests go on from
+        their tokens so far, and the cache is forgotten (the failed step may have
+        half-written the pool)."""
+        self.reset_worker(f"the worker failed a step ({error.message})")
 
-    def reset_worker(self, message: str) -> None:
+    def reset_worker(self, cause: str) -> None:
         """The worker holds nothing: it dropped its state, or a new worker with an
-        empty pool replaces a dead one. Running requests end with `message`, nothing
-        is released (the worker knows none of them), every slot is free and the
-        cache is forgotten; waiting requests stay queued for it."""
-        for req in list(self.running.values()):
-            self._finish(req, "error", TokenEntry(req.rid, [], [], error=message),
-                         keep_kv=False)
+        empty pool replaces a dead one. Running requests are resumed (back to the
+        front of the queue, to prefill prompt + output so far, as after a
+        retraction), or end with an error naming `cause` when they were resumed
+        once already (request_limits.resume_refusal); nothing is released (the
+        worker knows none of them), every slot is free and the cache is forgotten;
+        waiting requests stay queued for it."""
+        for req in sorted(self.running.values(), key=lambda r: -r.arrival):
+            why = resume_refusal(req.resumes, cause)
+            if why:
+                self._finish(req, "error", TokenEntry(req.rid, [], [], error=why),
+                             keep_kv=False)
+            else:
+                self._resume(req)
         self._releases.clear()
         self._prefilled = []
         self.spec.reset()
         self._chained = False
         self.kv.reset_tree()
 
+    def _resume(self, req: Request) -> None:
+        """Run `req` again from its tokens so far (its KV is gone)."""
+        del self.running[req.rid]
+        if self.chunking is req:
+            self.chunking = None
+        self.kv.release(req, keep=False)
+        req.status = Status.WAITING
+        req.fill_len = len(req.all_ids)
+        req.resumes += 1
+        req.report_usage = True
+        self.num_resumes += 1
+        self.spec.forget(req.rid)
+        self.waiting.push_front(req)
+
     def abandon_step(self, error: WorkerError) -> None:
         """The worker has not answered the step in flight: running requests fail and
         the cache is forgotten, as after a WorkerError. The worker, should it answer,
         still holds their state, so the next Step releases them."""
         held = list(self.running) + self._releases
-        self.fail_step(error)
+        self.reset_worker(error.message)
         self._releases = held
 
     # ---- outputs ------------------------------------------------------------
@@ -286,7 +310,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"waiting": len(self.waiting), "running": len(self.running),
-                "retractions": self.num_retractions,
+                "retractions": self.num_retractions, "resumes": self.num_resumes,
                 "speculative": self.spec.counters.as_dict(),
                 **({"disk": self.kv.disk.stats()} if self.kv.disk is not None else {}),
                 **self.kv.stats(list(self.running.values()))}
@@ -421,9 +445,9 @@ class Scheduler:
         self.kv.make_room(need, windows)
         self.waiting.remove(req)
         req.status = Status.RUNNING
-        if req.cached_tokens is None:
-            req.cached_tokens = cached
-            req.disk_tokens = loaded
+        if req.cached_tokens is None:   # (a request resumed here counts its prompt's)
+            req.cached_tokens = min(cached, len(req.prompt_ids))
+            req.disk_tokens = min(loaded, req.cached_tokens)
             if self.kv.disk is not None:
                 self.kv.disk.hit_tokens += loaded
         self.running[req.rid] = req
@@ -499,8 +523,12 @@ class Scheduler:
         if msg.rid in self.running or self.waiting.find(msg.rid) is not None:
             return f"request id {msg.rid} is already in use"
         vocab = self.limits.vocab_size
-        if vocab and not (0 <= min(msg.input_ids) and max(msg.input_ids) < vocab):
+        ids = msg.input_ids + msg.output_ids
+        if vocab and not (0 <= min(ids) and max(ids) < vocab):
             return f"the prompt has token ids outside the model's vocabulary [0, {vocab})"
+        if len(msg.output_ids) >= max_new_tokens(n, msg.max_new_tokens,
+                                                 self.limits.max_context):
+            return "a resumed request has no tokens left to generate"
         if any(p.offset > n for p in msg.pin):
             return "a cache_control pin ends past the end of the prompt"
         if msg.sampling.grammar is not None and not self.limits.constraints:

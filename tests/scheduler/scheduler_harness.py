@@ -63,6 +63,7 @@ class Harness:
         self.entries: dict[int, list] = defaultdict(list)
         self.final: dict = {}                     # rid -> the entry with a finish_reason
         self.first_usage: dict[int, Usage] = {}
+        self.resumed: dict[int, int] = {}          # rid -> resumes its entries reported
         self.steps: list[Step] = []
         self.tokens = defaultdict(lambda: PLAIN)  # rid -> token the stub worker answers
         self.token_fn = lambda rid, pos: self.tokens[rid]
@@ -458,8 +459,11 @@ class Harness:
                 assert entry.usage.completion_tokens == 1
                 assert 0 <= entry.usage.cached_tokens < n
                 self.first_usage[rid] = entry.usage
-            else:
-                assert entry.usage is None and entry.token_ids
+            else:   # (usage again: a resumed request's first tokens after it)
+                assert entry.token_ids
+                assert entry.usage is None or entry.usage.resumes > self.resumed.get(rid, 0)
+                if entry.usage is not None:
+                    self.resumed[rid] = entry.usage.resumes
         if self.in_flight is None:
             self._check_pool()
 

@@ -492,31 +492,76 @@ def test_top_logprobs_are_passed_through():
 
 # ---- worker failure ------------------------------------------------------------------
 
-def test_fail_step_finishes_all_running_requests_with_the_error():
+def _undisturbed(requests, **limits) -> dict[int, list[int]]:
+    h = Harness(**limits)
+    h.token_fn = by_position
+    h.add(*requests)
+    h.run_until_idle()
+    return {r.rid: h.output(r.rid) for r in requests}
+
+
+def test_fail_step_resumes_running_requests_where_they_stopped():
+    """The worker dropped every request's state: each running request prefills its
+    prompt and output so far again and goes on with the same tokens."""
+    requests = [make_request(rid, max_new=10) for rid in (1, 2, 3)]
     h = Harness(max_running_requests=2)
-    h.add(*[make_request(rid, max_new=10) for rid in (1, 2, 3)])
+    h.token_fn = by_position
+    h.add(*requests)
+    h.run_step()
     h.run_step()
     h.abort(2)                                   # its release is pending
     step = h.schedule()
     h.fail(step, "RuntimeError: the GPU fell off")
-    assert h.final[1].finish_reason == "error"
-    assert h.final[1].error == "RuntimeError: the GPU fell off"
-    assert h.final[1].usage == Usage(prompt_tokens=4, completion_tokens=1, cached_tokens=0)
-    assert h.final[3].finish_reason == "error"   # admitted in the failed step
-    assert h.final[2].finish_reason == "abort"
+    assert 1 not in h.final and 3 not in h.final and h.final[2].finish_reason == "abort"
     assert not h.s.running and h.s.kv.allocator.num_free == 64   # the tree is emptied too
-    assert h.s.kv.tree.total_size == 0
-    assert h.schedule() is None                  # the worker dropped everything already
-    h.add(make_request(4, max_new=2))
-    assert prefilled(h.run_step()) == [4]
+    assert h.s.kv.tree.total_size == 0 and h.s.stats()["resumes"] == 2
+    so_far = h.output(1)
+    p, q = h.run_step().prefills                 # 3 was admitted in the failed step
+    assert p.rid == 1 and p.input_ids == prompt_of(1, 4) + so_far
+    assert q.rid == 3 and q.input_ids == prompt_of(3, 4) and q.num_generated == 0
+    assert p.prefix_slot_ids == [] and p.num_generated == 2
     h.run_until_idle()
-    assert h.final[4].finish_reason == "length"
+    want = _undisturbed([requests[0], requests[2]], max_running_requests=2)
+    assert h.output(1) == want[1] and h.output(3) == want[3]
+    assert h.final[1].usage == Usage(prompt_tokens=4, completion_tokens=10, cached_tokens=0,
+                                     resumes=1)
+    assert h.final[3].usage.resumes == 1         # its prefill ran at the death: it counts
+    h.assert_idle()
 
 
-def test_an_abandoned_step_fails_running_requests_and_the_next_step_releases_them():
+def test_a_resumed_request_reports_its_resume_with_its_next_tokens():
+    h = Harness()
+    h.add(make_request(1, max_new=10))
+    h.run_step()
+    h.fail(h.schedule())
+    h.run_step()
+    assert h.entries[1][-1].usage.resumes == 1
+    h.run_step()
+    assert h.entries[1][-1].usage is None
+
+
+def test_a_request_running_at_a_second_death_ends_with_an_error_naming_the_cause():
+    h = Harness()
+    h.add(make_request(1, max_new=10), make_request(2, max_new=10))
+    h.run_step()
+    h.worker_dies("the worker process died")
+    h.run_step()
+    h.abort(2)
+    h.worker_dies("the worker process died")
+    entry = h.final[1]
+    assert entry.finish_reason == "error" and entry.usage.resumes == 1
+    assert entry.error.startswith("the worker process died; the request was running at 2 "
+                                  "failures in a row")
+    h.run_until_idle()
+    h.assert_idle()
+
+
+def test_an_abandoned_step_resumes_running_requests_and_the_next_step_releases_them():
     """The worker still holds the requests of a step it answered too late (and any
-    released while it ran): the next Step releases them all, so no KV slot leaks."""
+    released while it ran): the next Step releases them all, then prefills the
+    resumed ones again, so no KV slot leaks."""
     h = Harness(kv_capacity=256)
+    h.token_fn = by_position
     h.add(*[make_request(rid, n=3 + rid, max_new=20) for rid in (1, 2, 3)])
     for _ in range(3):
         h.run_step()
@@ -524,12 +569,15 @@ def test_an_abandoned_step_fails_running_requests_and_the_next_step_releases_the
     h.abort(3)                                    # released by the next Step
     h.add(make_request(4, n=5, max_new=3))        # waits
     h.abandon(step, "the worker is unresponsive")
-    assert [h.final[r].finish_reason for r in (1, 2, 3)] == ["error", "error", "abort"]
-    assert "unresponsive" in h.final[1].error and 4 not in h.final
+    assert h.final[3].finish_reason == "abort" and 1 not in h.final and 4 not in h.final
     assert sorted(h.batch) == [1, 2, 3]           # the worker's state after its late answer
     nxt = h.run_step()
-    assert sorted(nxt.releases) == [1, 2, 3] and [p.rid for p in nxt.prefills] == [4]
+    assert sorted(nxt.releases) == [1, 2, 3] and prefilled(nxt) == [4]
+    assert sorted(prefilled(h.run_step())) == [1, 2]   # once the worker dropped them
     h.run_until_idle()
+    want = _undisturbed([make_request(rid, n=3 + rid, max_new=20) for rid in (1, 2)],
+                        kv_capacity=256)
+    assert h.output(1) == want[1] and h.output(2) == want[2]
     assert h.final[4].finish_reason == "length" and not h.batch
     h.assert_idle()
 
@@ -539,11 +587,11 @@ def test_fail_step_keeps_waiting_requests():
     h.add(make_request(1, max_new=10), make_request(2, max_new=2))
     step = h.schedule()
     h.fail(step)
-    assert h.final[1].finish_reason == "error" and 2 not in h.final
+    assert 1 not in h.final and 2 not in h.final
     step = h.run_step()
-    assert prefilled(step) == [2] and step.releases == []
+    assert prefilled(step) == [1] and step.releases == []   # resumed first, alone
     h.run_until_idle()
-    assert h.final[2].finish_reason == "length"
+    assert h.final[1].finish_reason == "length" and h.final[2].finish_reason == "length"
 
 
 def test_fail_step_forgets_cached_prefixes():
@@ -555,11 +603,10 @@ def test_fail_step_forgets_cached_prefixes():
     assert len(step.prefills[0].prefix_slot_ids) == 9
     h.fail(step)
     assert h.s.kv.tree.total_size == 0 and h.s.kv.allocator.num_free == 64
-    h.add(make_request(3, prompt=prompt_of(1, 10)))
-    [p] = h.run_step().prefills
+    [p] = h.run_step().prefills                   # 2, resumed
     assert p.prefix_slot_ids == [] and len(p.input_ids) == 10
     h.run_until_idle()
-    assert h.final[3].usage.cached_tokens == 0
+    assert h.final[2].usage.cached_tokens == 9    # what its first admission reused
 
 
 def _chunked_decoding_retracted_and_waiting() -> Harness:
@@ -578,17 +625,15 @@ def _chunked_decoding_retracted_and_waiting() -> Harness:
     return h
 
 
-def test_reset_worker_fails_running_requests_and_books_no_slot():
+def test_reset_worker_resumes_running_requests_and_books_no_slot():
     h = _chunked_decoding_retracted_and_waiting()
     h.schedule()                                  # in flight when the worker dies
     h.worker_dies("the worker process died")
-    for rid in (2, 3, 4):
-        assert h.final[rid].finish_reason == "error"
-        assert h.final[rid].error == "the worker process died"
-    assert not h.s.running and h.s.chunking is None
+    assert not h.final and not h.s.running and h.s.chunking is None
     assert h.s.kv.allocator.num_free == h.cap and h.s.kv.tree.total_size == 0
     assert h.s.stats()["used_slots"] == 0 and h.s.stats()["free_slots"] == h.cap
-    assert [r.rid for r in h.s.waiting] == [1, 5] and 1 not in h.final and 5 not in h.final
+    assert [r.rid for r in h.s.waiting] == [2, 3, 4, 1, 5]
+    assert h.s.stats()["resumes"] == 3
 
 
 def test_after_a_reset_waiting_requests_run_on_the_new_worker_from_scratch():
@@ -599,7 +644,7 @@ def test_after_a_reset_waiting_requests_run_on_the_new_worker_from_scratch():
     h.worker_dies()
     step = h.schedule()
     assert step.releases == [] and step.decode_rids == []
-    assert sorted(prefilled(step)) == [1, 5]
+    assert 2 in prefilled(step)
     assert all(p.prefix_slot_ids == [] for p in step.prefills)
     h.answer(step)
     h.run_until_idle()
@@ -617,9 +662,9 @@ def test_a_reset_after_an_abandoned_step_releases_nothing():
     h.s.abandon_step(WorkerError(step.step_id, "unresponsive"))
     h.add(make_request(3, max_new=2))
     h.worker_dies()
-    assert [h.final[r].finish_reason for r in (1, 2)] == ["error", "error"]
+    assert not h.final                            # 1 and 2 waited (resumed) at this death
     nxt = h.run_step()
-    assert nxt.releases == [] and prefilled(nxt) == [3]
+    assert nxt.releases == [] and sorted(prefilled(nxt)) == [1, 2, 3]
     h.run_until_idle()
     h.assert_idle()
 
@@ -704,7 +749,8 @@ def test_stats_and_has_work():
     h.add(make_request(1, n=4, max_new=3), make_request(2, n=4, max_new=3))
 
     def stats(waiting, running, free, cached, evictable, used):
-        return {"waiting": waiting, "running": running, "retractions": 0, "capacity": 32,
+        return {"waiting": waiting, "running": running, "retractions": 0, "resumes": 0,
+                "capacity": 32,
                 "speculative": {"method": "off", "verifies": 0, "draft_tokens": 0,
                                 "accepted_tokens": 0},
                 "free_slots": free, "cached_slots": cached, "evictable_slots": evictable,
@@ -1235,7 +1281,7 @@ def test_randomized_soak(seed):
     longest = min(cap - HEADROOM, h.s.decode_cache_tokens // 256 * 256 - 1)
     bases = [prompt_of(900 + i, rng.randint(1, 40)) for i in range(4)]
     asked: dict[int, TokenizedRequest] = {}
-    aborted, failed = set(), set()
+    aborted, failed = set(), defaultdict(int)   # rid -> failed steps it ran in
     next_rid = 1
 
     def new_prompt():
@@ -1272,7 +1318,8 @@ def test_randomized_soak(seed):
             h.abort(rid)
         if step is not None:
             if rng.random() < 0.01:
-                failed |= set(h.s.running)
+                for rid in h.s.running:
+                    failed[rid] += 1
                 h.fail(step, f"failure in step {step.step_id}")
             else:
                 h.answer(step)
@@ -1296,7 +1343,7 @@ def test_randomized_soak(seed):
         elif final.finish_reason == "abort":
             assert rid in aborted
         else:
-            assert rid in failed and final.error.startswith("failure in step")
+            assert failed[rid] >= 2 and "failure in step" in final.error
     assert reasons["length"] and reasons["stop"] and reasons["abort"]
     assert h.steps and sum(len(s.prefills) for s in h.steps) >= len(asked) / 2
 

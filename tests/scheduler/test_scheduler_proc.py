@@ -442,35 +442,40 @@ def test_step_result_for_a_step_not_in_flight_is_dropped(sched):
 
 # ---- worker failure --------------------------------------------------------------
 
-def test_worker_error_fails_running_requests_and_scheduler_keeps_serving(sched):
-    sched.request(1, [1, 2, 3], max_new_tokens=20)
-    sched.request(2, [4, 5], max_new_tokens=20)
-    seen = set()
-    while True:      # until both requests are decoding
-        step = sched.step()
-        if sorted(step.decode_rids) == [1, 2]:
-            break
-        rids = step.decode_rids + [p.rid for p in step.prefills]
-        seen |= set(rids)
-        sched.answer(step, {r: 9 for r in rids})
-        sched.batch()
+def test_a_worker_error_resumes_running_requests_and_the_scheduler_keeps_serving(sched):
+    sched.request(1, [1, 2, 3], max_new_tokens=3)
+    sched.request(2, [4, 5], max_new_tokens=3)
+    step = _until_decoding(sched, [1, 2])
     sched.results.send(encode(WorkerError(step.step_id, "boom: out of memory")))
-    entries = sorted(sched.batch().entries, key=lambda e: e.rid)
-    assert [e.rid for e in entries] == [1, 2]
-    for e in entries:
-        assert e.finish_reason == "error" and e.token_ids == []
-        assert "boom" in (e.error or "")
-    # the worker dropped all state: no releases or decodes are sent for them
-    sched.assert_no_step()
-
     sched.request(3, [7, 8, 9, 10], max_new_tokens=2)
-    out = sched.serve({3: [30, 31]})
+    # the worker dropped all state: both resume, prefilling prompt + output so far
+    # (no releases: the worker holds nothing of them), and nothing fails
+    out = sched.serve({1: [10, 11], 2: [20, 21], 3: [30, 31]})
     first = out["steps"][0]
     assert first.decode_rids == [] and first.releases == []
-    assert [p.rid for p in first.prefills] == [3]
+    assert_resumed(first, {1: [1, 2, 3], 2: [4, 5]}, 9)
+    for rid in (1, 2):
+        entries = out["entries"][rid]
+        assert entries[0].usage.resumes == 1 and entries[-1].usage.resumes == 1
+        assert entries[-1].finish_reason == "length"
     assert [e.token_ids[0] for e in out["entries"][3]] == [30, 31]
-    assert out["entries"][3][-1].finish_reason == "length"
-    sched.finish_releases({3})
+    assert out["entries"][3][-1].usage.resumes == 0
+    sched.finish_releases({1, 2, 3} - released(out))
+
+
+def released(out: dict) -> set[int]:
+    """The rids `serve`'s steps released (those that finished before the last)."""
+    return {rid for step in out["steps"] for rid in step.releases}
+
+
+def assert_resumed(step: Step, prompts: dict[int, list[int]], token: int) -> None:
+    """`step` prefills each rid of `prompts` again: its prompt, then what it had
+    generated (all `token`), with num_generated counting those."""
+    prefills = {p.rid: p for p in step.prefills}
+    for rid, prompt in prompts.items():
+        p = prefills[rid]
+        assert p.num_generated >= 1 and p.prefix_slot_ids == []
+        assert p.input_ids == prompt + [token] * p.num_generated
 
 
 def _stats(h: Harness, query_id: int) -> dict:
@@ -480,44 +485,33 @@ def _stats(h: Harness, query_id: int) -> dict:
     return reply.stats
 
 
-def test_an_unresponsive_worker_fails_running_requests_and_its_late_answer_is_dropped(
-        harness):
+def test_an_unresponsive_worker_s_requests_wait_and_resume_after_its_late_answer(harness):
     harness.spawn("--worker-timeout", "1")
     harness.worker_ready()
     assert _stats(harness, 1)["worker_status"] == "ok"
-    harness.request(1, [1, 2, 3], max_new_tokens=20)
-    harness.request(2, [4, 5], max_new_tokens=20)
-    while True:      # until both requests are decoding
-        step = harness.step()
-        if sorted(step.decode_rids) == [1, 2]:
-            break
-        rids = step.decode_rids + [p.rid for p in step.prefills]
-        harness.answer(step, {r: 9 for r in rids})
-        harness.batch()
-    # the worker hangs: the step goes unanswered past the limit
-    entries = sorted(harness.batch().entries, key=lambda e: e.rid)
-    assert [e.rid for e in entries] == [1, 2]
-    for e in entries:
-        assert e.finish_reason == "error" and e.token_ids == []
-        assert "unresponsive" in e.error and f"step {step.step_id}" in e.error
-    stats = _stats(harness, 2)
-    assert stats["worker_status"] == "unresponsive" and stats["worker_step_seconds"] >= 1
-    assert stats["running"] == 0
+    harness.request(1, [1, 2, 3], max_new_tokens=3)
+    harness.request(2, [4, 5], max_new_tokens=3)
+    step = _until_decoding(harness, [1, 2])
+    # the worker hangs: the step goes unanswered past the limit; its requests wait
+    assert wait_until(lambda: _stats(harness, 2)["worker_status"] == "unresponsive",
+                      RECV_TIMEOUT)
+    stats = _stats(harness, 3)
+    assert stats["worker_step_seconds"] >= 1 and stats["running"] == 0
+    assert stats["waiting"] == 2 and stats["resumes"] == 2
     harness.request(3, [7, 8, 9, 10], max_new_tokens=2)
     harness.assert_no_step()            # a later request waits for the worker
+    harness.assert_no_batch(0)          # and nothing has failed
 
     harness.answer(step, {1: 50, 2: 51})   # it comes back: the late answer is dropped
-    first = harness.step()
+    out = harness.serve({1: [10, 11], 2: [20, 21], 3: [30, 31]})
+    first = out["steps"][0]             # it drops 1 and 2 first, then they resume
     assert sorted(first.releases) == [1, 2] and first.decode_rids == []
     assert [p.rid for p in first.prefills] == [3]
-    harness.answer(first, {3: 30})
-    [entry] = harness.batch().entries
-    assert (entry.rid, entry.token_ids) == (3, [30])
-    assert _stats(harness, 3)["worker_status"] == "ok"
-    out = harness.serve({3: [31]})
-    assert out["entries"][3][-1].finish_reason == "length"
-    check_step_slots(harness, [first] + out["steps"])
-    harness.finish_releases({3})
+    assert_resumed(out["steps"][1], {1: [1, 2, 3], 2: [4, 5]}, 9)
+    assert [out["entries"][r][-1].finish_reason for r in (1, 2, 3)] == ["length"] * 3
+    assert _stats(harness, 4)["worker_status"] == "ok"
+    check_step_slots(harness, out["steps"])
+    harness.finish_releases({1, 2, 3} - released({"steps": out["steps"][1:]}))
 
 
 def test_a_worker_answering_in_time_is_not_abandoned(harness):
@@ -548,39 +542,34 @@ def _restarting(h: Harness) -> bool:
     return wait_until(lambda: _stats(h, 0)["worker_status"] == "restarting", RECV_TIMEOUT)
 
 
-def test_a_dead_worker_fails_running_requests_and_its_successor_runs_the_waiting_ones(
-        harness):
+def test_a_dead_worker_s_requests_resume_on_its_successor_with_the_waiting_ones(harness):
     harness.spawn("--max-running-requests", "2")
     harness.worker_ready()
-    harness.request(1, [1, 2, 3], max_new_tokens=20)
-    harness.request(2, [4, 5], max_new_tokens=20)
+    harness.request(1, [1, 2, 3], max_new_tokens=3)
+    harness.request(2, [4, 5], max_new_tokens=3)
     harness.request(3, [6, 7, 8], max_new_tokens=2)    # waits: two run at most
     _until_decoding(harness, [1, 2])
     harness.worker_dies()                               # with a step in flight
-    entries = sorted(harness.batch().entries, key=lambda e: e.rid)
-    assert [e.rid for e in entries] == [1, 2]
-    for e in entries:
-        assert e.finish_reason == "error" and e.token_ids == []
-        assert "worker process died" in e.error
+    assert _restarting(harness)
+    harness.assert_no_batch(0)                          # nothing failed
     stats = _stats(harness, 1)
     assert stats["worker_status"] == "restarting" and stats["worker_restarts"] == 1
-    assert (stats["running"], stats["waiting"], stats["used_slots"]) == (0, 1, 0)
+    assert (stats["running"], stats["waiting"], stats["used_slots"]) == (0, 3, 0)
     assert stats["free_slots"] == KV_CAPACITY and stats["cached_slots"] == 0
 
     harness.worker_restarts()
     harness.request(4, [9, 10], max_new_tokens=2)
     harness.assert_no_step()                  # nothing is sent before the new worker's Ready
     harness.results.send(encode(WorkerReady(worker_limits())))
-    first = harness.step()
+    out = harness.serve({1: [10, 11], 2: [20, 21], 3: [30, 31], 4: [40, 41]})
     harness.assert_no_batch()                 # no second SchedulerReady: the limits stay
+    first = out["steps"][0]
     assert first.releases == [] and first.decode_rids == []
-    assert sorted(p.rid for p in first.prefills) == [3, 4]
-    assert all(p.prefix_slot_ids == [] for p in first.prefills)
-    harness.answer(first, {3: 30, 4: 40})
-    assert sorted(e.rid for e in harness.batch().entries) == [3, 4]
-    out = harness.serve({3: [31], 4: [41]})
-    assert [out["entries"][r][-1].finish_reason for r in (3, 4)] == ["length", "length"]
-    harness.finish_releases({3, 4})
+    assert_resumed(first, {1: [1, 2, 3], 2: [4, 5]}, 9)   # first: two run at most
+    assert all(not p.prefix_slot_ids for s in out["steps"][1:] for p in s.prefills
+               if p.rid in (3, 4))
+    assert all(out["entries"][r][-1].finish_reason == "length" for r in (1, 2, 3, 4))
+    harness.finish_releases({1, 2, 3, 4} - released(out))
     stats = _stats(harness, 2)
     assert stats["worker_status"] == "ok" and stats["worker_restarts"] == 1
 
@@ -589,20 +578,20 @@ def test_a_dead_unresponsive_worker_is_replaced_and_nothing_is_released_to_its_s
         harness):
     harness.spawn("--worker-timeout", "1")
     harness.worker_ready()
-    harness.request(1, [1, 2, 3], max_new_tokens=20)
+    harness.request(1, [1, 2, 3], max_new_tokens=3)
     _until_decoding(harness, [1])
-    [entry] = harness.batch().entries                  # the watchdog fails it
-    assert "unresponsive" in entry.error
+    assert wait_until(lambda: _stats(harness, 1)["worker_status"] == "unresponsive",
+                      RECV_TIMEOUT)                    # its request waits to resume
     harness.worker_dies()                              # the hung worker is killed
     assert _restarting(harness)
     harness.worker_restarts()
     harness.request(2, [4, 5], max_new_tokens=1)
     harness.results.send(encode(WorkerReady(worker_limits())))
-    step = harness.step()
-    assert step.releases == [] and [p.rid for p in step.prefills] == [2]
-    harness.answer(step, {2: 20})
-    assert harness.batch().entries[0].finish_reason == "length"
-    harness.finish_releases({2})
+    out = harness.serve({1: [10, 11], 2: [20]})
+    assert out["steps"][0].releases == []
+    assert sorted(p.rid for p in out["steps"][0].prefills) == [1, 2]
+    assert out["entries"][1][-1].usage.resumes == 1
+    harness.finish_releases({1, 2} - released(out))
 
 
 def test_a_disconnect_while_waiting_for_the_new_worker_is_no_second_death(sched):
