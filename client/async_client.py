@@ -4,25 +4,29 @@ One reader task routes every reply to its request's queue by rid. A request
 never waits forever: if nothing arrives for `timeout` seconds, the server's
 connection drops, or no connection exists, it fails with MlxdError. A request
 the client abandons (timed out, stream dropped or closed early, client closed)
-is aborted on the server, which would otherwise run it on for nobody.
+is aborted on the server, which would otherwise run it on for nobody. A client
+dropped without close() warns (ResourceWarning) and releases its sockets
+(transport.py); its reader tasks do not hold it, so that it can be dropped.
 """
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
+import weakref
 
 import zmq
-import zmq.asyncio
 
 from mlxd.protocol import (
     AbortRequest, Decoder, ErrorReply, GenerateRequest, ProtocolError, StatsReply,
     StatsRequest, StreamChunk, encode,
 )
-from mlxd.runtime.aio import LoopSocket, TaskSet
-from mlxd.runtime.keys import BadKey, connect_with_curve, server_key_for
+from mlxd.runtime.aio import LoopSocket
+from mlxd.runtime.keys import BadKey, server_key_for
 
-from .connection import EVENTS, Connection
+from .connection import Connection
+from .transport import Transport, release_dropped
 from .types import Chunk, MlxdError, Result
 
 log = logging.getLogger("mlxd.client")
@@ -119,23 +123,17 @@ class AsyncClient:
             key = server_key_for(address, server_key)
         except BadKey as exc:
             raise MlxdError("invalid_request", f"server_key: {exc}") from None
-        self._ctx = zmq.asyncio.Context()
-        # a plain socket, driven by LoopSocket in the event loop (cheaper per message
-        # than zmq.asyncio; see runtime/aio.py); its monitor is a zmq.asyncio socket
-        self._sock = zmq.Socket(self._ctx, zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if key is not None:
-            connect_with_curve(self._sock, key)
+        # plain sockets, driven by LoopSocket in the event loop (cheaper per message
+        # than zmq.asyncio; see runtime/aio.py)
+        self._transport = Transport(address, key)
         self._encrypted = key is not None
-        self._monitor = self._sock.get_monitor_socket(EVENTS)
-        self._sock.connect(address)
         self._io: LoopSocket | None = None   # made in the event loop, at first use
         self._connection: Connection | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}   # rid -> its replies, while in flight
         self._decoder = Decoder(StreamChunk, ErrorReply, StatsReply)
-        self._tasks = TaskSet()
         self._closed = False
+        self._finalizer = weakref.finalize(self, release_dropped, "AsyncClient", address,
+                                           self._transport)
 
     # ---- public surface ----------------------------------------------------
 
@@ -208,14 +206,8 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        linger = self._abort_in_flight()
-        self._tasks.cancel()
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        if self._io is not None:
-            self._io.close(linger=linger)
-        self._sock.close(linger=linger)
-        self._ctx.term()
+        self._finalizer.detach()
+        self._transport.close(linger=self._abort_in_flight())
 
     async def __aenter__(self):
         return self
@@ -253,36 +245,17 @@ class AsyncClient:
         if self._closed:
             raise MlxdError("closed", "the client is closed")
         if self._io is None:
-            self._loop = asyncio.get_running_loop()
-            self._io = LoopSocket(self._sock)
-            self._connection = Connection(self._monitor, self.address, self._fail_all,
+            self._io, events = self._transport.attach()
+            # the tasks get the parts they use, never the client (see the module's doc)
+            self._connection = Connection(events, self.address,
+                                          functools.partial(_fail_all, self._queues),
                                           self._encrypted)
-            self._tasks.spawn(self._read_replies(self._io))
-            self._tasks.spawn(self._connection.watch())
+            self._transport.tasks.spawn(_read_replies(self._io, self._decoder, self._queues))
+            self._transport.tasks.spawn(self._connection.watch())
         return self._io
 
-    async def _read_replies(self, channel: LoopSocket) -> None:
-        while True:
-            frame = await channel.recv()
-            try:
-                msg = self._decoder.decode(frame)
-            except ProtocolError as exc:
-                log.error("dropped a malformed reply: %s", exc)
-                continue
-            if isinstance(msg, ErrorReply):
-                if msg.rid is None:
-                    log.error("server rejected a frame: %s: %s", msg.code, msg.message)
-                    continue
-                rid, msg = msg.rid, MlxdError(msg.code, msg.message, msg.param)
-            else:
-                rid = msg.rid
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(msg)
-
     def _fail_all(self, error: MlxdError) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        _fail_all(self._queues, error)
 
     async def _abort_quietly(self, rid: str) -> None:
         if not self._closed:
@@ -291,16 +264,17 @@ class AsyncClient:
     def _abandon(self, rid: str) -> None:
         """Forget `rid` and abort it on the server. Safe from any thread, since a
         stream's finaliser runs wherever its last reference goes."""
-        if self._loop is None or self._closed:
+        loop = self._transport.loop
+        if loop is None or self._closed:
             return
         try:
-            self._loop.call_soon_threadsafe(self._abort_abandoned, rid)
+            loop.call_soon_threadsafe(self._abort_abandoned, rid)
         except RuntimeError:   # the loop is closed: so is the client
             pass
 
     def _abort_abandoned(self, rid: str) -> None:
         if not self._closed and self._queues.pop(rid, None) is not None:
-            self._tasks.spawn(self._abort_quietly(rid))
+            self._transport.tasks.spawn(self._abort_quietly(rid))
 
     def _abort_in_flight(self) -> int:
         """Queue an abort for each request in flight and fail its caller; the linger
@@ -308,13 +282,41 @@ class AsyncClient:
         if not self._queues:
             return 0
         for rid in self._queues:
+            frame = encode(AbortRequest(rid, self.api_key))
             try:   # never block while closing: at the high-water mark, drop the abort
-                self._sock.send(encode(AbortRequest(rid, self.api_key)), zmq.NOBLOCK)
+                self._transport.dealer.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 break
         self._fail_all(MlxdError("closed", "the client was closed"))
         self._queues.clear()
         return ABORT_LINGER_MS if self._connection is not None and self._connection.up else 0
+
+
+async def _read_replies(channel: LoopSocket, decoder: Decoder,
+                        queues: dict[str, asyncio.Queue]) -> None:
+    """Route every reply to its request's queue, by rid."""
+    while True:
+        frame = await channel.recv()
+        try:
+            msg = decoder.decode(frame)
+        except ProtocolError as exc:
+            log.error("dropped a malformed reply: %s", exc)
+            continue
+        if isinstance(msg, ErrorReply):
+            if msg.rid is None:
+                log.error("server rejected a frame: %s: %s", msg.code, msg.message)
+                continue
+            rid, msg = msg.rid, MlxdError(msg.code, msg.message, msg.param)
+        else:
+            rid = msg.rid
+        queue = queues.get(rid)
+        if queue is not None:
+            queue.put_nowait(msg)
+
+
+def _fail_all(queues: dict[str, asyncio.Queue], error: MlxdError) -> None:
+    for queue in queues.values():
+        queue.put_nowait(error)
 
 
 def _choices(params: dict) -> int:

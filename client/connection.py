@@ -11,7 +11,9 @@ import asyncio
 from typing import Callable
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
+
+from mlxd.runtime.aio import LoopSocket
 
 from .types import MlxdError
 
@@ -21,12 +23,12 @@ EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAIL
 
 
 class Connection:
-    """Follows a monitor socket (`sock.get_monitor_socket(EVENTS)`); made in the event
-    loop that runs `watch()`. `on_lost` gets the error for the requests in flight when
-    an established connection drops."""
+    """Follows a socket's monitor (a PAIR receiving its EVENTS, read as a multipart
+    LoopSocket); made in the event loop that runs `watch()`. `on_lost` gets the error
+    for the requests in flight when an established connection drops."""
 
-    def __init__(self, monitor, address: str, on_lost: Callable[[MlxdError], None],
-                 encrypted: bool = False):
+    def __init__(self, monitor: LoopSocket, address: str,
+                 on_lost: Callable[[MlxdError], None], encrypted: bool = False):
         self._monitor = monitor
         self._address = address
         self._on_lost = on_lost
@@ -40,7 +42,7 @@ class Connection:
 
     async def watch(self) -> None:
         while True:
-            event = await recv_monitor_message(self._monitor)
+            event = parse_monitor_message(await self._monitor.recv())
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._refused = False
                 self._up.set()

@@ -1,10 +1,13 @@
 """Client: the blocking SDK. It runs an AsyncClient on a private event-loop thread,
-so one Client can be shared by many threads."""
+so one Client can be shared by many threads. A Client dropped without close() warns
+(ResourceWarning), releases its sockets and ends its thread, waiting for neither."""
 
 import asyncio
 import threading
+import weakref
 
 from .async_client import AsyncClient, AsyncStream
+from .transport import Transport, release_dropped
 from .types import Chunk, MlxdError, Result
 
 
@@ -47,7 +50,7 @@ class Client:
                  model: str | None = None):
         """See AsyncClient for `server_key`, `api_key` and `model`."""
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="mlxd-client",
+        self._thread = threading.Thread(target=_serve, args=(self._loop,), name="mlxd-client",
                                         daemon=True)
         self._thread.start()
         try:
@@ -56,8 +59,10 @@ class Client:
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
-            self._loop.close()
             raise
+        # holds what it releases, never the Client (or it would never be dropped)
+        self._finalizer = weakref.finalize(self, _release_dropped, address, self._loop,
+                                           self._inner._transport)
 
     def _call(self, coro):
         if self._loop.is_closed():
@@ -90,17 +95,36 @@ class Client:
         """Abort every request still in flight and release the socket."""
         if self._loop.is_closed():
             return
+        self._finalizer.detach()
         self._call(self._inner.close())
-        self._call(_finish_calls(1.0))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
-        self._loop.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The client's thread: run `loop` until stopped, then close it."""
+    try:
+        loop.run_forever()
+        loop.run_until_complete(_finish_calls(1.0))
+    finally:
+        loop.close()
+
+
+def _release_dropped(address: str, loop: asyncio.AbstractEventLoop,
+                     transport: Transport) -> None:
+    """A dropped Client's finalizer: release its transport and stop its loop, in the
+    loop's thread; the thread then ends on its own (joining it here could deadlock)."""
+    release_dropped("Client", address, transport, depth=1)
+    try:
+        loop.call_soon_threadsafe(loop.stop)
+    except RuntimeError:   # already closed
+        pass
 
 
 async def _finish_calls(grace: float) -> None:
