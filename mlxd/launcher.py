@@ -7,12 +7,15 @@ Spawns the three as `python -m ...` subprocesses wired over ZeroMQ (with `--dp N
 N engines of a scheduler and a worker each behind the one tokenizer), waits for
 their READY, prints `mlxd ready: tcp://HOST:PORT`, then watches them. A worker
 that crashes after its READY is replaced by a new one (`--restart-worker`, within
-`--worker-restarts`), and so is a whole engine whose scheduler dies when there are
-several; any other death stops the others and the launcher exits non-zero.
+`--worker-restarts`), and so is a whole engine whose scheduler dies (or that the
+front end reports unresponsive); its requests wait at the front end and go on once
+it joins again. Any other death stops the others and the launcher exits non-zero.
 
 With several models, the engines of the models that fit `--models-memory` start with
 the server; the front end asks for the others (and for unloads) with ModelControl
-messages on the launcher's socket, and the launcher starts and stops their engines.
+messages on the launcher's socket, and the launcher starts and stops their engines;
+a load that fails (its engine dies before it is ready, its folder is gone) is reported
+to the front end at once (ModelLoadFailed on the front end's `front_control` socket).
 
     mlxd engine --join tcp://HOST:PORT --model PATH
 
@@ -39,7 +42,8 @@ from typing import Callable
 
 import zmq
 
-from mlxd.protocol import Decoder, ModelControl, ProtocolError, Ready
+from mlxd.protocol import (Decoder, EngineUnresponsive, ModelControl, ModelLoadFailed,
+                           ProtocolError, Ready, encode)
 from mlxd.runtime.config import parse_config, secret_environ, to_argv
 from mlxd.runtime import keys
 from mlxd.runtime.flags import (SCHEDULER, TOKENIZER, WORKER, WORKER_RESTART_WINDOW_SECONDS,
@@ -62,11 +66,13 @@ log = logging.getLogger("mlxd.launch")
 # The folder that holds the `mlxd` package: a source checkout, or site-packages.
 ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_SECONDS = 4.0
+UNRESPONSIVE_GRACE_SECONDS = 2.0   # a scheduler whose link ended may take this to exit
 IPC_PREFIX = "mlxd-"
 PID_FILE = "launcher.pid"   # in the ipc folder: which launcher owns it
 READY_PREFIX = "mlxd ready: "
 HTTP_PREFIX = "mlxd http: "
 ENGINE_PREFIX = "mlxd engines join: "   # the front end's engine address; an engine's own
+MAX_REASON_CHARS = 1000   # of a failed load's cause, as the front end shows it
 
 
 class Child:
@@ -147,6 +153,8 @@ class EngineProcs:
                  model: str = "", on_demand: bool = False):
         """`worker()`: each rank's config and environment (a group's: a fresh ring)."""
         self._worker_specs, self._scheduler_spec = worker, scheduler
+        self.name = scheduler[0].engine   # its routing id at the front end
+        self.suspect_since: float | None = None   # the front end lost it then
         self.model = model            # its model's name
         self.on_demand = on_demand    # loaded while serving: a failed start is not fatal
         self.restarts = RestartBudget(restarts)
@@ -167,6 +175,7 @@ class EngineProcs:
         self.worker_ready = False   # a worker that reported READY may be restarted
 
     def spawn_scheduler(self) -> Child:
+        self.suspect_since = None
         config, env = self._scheduler_spec
         self.scheduler = Child(config.name, "mlxd.scheduler_proc", config, env)
         self.ready = False   # both reported READY: the engine may be restarted
@@ -233,12 +242,13 @@ class Launcher:
         self._engine_count = 0   # engines started so far: the next one's index
         self.client_keys = self._client_keys()
         self.published_port: int | None = None   # where the public key was published
-        self._ready_decoder = Decoder(Ready, ModelControl)
+        self._ready_decoder = Decoder(Ready, ModelControl, EngineUnresponsive)
         self.ipc_dir = make_ipc_dir()
         self.ctx = zmq.Context()
         self.ready_sock = self.ctx.socket(zmq.PULL)
         self.ready_sock.setsockopt(zmq.LINGER, 0)
         self.ready_sock.bind(self._ipc("launcher"))
+        self.to_front: zmq.Socket | None = None   # reports to the front end (failed loads)
 
     @property
     def children(self) -> list[Child]:
@@ -287,9 +297,13 @@ class Launcher:
                 self._start_model(entry)
         catalog_file = os.path.join(self.ipc_dir, "models.json")
         catalog.dump(catalog_file)
+        self.to_front = self.ctx.socket(zmq.PUSH)
+        self.to_front.setsockopt(zmq.LINGER, 0)
+        self.to_front.connect(self._ipc("front_control"))
         tokenizer = TokenizerConfig(
             client_addr=f"tcp://{flags.host}:{flags.port}", engines_addr=self._ipc("engines"),
-            ready_addr=self._ipc("launcher"), flags=flags, parent_pid=os.getpid(),
+            ready_addr=self._ipc("launcher"), control_addr=self._ipc("front_control"),
+            flags=flags, parent_pid=os.getpid(),
             expected_engines=sum(e.replicas for e in catalog.entries
                                  if e.name in catalog.at_start),
             catalog=catalog_file)
@@ -397,6 +411,7 @@ class Launcher:
 
     def watch(self) -> None:
         while True:
+            self._kill_unresponsive()
             self._check_children()
             self._receive_ready(200)   # a restarted worker's or engine's
 
@@ -411,6 +426,9 @@ class Launcher:
             return None
         if isinstance(msg, ModelControl):
             self._on_model_control(msg)
+            return None
+        if isinstance(msg, EngineUnresponsive):
+            self._on_unresponsive(msg.engine)
             return None
         for engine in self.engines:
             if msg.process == engine.worker.name:   # rank 0: the whole group formed
@@ -432,9 +450,45 @@ class Launcher:
                 engine.stop()
             log.info("model %s: stopped %d engines", entry.name, len(running))
         elif not running:
+            why = load_refusal(entry.path)
+            if why:   # its folder went away since the start
+                log.error("model %s cannot be loaded: %s", entry.name, why)
+                self._report_failure(entry.name, why)
+                return
             log.info("model %s: loading (%d engines, %s)", entry.name, entry.replicas,
                      entry.path)
             self._start_model(entry, on_demand=True)
+
+    def _report_failure(self, model: str, reason: str) -> None:
+        """Tell the front end that `model`'s load failed: its waiting requests end
+        with `reason` at once (instead of waiting out --model-load-timeout)."""
+        if self.to_front is None:
+            return
+        try:
+            self.to_front.send(encode(ModelLoadFailed(model, reason[:MAX_REASON_CHARS])),
+                               zmq.NOBLOCK)
+        except zmq.Again:   # the front end is gone or stuck: its wait times out instead
+            log.warning("could not tell the front end that model %s failed to load", model)
+
+    def _on_unresponsive(self, name: str) -> None:
+        """The front end lost an engine: if its scheduler still lives after a grace
+        (one that is exiting is gone by then), it is stopped or hung, and is killed,
+        to be restarted as a dead one is."""
+        for engine in self.engines:
+            if engine.name == name:
+                engine.suspect_since = time.monotonic()
+
+    def _kill_unresponsive(self) -> None:
+        now = time.monotonic()
+        for engine in self.engines:
+            since = engine.suspect_since
+            if since is None or now - since < UNRESPONSIVE_GRACE_SECONDS:
+                continue
+            engine.suspect_since = None
+            if engine.scheduler.alive():
+                log.error("engine %s is unresponsive (the front end lost its link; its "
+                          "scheduler still runs): its scheduler is killed", engine.name)
+                engine.scheduler.proc.kill()
 
     def _check_children(self) -> None:
         for child in self.children:
@@ -461,24 +515,25 @@ class Launcher:
 
     def _drop_failed_load(self, child: Child) -> bool:
         """A model loaded while serving whose engine died before it was ready: the
-        engine is dropped (the front end's load times out), the server serves on."""
+        engine is dropped, the server serves on, and once none of the model's engines
+        is left the front end is told why."""
         engine = next((e for e in self.engines if child in e.children), None)
         if engine is None or not engine.on_demand or engine.ready:
             return False
-        log.error("model %s failed to load: its %s process exited with code %s",
-                  engine.model, child.name, child.proc.returncode)
+        why = exit_reason(child)
+        log.error("model %s failed to load: %s", engine.model, why)
         self.engines.remove(engine)
         engine.stop()
+        if not any(e.model == engine.model for e in self.engines):   # no replica left
+            self._report_failure(engine.model, why)
         return True
 
     def _restart_refusal(self, child: Child, code: int) -> tuple[EngineProcs | None, str | None]:
-        """The engine of a dead `child` to restart (its worker, or with several
-        engines all of it) and None; or why the server stops (appended to its exit
+        """The engine of a dead `child` to restart (its worker, or, for a dead
+        scheduler, all of it) and None; or why the server stops (appended to its exit
         code)."""
         engine = next((e for e in self.engines if child in e.children), None)
         if engine is None or not self.cfg.restart_worker:
-            return None, ""
-        if child is engine.scheduler and len(self.engines) < 2:
             return None, ""
         if code == 0:
             return None, " (it was told to stop)"
@@ -508,6 +563,8 @@ class Launcher:
                    for level in zip(*(e.tiers for e in self.engines))]
         stop_in_order([[self.tokenizer] if self.tokenizer else [], *engines])
         self.ready_sock.close(linger=0)
+        if self.to_front is not None:
+            self.to_front.close(linger=0)
         self.ctx.term()
         if self.published_port is not None:
             keys.unpublish(self.published_port, os.getpid())
@@ -617,6 +674,26 @@ def served_catalog(cfg: ServerFlags, models: list[str]) -> Catalog:
         return build_catalog(entries, cfg.models_memory, cfg.mem_limit_gb, cfg.mem_fraction)
     except CatalogError as exc:
         sys.exit(f"mlxd: {exc}")
+
+
+def exit_reason(child: Child) -> str:
+    """How `child` ended, in a line: its exit code (or signal) and its last stderr
+    line (a traceback's last line names the error)."""
+    code = child.proc.returncode
+    how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+    last = next((line.strip() for line in reversed(child.tail) if line.strip()), "")
+    return f"its {child.name} process {how}" + (f": {last}" if last else "")
+
+
+def load_refusal(path: str) -> str | None:
+    """Why the resolved folder `path` cannot be loaded now (resolve.py's words: gone,
+    or no longer a model folder), or None. Made absolute: never taken for a hub id,
+    so nothing is downloaded here."""
+    try:
+        resolve_model(os.path.abspath(path))
+    except ModelError as exc:
+        return str(exc)
+    return None
 
 
 def model_folder(model: str) -> str:

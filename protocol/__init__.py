@@ -1,7 +1,7 @@
 """Every message exchanged between mlxd processes, grouped by the receiver."""
 
 from .codec import Decoder, ProtocolError, encode
-from .control import ModelControl, Ready
+from .control import EngineUnresponsive, ModelControl, ModelLoadFailed, Ready
 from .sampling import PARAMS, REPETITION_CONTEXT, Param, SamplingParams
 from .to_client import ErrorReply, StatsReply, StreamChunk
 from .to_scheduler import (
@@ -16,7 +16,7 @@ from .to_worker import DiskRun, PrefillInput, Spill, Step
 
 __all__ = [
     "MAX_PINS", "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "ModelControl", "PARAMS", "Param", "Pin", "DiskRun", "PrefillInput", "Spill", "ProtocolError", "REPETITION_CONTEXT", "Ready",
+    "EngineUnresponsive", "ModelControl", "ModelLoadFailed", "PARAMS", "Param", "Pin", "DiskRun", "PrefillInput", "Spill", "ProtocolError", "REPETITION_CONTEXT", "Ready",
     "SamplingParams", "SchedulerReady", "Stats",
     "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
     "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",

@@ -1,4 +1,4 @@
-"""Control messages between the launcher and its children."""
+"""Control messages between the launcher and its children, both ways."""
 
 from .fields import Opt, Str, wire
 from .message import message
@@ -28,3 +28,24 @@ class ModelControl:
     TAG = 2
     action: str = wire(Str(choices=MODEL_ACTIONS))
     model: str = wire(Str(max_len=256))
+
+
+@message
+class ModelLoadFailed:
+    """The launcher tells the front end that a model's load failed (its worker or
+    scheduler died before joining, or its folder no longer resolves): `reason` says
+    why, for the requests waiting for it and `/v1/models`."""
+
+    TAG = 3
+    model: str = wire(Str(max_len=256))
+    reason: str = wire(Str(max_len=4096))
+
+
+@message
+class EngineUnresponsive:
+    """The front end tells the launcher that an engine's link went silent past
+    --worker-timeout (its scheduler is stopped or hung): its requests went on
+    elsewhere, and the launcher replaces the engine."""
+
+    TAG = 4
+    engine: str = wire(Str(max_len=256))

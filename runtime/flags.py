@@ -282,8 +282,11 @@ class ServerFlags:
     worker_timeout: float = flag(
         60.0, "seconds a Step may go unanswered before the worker counts as "
         "unresponsive: its running requests then wait to resume (from their tokens so "
-        "far) with later ones until it answers or is replaced; a rank of a `--tp` group whose step runs this long exits, and the "
-        "group is restarted", (SCHEDULER, WORKER), positive=True)
+        "far) with later ones until it answers or is replaced; a rank of a `--tp` "
+        "group whose step runs this long exits, and the group is restarted; the front "
+        "end ends an engine whose link is silent this long, and a request waits at most "
+        "this plus --model-load-timeout for an engine to take it",
+        (TOKENIZER, SCHEDULER, WORKER), positive=True)
     restart_worker: bool = flag(
         True, "start a new worker when the worker process dies (crash, kill, out of "
         "memory): its running requests resume on the new worker from their tokens so "

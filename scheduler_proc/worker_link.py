@@ -16,8 +16,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import WorkerLimits
 from mlxd.runtime.keys import KeyPair, connect_as_owner
-from mlxd.runtime.sockets import connect_push, heartbeat
+from mlxd.runtime.sockets import cap_frames, connect_push, heartbeat
 from mlxd.runtime.worker_group import rank_input_addr
+
+COMMAND_BYTES = 1 << 16   # a rank sends its Step socket's peer ZeroMQ's own commands only
 
 
 class WorkerLink:
@@ -49,6 +51,7 @@ class WorkerLink:
         if self.curve is not None:
             connect_as_owner(sock, self.curve)
         heartbeat(sock)   # a rank whose machine vanished ends its link within seconds
+        cap_frames(sock, COMMAND_BYTES)   # whoever holds its port buffers us nothing
         sock.connect(address)
         return sock
 

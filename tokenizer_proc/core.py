@@ -263,24 +263,26 @@ class TokenizerCore:
     def has_deadlines(self) -> bool:
         return any(r.deadline is not None for r in self.requests.values())
 
-    def _end(self, rid: int, request: _Request, message: str) -> None:
-        """Send the request's last chunk: finish_reason "error" with `message`."""
+    def _end(self, rid: int, request: _Request, message: str | None,
+             reason: str = "error") -> None:
+        """Send the request's last chunk: finish_reason `reason` with `message`."""
         stream = request.stream
         # the scheduler's count arrives with the first token; before it, the prompt's
         usage = (stream.usage or Usage(request.prompt_tokens, 0, 0)).with_completion_tokens(
             len(stream.token_ids))
-        chunk = stream.on_entry(TokenEntry(rid, [], [], finish_reason="error", usage=usage,
+        chunk = stream.on_entry(TokenEntry(rid, [], [], finish_reason=reason, usage=usage,
                                            error=message))
         if chunk is not None:
             request.sink(chunk)
 
-    def end_requests(self, rids: list[int], message: str) -> None:
-        """End these requests with finish_reason "error" and `message` (their engine
-        is gone: nothing is aborted)."""
+    def end_requests(self, rids: list[int], message: str | None,
+                     reason: str = "error") -> None:
+        """End these requests with finish_reason `reason` and `message` (no engine
+        runs them: nothing is aborted)."""
         for rid in rids:
             request = self.requests.get(rid)
             if request is not None:
-                self._end(rid, request, message)
+                self._end(rid, request, message, reason)
                 self._drop(rid, request)
 
     def fail_client(self, client: Hashable, message: str) -> list[Abort]:

@@ -8,7 +8,9 @@ admits one client key: the front end's own public key, so only a holder of the f
 end's key file joins; a peer without it fails the handshake, and no frame of its
 reaches the front end or any scheduler. A link's end is seen as a client's is
 (connections.py): the socket monitor's EVENT_DISCONNECTED with the descriptor each
-message came on; on TCP, ZeroMQ heartbeats end a link whose peer vanished.
+message came on; on TCP, ZeroMQ heartbeats end a link whose peer vanished (or
+stopped), and a frame over the protocol's MAX_FRAME_BYTES ends its link before it is
+buffered, from a peer with the key or without.
 """
 
 import logging
@@ -16,9 +18,10 @@ import logging
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from mlxd.protocol.codec import MAX_FRAME_BYTES
 from mlxd.runtime.aio import LoopSocket
 from mlxd.runtime.keys import KeyPair, own_key_authenticator, serve_with_curve
-from mlxd.runtime.sockets import heartbeat, monitor_pair
+from mlxd.runtime.sockets import cap_frames, heartbeat, monitor_pair
 
 from .connections import Connections
 
@@ -30,7 +33,10 @@ class EngineLink:
     """One ROUTER: `recv` gives (engine name, frame); `events` has the monitor's
     frames, which `closed` reads."""
 
-    def __init__(self, ctx: zmq.Context, address: str, keys: KeyPair | None = None):
+    def __init__(self, ctx: zmq.Context, address: str, keys: KeyPair | None = None,
+                 silent_s: float | None = None):
+        """`silent_s`: a link whose peer answers no heartbeat this long ends (a
+        stopped scheduler's); over TCP (`keys`) the default HEARTBEAT_TIMEOUT_MS."""
         sock = zmq.Socket(ctx, zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a gone engine is an error, not a drop
@@ -40,6 +46,10 @@ class EngineLink:
             serve_with_curve(sock, keys)
             sock.zap_domain = ZAP_DOMAIN.encode()
             heartbeat(sock)
+            # an engine's batches grow with limits it states only in its first frame
+            cap_frames(sock, MAX_FRAME_BYTES)
+        elif silent_s is not None:
+            heartbeat(sock, int(silent_s * 1000))
         pair = monitor_pair(ctx, sock, zmq.EVENT_DISCONNECTED)
         sock.bind(address)
         self.sock = LoopSocket(sock, multipart=True, copy=False)

@@ -6,20 +6,63 @@ heartbeats stopped). `EngineSet` sits between the TokenizerCore's messages and t
 links: `dispatch` names the engine each message goes to (a request by the Router, its
 other choices to the same engine, an abort to its request's engine, a stats query to
 all), `on_batch` and `on_stats` take what engines send back, and `lost` says what
-becomes of an engine's requests when it leaves: one that has streamed no token yet
-runs again elsewhere, one that has ends with an error (the core's to finish).
+becomes of an engine's requests when it leaves: each goes on elsewhere. One that has
+streamed no token yet runs again whole; one that has is *resumed*: a prefill of its
+prompt and the tokens it streamed, its sampling state rebuilt from them by the
+scheduler and the worker as after a retraction, so a greedy or seeded stream goes on
+exactly as it would have. A request resumed once already that is running at a second
+loss ends with an error (request_limits.resume_refusal). While no engine is up,
+requests are *parked* until one joins, for at most `park_seconds`.
 """
 
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple
 
-from mlxd.protocol import Abort, GetStats, SchedulerReady, Stats, TokenBatch, TokenizedRequest
+from mlxd.protocol import (
+    Abort, GetStats, SchedulerReady, Stats, TokenBatch, TokenEntry, TokenizedRequest,
+)
+from mlxd.runtime.request_limits import resume_refusal
 
 from .router import Router
 
 log = logging.getLogger("mlxd.tokenizer")
 
 Outgoing = list[tuple[str, object]]   # (engine, message)
+
+
+class Ended(NamedTuple):
+    """A request the front end ends itself (the core sends its last chunk)."""
+
+    rid: int
+    reason: str           # "error" or "abort"
+    message: str | None
+
+
+@dataclass
+class Sent:
+    """What the front end keeps of an unfinished request to go on with it elsewhere:
+    the request as first sent, the tokens its engines streamed, and how often it was
+    resumed (here or, as its usage said, by its scheduler after a worker's death)."""
+
+    request: TokenizedRequest
+    output_ids: list[int] = field(default_factory=list)
+    resumes: int = 0
+    aborted: bool = False     # an Abort went to its engine: it is not to go on
+    placed: bool = False      # it was sent to an engine (once parked, maybe not yet)
+    parked_until: float | None = None   # waiting for an engine to join, until then
+
+    @property
+    def started(self) -> bool:
+        return bool(self.output_ids)
+
+    def resumed(self) -> TokenizedRequest:
+        """The request to send to another engine: whole if it streamed nothing."""
+        if not self.started:
+            return self.request
+        self.resumes += 1
+        return replace(self.request, output_ids=list(self.output_ids), resumes=self.resumes)
 
 
 @dataclass
@@ -41,15 +84,21 @@ class _StatsWait:
 
 
 class EngineSet:
-    def __init__(self, router: Router | None = None):
+    def __init__(self, router: Router | None = None, park_seconds: float = 360.0,
+                 clock: Callable[[], float] = time.monotonic):
+        """`park_seconds`: how long a request waits for an engine while none is up
+        (the server's: --worker-timeout + --model-load-timeout)."""
         self.router = router or Router()
         self.engines: dict[str, Engine] = {}
         self.first: SchedulerReady | None = None   # the limits every engine must meet
+        self.park_seconds = park_seconds
+        self.clock = clock
         self._engine_of: dict[int, str] = {}
-        self._unstarted: dict[int, TokenizedRequest] = {}   # no token streamed yet
+        self._sent: dict[int, Sent] = {}   # every unfinished request, placed or parked
         self._stats: dict[int, _StatsWait] = {}
         self.joins = 0
         self.losses = 0
+        self.resumes = 0   # requests that went on elsewhere after streaming tokens
 
     # ---- membership ------------------------------------------------------------
 
@@ -68,10 +117,9 @@ class EngineSet:
         self.joins += 1
         return None
 
-    def lost(self, name: str) -> tuple[Outgoing, list[int]]:
-        """`name` left: its messages to send elsewhere (requests that streamed no token,
-        their aborts' targets moved with them) and the rids that must end with an
-        error (streaming already, or no engine left to run them)."""
+    def lost(self, name: str) -> tuple[Outgoing, list[Ended]]:
+        """`name` left: its requests go on elsewhere (or wait, parked, for an engine
+        to join); those aborted, or resumed once already, end."""
         engine = self.engines.pop(name, None)
         self.router.forget(name)
         if engine is None:
@@ -80,17 +128,52 @@ class EngineSet:
         out: Outgoing = []
         for query_id in list(self._stats):
             out += self._stats_reply(query_id, name, None)
-        failed = []
+        cause = f"the engine running the request ({name}) was lost"
+        ended: list[Ended] = []
         for rid in sorted(engine.rids):
             del self._engine_of[rid]
-            request = self._unstarted.get(rid)
-            if request is None or not self.engines:
-                self._unstarted.pop(rid, None)
-                failed.append(rid)
+            sent = self._sent[rid]
+            why = resume_refusal(sent.resumes, cause) if sent.started else None
+            if sent.aborted or why:
+                del self._sent[rid]
+                ended.append(Ended(rid, "abort", None) if sent.aborted
+                             else Ended(rid, "error", why))
                 continue
-            self.router.count("rerun")
-            out.append((self._place(request, self._choose(request)), request))
-        return out, failed
+            out += self._go_on(sent)
+        return out, ended
+
+    def _go_on(self, sent: Sent) -> Outgoing:
+        """Send a request whose engine left to another (parked while none is up)."""
+        if not self.engines:
+            sent.parked_until = self.clock() + self.park_seconds
+            return []
+        if sent.placed:
+            self.router.count("resume" if sent.started else "rerun")
+            self.resumes += sent.started
+        return self._send(sent.resumed())
+
+    def unpark(self) -> Outgoing:
+        """An engine joined: the parked requests go to it (and any other up)."""
+        out: Outgoing = []
+        for sent in [s for s in self._sent.values() if s.parked_until is not None]:
+            sent.parked_until = None
+            out += self._go_on(sent)
+        return out
+
+    def expire(self) -> list[Ended]:
+        """Parked requests that waited `park_seconds` for an engine end."""
+        now = self.clock()
+        late = [rid for rid, s in self._sent.items()
+                if s.parked_until is not None and now >= s.parked_until]
+        for rid in late:
+            del self._sent[rid]
+        return [Ended(rid, "error", f"no engine could take the request within "
+                      f"{self.park_seconds:g} s: no engine is serving the model now")
+                for rid in late]
+
+    @property
+    def parked(self) -> int:
+        return sum(1 for s in self._sent.values() if s.parked_until is not None)
 
     def retire_all(self) -> tuple[Outgoing, list[int]]:
         """Every engine leaves on purpose (its model is unloaded): the aborts of its
@@ -103,9 +186,10 @@ class EngineSet:
         for query_id in list(self._stats):   # answered with what came so far
             self._stats[query_id].waiting.clear()
             out += self._stats_reply(query_id, None, None)
+        rids += [rid for rid, s in self._sent.items() if s.parked_until is not None]
         self.engines.clear()
         self._engine_of.clear()
-        self._unstarted.clear()
+        self._sent.clear()
         self.first = None
         return out, rids
 
@@ -115,41 +199,61 @@ class EngineSet:
 
     # ---- to the engines ----------------------------------------------------------
 
-    def dispatch(self, messages) -> tuple[Outgoing, list[int]]:
-        """Where each of the core's messages goes; and the rids of requests that
-        cannot run now (no engine is up), which the core ends with an error."""
+    def dispatch(self, messages) -> tuple[Outgoing, list[Ended]]:
+        """Where each of the core's messages goes (requests while no engine is up:
+        parked); and the requests the front end ends itself (an abort of a parked
+        one)."""
         out: Outgoing = []
-        failed: list[int] = []
+        ended: list[Ended] = []
         placed: dict[int, str] = {}   # id(input_ids) -> engine: a request's choices share it
         for msg in messages:
             if isinstance(msg, TokenizedRequest):
-                if not self.engines:
-                    failed.append(msg.rid)
-                    continue
+                self._sent[msg.rid] = Sent(msg, resumes=msg.resumes)
                 engine = placed.get(id(msg.input_ids))
-                if engine is None:
-                    engine = placed[id(msg.input_ids)] = self._choose(msg)
-                else:
+                if engine is not None and engine in self.engines:
                     self.router.count("affinity")
-                out.append((self._place(msg, engine), msg))
+                    self._sent[msg.rid].placed = True
+                    out.append((self._place(msg, engine), msg))
+                else:
+                    sent = self._send(msg)
+                    out += sent
+                    if sent:
+                        placed[id(msg.input_ids)] = sent[0][0]
             elif isinstance(msg, Abort):
-                engine = self._engine_of.get(msg.rid)
-                if engine is not None:
-                    out.append((engine, msg))
+                ended += self._abort(msg, out)
             elif isinstance(msg, GetStats):
                 out += self._ask_stats(msg)
-        return out, failed
+        return out, ended
+
+    def _abort(self, msg: Abort, out: Outgoing) -> list[Ended]:
+        sent = self._sent.get(msg.rid)
+        if sent is not None and sent.parked_until is not None:
+            del self._sent[msg.rid]
+            return [Ended(msg.rid, "abort", None)]
+        engine = self._engine_of.get(msg.rid)
+        if engine is not None:
+            out.append((engine, msg))
+            if sent is not None:
+                sent.aborted = True
+        return []
+
+    def _send(self, msg: TokenizedRequest) -> Outgoing:
+        """`msg` to the engine the router picks; parked when none is up."""
+        if not self.engines:
+            self._sent[msg.rid].parked_until = self.clock() + self.park_seconds
+            return []
+        self._sent[msg.rid].placed = True
+        return [(self._place(msg, self._choose(msg)), msg)]
 
     def _choose(self, msg: TokenizedRequest) -> str:
         loads = {name: e.load for name, e in self.engines.items()}
-        engine, _ = self.router.choose(msg.input_ids, loads)
+        engine, _ = self.router.choose(msg.input_ids + msg.output_ids, loads)
         return engine
 
     def _place(self, msg: TokenizedRequest, engine: str) -> str:
         self.engines[engine].rids.add(msg.rid)
         self.engines[engine].routed += 1
         self._engine_of[msg.rid] = engine
-        self._unstarted[msg.rid] = msg
         return engine
 
     def _ask_stats(self, msg: GetStats) -> Outgoing:
@@ -175,10 +279,13 @@ class EngineSet:
         for entry in batch.entries:
             if self._engine_of.get(entry.rid) != name:
                 continue
-            if entry.token_ids or entry.finish_reason:
-                self._unstarted.pop(entry.rid, None)
+            sent = self._sent[entry.rid]
+            sent.output_ids += entry.token_ids
+            if entry.usage is not None:   # resumes by its scheduler count too
+                sent.resumes = max(sent.resumes, entry.usage.resumes)
             if entry.finish_reason:
                 del self._engine_of[entry.rid]
+                del self._sent[entry.rid]
                 engine.rids.discard(entry.rid)
             entries.append(entry)
         return TokenBatch(entries)
@@ -216,13 +323,16 @@ class EngineSet:
         merged["router"] = {"engines_up": len(self.engines), "joins": self.joins,
                             "losses": self.losses,
                             "reruns": self.router.decisions["rerun"],
+                            "resumes": self.resumes, "parked": self.parked,
                             "decisions": dict(self.router.decisions)}
         return merged
 
     def check_integrity(self) -> None:
         placed = {rid: e.name for e in self.engines.values() for rid in e.rids}
         assert placed == self._engine_of, (placed, self._engine_of)
-        assert set(self._unstarted) <= set(self._engine_of)
+        parked = {rid for rid, s in self._sent.items() if s.parked_until is not None}
+        assert set(self._sent) == set(self._engine_of) | parked
+        assert not parked & set(self._engine_of)
 
 
 SUMMED_GROUPS = ("speculative",)   # nested stats whose numbers add up too

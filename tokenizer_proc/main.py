@@ -8,6 +8,7 @@ around the socket-free TokenizerCore (core.py).
                                  GetStats out (engine_links.py)
   tcp://host:engine_port ROUTER  the same, for engines on other machines (CURVE)
   ready_addr             PUSH    Ready to the launcher (optional)
+  control_addr           PULL    the launcher's reports: ModelLoadFailed (optional)
 
 The client socket is bound once `expected_engines` engines have joined and their
 limits are known: its frames are capped at `max_frame_bytes` (ZMQ_MAXMSGSIZE: ZeroMQ
@@ -33,9 +34,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import (
-    AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ModelControl,
-    ProtocolError, Ready, SchedulerReady, Stats, StatsRequest, TokenBatch, TokenizedRequest,
-    encode,
+    AbortRequest, Decoder, EngineUnresponsive, ErrorReply, GenerateRequest, GetStats,
+    ModelControl,
+    ModelLoadFailed, ProtocolError, Ready, SchedulerReady, Stats, StatsRequest, TokenBatch,
+    TokenizedRequest, encode,
 )
 from mlxd.runtime.aio import LoopSocket, TaskSet
 from mlxd.runtime.config import parse_config
@@ -49,8 +51,8 @@ from .auth import key_matches
 from .connections import Connections
 from .core import Pending, Reply, Sink, ToScheduler, TokenizerCore, protocol_error_reply
 from .engine_links import EngineLink, RemoteEngines
-from .engines import EngineSet
-from .model_loader import ModelLoader, ModelUnavailable
+from .engines import Ended, EngineSet
+from .model_loader import LoadFailed, ModelLoader, ModelUnavailable
 from .models import LOADED, UNLOADING, ModelTable, Served, first_id, not_served
 from .router import RoutePolicy, Router
 from .http import HttpFrontEnd
@@ -85,6 +87,7 @@ class TokenizerConfig:
     client_addr: str
     engines_addr: str
     ready_addr: str = ""
+    control_addr: str = ""   # where the launcher reports failed loads (we bind it)
     expected_engines: int = 1   # engines to wait for before serving (the --dp replicas)
     catalog: str = ""   # the served models (runtime/model_catalog.py); "": --model alone
     flags: ServerFlags = field(default_factory=ServerFlags)   # those used_by the tokenizer
@@ -116,11 +119,15 @@ class TokenizerServer:
         self._backlogs: dict[bytes, deque[Reply]] = {}
         self._flusher: asyncio.Task | None = None
         self.to_launcher = ctx.socket(zmq.PUSH) if cfg.ready_addr else None
+        self.from_launcher = ctx.socket(zmq.PULL) if cfg.control_addr else None
         for sock in self.sockets:
             getattr(sock, "sock", sock).setsockopt(zmq.LINGER, 0)
         if self.to_launcher:
             self.to_launcher.connect(cfg.ready_addr)
-        self.links = [EngineLink(ctx, cfg.engines_addr)]
+        if self.from_launcher:
+            self.from_launcher.bind(cfg.control_addr)
+        # a local engine whose link is silent past --worker-timeout is stopped or hung
+        self.links = [EngineLink(ctx, cfg.engines_addr, silent_s=cfg.flags.worker_timeout)]
         self.remote = self._remote_engines(cfg.flags)
         if self.remote is not None:
             self.links.append(self.remote.link)
@@ -154,7 +161,8 @@ class TokenizerServer:
                              offload=self._offload, first_id=first_id(index))
         router = Router(RoutePolicy(flags.route_balance_abs, flags.route_balance_rel,
                                     flags.route_min_match, flags.route_policy))
-        return core, EngineSet(router)
+        # a request whose engines are all gone waits for one to (re)join this long
+        return core, EngineSet(router, flags.worker_timeout + flags.model_load_timeout)
 
     def _secure_client_socket(self, flags: ServerFlags) -> None:
         """CURVE with the key in `--curve-secret-key` (the launcher always gives one);
@@ -178,8 +186,8 @@ class TokenizerServer:
 
     @property
     def sockets(self):
-        return [s for s in (self.client_events, self.clients, self.to_launcher)
-                if s is not None]
+        return [s for s in (self.client_events, self.clients, self.to_launcher,
+                            self.from_launcher) if s is not None]
 
     def close(self) -> None:
         self.links[0].close()   # the local one; the remote one with its context:
@@ -202,6 +210,8 @@ class TokenizerServer:
     async def run(self) -> None:
         loops = [loop for link in self.links
                  for loop in (self._engine_loop(link), self._engine_event_loop(link))]
+        if self.from_launcher is not None:
+            loops.append(self._launcher_loop())
         await asyncio.gather(self._serve_clients(), *loops)
 
     async def _serve_clients(self) -> None:
@@ -279,9 +289,9 @@ class TokenizerServer:
         (unless the client aborted it or left meanwhile)."""
         try:
             await self.loader.ready(served)
-        except ModelUnavailable as exc:
+        except (ModelUnavailable, LoadFailed) as exc:
             if (client, msg.rid) in self._parked:
-                self._replies.append((client, ErrorReply(msg.rid, "unavailable", str(exc),
+                self._replies.append((client, ErrorReply(msg.rid, exc.code, str(exc),
                                                          "model")))
             self._parked.discard((client, msg.rid))
             await self.send()
@@ -305,8 +315,10 @@ class TokenizerServer:
         while True:
             await asyncio.sleep(DEADLINE_CHECK_SECONDS)
             for served in self.models.models:
+                self._end(served, served.engines.expire())
                 if served.core.has_deadlines:
                     await self.send(served.core.expire())
+            await self.send()
 
     async def _connection_loop(self) -> None:
         while True:
@@ -370,6 +382,7 @@ class TokenizerServer:
         served.core.limits = served.engines.first.limits
         log.info("engine %s of model %s joined (%d up): kv_capacity=%d", name, served.name,
                  len(served.engines.up), msg.limits.kv_capacity)
+        self._deliver_to_engines(served, served.engines.unpark())
         self.loader.joined(served)
         if self.engines_up >= self.cfg.expected_engines:
             self._serving.set()
@@ -394,14 +407,22 @@ class TokenizerServer:
         served = self._model_of.pop(name, None)
         if served is None:
             return
-        out, failed = served.engines.lost(name)
-        log.error("engine %s of model %s was lost (%d up): %d requests run again "
-                  "elsewhere, %d end with an error", name, served.name,
+        out, ended = served.engines.lost(name)
+        log.error("engine %s of model %s was lost (%d up): %d requests go on elsewhere "
+                  "(%d parked until an engine joins), %d end", name, served.name,
                   len(served.engines.up),
-                  sum(1 for _, m in out if isinstance(m, TokenizedRequest)), len(failed))
+                  sum(1 for _, m in out if isinstance(m, TokenizedRequest)),
+                  served.engines.parked, len(ended))
         self._deliver_to_engines(served, out)
-        served.core.end_requests(failed, f"the engine running the request ({name}) was "
-                                         "lost; the request was lost")
+        self._end(served, ended)
+        if self.to_launcher is not None:   # a live one is stuck: it is to be replaced
+            self.to_launcher.send(encode(EngineUnresponsive(name)))
+
+    @staticmethod
+    def _end(served: Served, ended: list[Ended]) -> None:
+        """The requests the engine set ends itself: their last chunks."""
+        for end in ended:
+            served.core.end_requests([end.rid], end.message, end.reason)
 
     def _deliver_to_engines(self, served: Served, out) -> None:
         """Send each (engine, message) of `served`'s; an engine that cannot be reached
@@ -420,6 +441,16 @@ class TokenizerServer:
             served.core.on_stats(msg)
 
     # ---- models (model_loader.LoaderHost, http.context.Directory) -------------------
+
+    async def _launcher_loop(self) -> None:
+        """The launcher's reports: a model's load failed (its waiting requests end)."""
+        assert self.from_launcher is not None
+        decoder = Decoder(ModelLoadFailed)
+        while True:
+            msg = decode_from(decoder, await self.from_launcher.recv(), "launcher", log)
+            served = self.models.find(msg.model) if msg is not None else None
+            if served is not None:
+                self.loader.failed(served, msg.reason)
 
     def control(self, action: str, model: str) -> bool:
         if self.to_launcher is None:
@@ -468,10 +499,9 @@ class TokenizerServer:
         to_scheduler = list(to_scheduler)
         while to_scheduler or self._replies:
             for served, messages in self._by_model(to_scheduler):
-                out, failed = served.engines.dispatch(messages)
+                out, ended = served.engines.dispatch(messages)
                 self._deliver_to_engines(served, out)
-                served.core.end_requests(failed, "no engine is serving the model now; "
-                                                 "try again later")
+                self._end(served, ended)
             to_scheduler = []
             while self._replies:
                 client, reply = self._replies.popleft()

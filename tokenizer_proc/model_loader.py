@@ -4,9 +4,11 @@ The front end decides (models.ModelTable's plan), the launcher acts: `load` and
 `unload` go to it as ModelControl messages, and a model counts as loaded when its
 first engine joins. A request for a model that is not loaded waits in `ready`
 (before admission: its limits are known only once an engine joined) for at most
-`--model-load-timeout`, then gets ModelUnavailable (HTTP 503 with Retry-After); a
-load that has no engine joined after `--ready-timeout` failed (its worker died while
-loading): the model is unloaded, and its next request tries again.
+`--model-load-timeout`, then gets ModelUnavailable (HTTP 503 with Retry-After). A
+load fails when the launcher says so (`failed`: its worker died loading, its folder is
+gone) or when no engine joined within `--ready-timeout`: the model is `failed`, the
+requests waiting for that load get LoadFailed naming the cause at once, and the next
+request tries again.
 Unloading first stops new requests from reaching the model (they wait, and load it
 again), lets its running requests finish for `--unload-grace-seconds`, ends the rest
 with an error, then has the launcher stop its engines.
@@ -20,7 +22,7 @@ from typing import Callable, Protocol
 
 from mlxd.runtime.aio import TaskSet
 
-from .models import LOADED, LOADING, UNLOADED, UNLOADING, ModelTable, Served
+from .models import DOWN, FAILED, LOADED, LOADING, UNLOADED, UNLOADING, ModelTable, Served
 
 log = logging.getLogger("mlxd.tokenizer")
 
@@ -32,9 +34,21 @@ RETRY_AFTER_SECONDS = 5
 class ModelUnavailable(Exception):
     """The model did not load in time; the client may retry after `retry_after` s."""
 
+    code = "unavailable"
+
     def __init__(self, message: str, retry_after: int = RETRY_AFTER_SECONDS):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class LoadFailed(Exception):
+    """The load the request waited for failed (the message names the model and the
+    cause); a later request tries again."""
+
+    code = "model_load_failed"
+
+    def __init__(self, served: Served):
+        super().__init__(f"the model {served.name!r} failed to load: {served.failure}")
 
 
 @dataclass(eq=False)
@@ -104,7 +118,8 @@ class ModelLoader:
 
     async def ready(self, served: Served) -> None:
         """Return once `served` is loaded (loading it, and unloading others to make
-        room, if need be); ModelUnavailable past the load timeout."""
+        room, if need be); ModelUnavailable past the load timeout, LoadFailed
+        if the load failed meanwhile."""
         served.last_used = self.clock()
         if served.state == LOADED:
             return
@@ -118,10 +133,13 @@ class ModelLoader:
         served.last_used = self.clock()
 
     async def _until_loaded(self, served: Served) -> None:
+        failures = served.failures   # a failure before we came is retried, not ours
         told = False
         while served.state != LOADED:
+            if served.failures != failures:
+                raise LoadFailed(served)
             changed = self._changed
-            if served.state == UNLOADED:
+            if served.state in DOWN:
                 victims = self.table.plan_load(served)
                 if victims is not None:
                     self._begin_load(served, victims)
@@ -152,13 +170,28 @@ class ModelLoader:
         if served.state != LOADING or self._loads.get(served) is not load:
             return   # unloaded meanwhile (by an administrator), maybe loading anew
         if not self.host.control("load", served.name):
-            log.error("model %s cannot be loaded: no launcher to start its engines",
-                      served.name)
+            self.failed(served, "no launcher to start its engines")
+
+    def failed(self, served: Served, reason: str) -> None:
+        """The launcher reports that `served`'s load failed (it stopped what it had
+        started): its waiting requests end with `reason`, the next one tries again."""
+        if served.state != LOADING:   # a late report, for a load called off already
+            log.warning("model %s: ignored a load failure while %s: %s", served.name,
+                        served.state, reason)
+            return
+        log.info("model %s failed to load: %s", served.name, reason)
+        self._fail(served, reason)
+
+    def _fail(self, served: Served, reason: str) -> None:
+        self._loads.pop(served, None)
+        served.failures += 1
+        served.failure = reason
+        self._set(served, FAILED)
 
     def _give_up_stuck_loads(self) -> None:
-        """A load that had no engine join within `fail_after` failed (its worker died
-        loading, or never fits): the model is unloaded, and its next request tries
-        again."""
+        """A load that had no engine join within `fail_after` failed (its worker hangs
+        loading, or never fits): its engines are stopped, the model is failed, and its
+        next request tries again."""
         for served in self.table.models:
             load = self._loads.get(served)
             if served.state == LOADING and load is not None and \
@@ -168,10 +201,10 @@ class ModelLoader:
     def _give_up(self, served: Served) -> None:
         log.error("model %s did not load within %.0f s (--ready-timeout); its engines "
                   "are stopped", served.name, self.fail_after)
-        self._loads.pop(served, None)
         self.host.stop_serving(served, f"the model {served.name!r} failed to load")
         self.host.control("unload", served.name)
-        self._set(served, UNLOADED)
+        self._fail(served, f"no engine joined within {self.fail_after:g} s "
+                           "(--ready-timeout)")
 
     # ---- unloading ---------------------------------------------------------------
 
@@ -182,7 +215,7 @@ class ModelLoader:
             while served.state == UNLOADING:
                 await self._changed.wait()
             return False
-        if served.state == UNLOADED:
+        if served.state in DOWN:
             return False
         self._loads.pop(served, None)   # a load in progress is called off
         self._set(served, UNLOADING)

@@ -5,9 +5,10 @@ Each served model has its own TokenizerCore (its tokenizer, chat template, reque
 state) and its own EngineSet (its engines and their router): rids are per core, so
 engine sets never mix them. A model is `unloaded`, `loading` (its engines asked for,
 none joined yet), `loaded`, or `unloading` (its running requests finishing before its
-engines are stopped). While it is not unloaded it counts its memory against the
-budget (`--models-memory`); `plan_load` says which loaded models to unload first
-(least recently used, never a pinned one).
+engines are stopped), or `failed` (its last load failed: no engines, and its next
+request loads it again). While it is neither unloaded nor failed it counts its memory
+against the budget (`--models-memory`); `plan_load` says which loaded models to unload
+first (least recently used, never a pinned one).
 """
 
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ from .core import TokenizerCore
 from .engines import EngineSet
 
 LOADED, LOADING, UNLOADING, UNLOADED = "loaded", "loading", "unloading", "unloaded"
+FAILED = "failed"
+STATES = (LOADED, LOADING, UNLOADING, UNLOADED, FAILED)
+DOWN = (UNLOADED, FAILED)   # no engines, no memory held: a request for it loads it
 ID_SPACE = 1 << 40   # model k's core numbers its rids and queries from k * ID_SPACE + 1
 
 
@@ -43,6 +47,8 @@ class Served:
     last_used: float = 0.0          # when a request last asked for it
     loads: int = 0
     unloads: dict[str, int] = field(default_factory=dict)   # by reason
+    failures: int = 0               # loads that failed
+    failure: str = ""               # why the last one failed
 
     @property
     def name(self) -> str:
@@ -55,9 +61,10 @@ class Served:
 
     def card(self) -> dict:
         """What `/v1/models` says of it beyond OpenAI's fields."""
-        return {"state": self.state, "aliases": list(self.entry.aliases),
+        card = {"state": self.state, "aliases": list(self.entry.aliases),
                 "pinned": self.entry.pinned, "replicas": self.entry.replicas,
                 "engines": len(self.engines.engines), "memory_gb": round(self.memory_gb, 3)}
+        return {**card, "failure": self.failure} if self.state == FAILED else card
 
 
 class ModelTable:
@@ -91,13 +98,13 @@ class ModelTable:
         return [s.name for s in self.models]
 
     def used_gb(self) -> float:
-        return sum(s.memory_gb for s in self.models if s.state != UNLOADED)
+        return sum(s.memory_gb for s in self.models if s.state not in DOWN)
 
     def plan_load(self, target: Served) -> list[Served] | None:
         """The loaded models to unload (least recently used first) so that `target`
         fits the budget; None when it cannot fit now (what would have to go is
         pinned, loading or unloading already)."""
-        if target.state != UNLOADED or not self.budget_gb:
+        if target.state not in DOWN or not self.budget_gb:
             return []
         need = self.used_gb() + target.memory_gb - self.budget_gb
         victims: list[Served] = []

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
 
-REASONS = ("cache", "disk", "load", "affinity", "rerun")
+REASONS = ("cache", "disk", "load", "affinity", "rerun", "resume")
 POLICIES = ("cache", "least_load", "round_robin")
 UNSET_BALANCE_ABS = 64   # before an engine said its batch size (mlxd's default one)
 

@@ -25,7 +25,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.runtime.keys import own_key_authenticator, read_secret_key, serve_with_curve
-from mlxd.runtime.sockets import heartbeat
+from mlxd.runtime.sockets import cap_frames, heartbeat
 
 log = logging.getLogger("mlxd.worker")
 
@@ -158,10 +158,10 @@ def local_stage(model):
             body.pipeline_size, body.pipeline_rank = placed
 
 
-def bind_remote_steps(ctx: zmq.Context, address: str, key_file: str):
+def bind_remote_steps(ctx: zmq.Context, address: str, key_file: str, max_bytes: int):
     """(the Step socket of a rank on another machine, its authenticator): a CURVE
     server under the server's key pair, admitting that pair's key only (the
-    scheduler's), with heartbeats."""
+    scheduler's), with heartbeats, its frames capped at `max_bytes`."""
     if not key_file:
         raise SystemExit("mlxd worker: a Step socket over tcp needs --curve-secret-key")
     pair = read_secret_key(key_file)
@@ -172,6 +172,7 @@ def bind_remote_steps(ctx: zmq.Context, address: str, key_file: str):
     serve_with_curve(sock, pair)
     sock.zap_domain = ZAP_DOMAIN.encode()
     heartbeat(sock)
+    log.info("Step frames over %d bytes are refused", cap_frames(sock, max_bytes))
     sock.bind(address)
     return sock, auth
 

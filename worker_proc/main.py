@@ -30,7 +30,9 @@ from mlxd.protocol import (
 from mlxd.runtime.config import parse_config
 from mlxd.runtime.flags import WORKER, ServerFlags
 from mlxd.runtime.lifecycle import Shutdown, die_with_parent, install_signal_handlers, setup_logging
-from mlxd.runtime.sockets import bind_pull, close_all, connect_push, decode_from, waking_receiver
+from mlxd.runtime.sockets import (
+    bind_pull, close_all, connect_push, decode_from, max_step_bytes, waking_receiver,
+)
 
 log = logging.getLogger("mlxd.worker")
 
@@ -266,7 +268,10 @@ def serve(cfg: WorkerConfig, ctx: zmq.Context, sockets: list, wakeup) -> None:
     if cfg.input_addr.startswith("tcp://"):   # a rank on another machine (mlxd rank)
         from .group import bind_remote_steps
 
-        steps_in, auth = bind_remote_steps(ctx, cfg.input_addr, cfg.flags.curve_secret_key)
+        flags = cfg.flags
+        steps_in, auth = bind_remote_steps(ctx, cfg.input_addr, flags.curve_secret_key,
+                                           max_step_bytes(model_max_context(flags.model),
+                                                          flags.max_running_requests))
     else:
         steps_in = bind_pull(ctx, cfg.input_addr)
     results_out = connect_push(ctx, cfg.output_addr) if cfg.rank == 0 else None

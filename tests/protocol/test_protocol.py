@@ -8,8 +8,8 @@ import pytest
 
 from mlxd import protocol
 from mlxd.protocol import (
-    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ModelControl, Pin,
-    PrefillInput,
+    Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ModelControl,
+    EngineUnresponsive, ModelLoadFailed, Pin, PrefillInput,
     ProtocolError, Ready, SamplingParams, SchedulerReady, Stats, StatsReply, StatsRequest,
     Step, StepResult, StepTiming, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
     Usage, WorkerError, WorkerLimits, WorkerReady, encode,
@@ -48,6 +48,9 @@ SAMPLES = [
     SchedulerReady(LIMITS, max_running_requests=8, model="qwen"),
     ModelControl("load", "qwen"),
     ModelControl("unload", "qwen"),
+    ModelLoadFailed("qwen", "its worker3 process exited with code 1: OSError: no weights"),
+    EngineUnresponsive("engine1"),
+    TokenizedRequest(4, [1, 2], SamplingParams(seed=3), 9, [2], [], [5, 6], 1),
     GenerateRequest("r1"),
     GenerateRequest("r2", prompt="Hello, 日本語 😀", params={"temperature": 0.5, "stop": ["\n"]},
                     stream=True),
@@ -132,7 +135,8 @@ def test_nested_classes_round_trip_through_their_wire_form(nested):
 
 def test_int_fields_accept_ints_for_float_fields():
     msg = decode_as(TokenizedRequest,
-                    [30, 1, [1], [1, 1, 0, 0, None, 0, 0, 0, 1, [], [], 0, None, None, [], [], False], 4, [], []])
+                    [30, 1, [1], [1, 1, 0, 0, None, 0, 0, 0, 1, [], [], 0, None, None, [], [], False], 4, [], [],
+                     [], 0])
     assert msg.sampling.temperature == 1.0 and type(msg.sampling.temperature) is float
     assert msg.sampling.greedy is False
 
@@ -300,28 +304,32 @@ WRONG_TYPES = [
     (ErrorReply, ["r", "code", "msg", None], 1, None),
     (ErrorReply, ["r", "code", "msg", None], 2, None),
     (ErrorReply, ["r", "code", "msg", "top_p"], 3, 5),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 0, "1"),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 0, True),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 0, 1.0),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 1, "abc"),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 1, [1, None]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 1, None),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 2, None),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 2, {"temperature": 0}),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 2, good_sampling()[:5]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 3, 0),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 3, -1),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 3, True),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 3, 4.0),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 4, None),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 4, [False]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 5, None),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 5, [[1]]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 5, [[0, 300]]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 5, [[1, 0]]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 5, [["1", 300]]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 5, [[1, 300.0]]),
-    (TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 5, [[1, 300]] * 5),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 0, "1"),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 0, True),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 0, 1.0),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 1, "abc"),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 1, [1, None]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 1, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 2, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 2, {"temperature": 0}),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 2, good_sampling()[:5]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 3, 0),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 3, -1),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 3, True),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 3, 4.0),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 4, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 4, [False]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 5, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 5, [[1]]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 5, [[0, 300]]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 5, [[1, 0]]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 5, [["1", 300]]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 5, [[1, 300.0]]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 5, [[1, 300]] * 5),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 6, None),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 6, [None]),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 7, -1),
+    (TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 7, None),
     (Abort, [1], 0, "1"),
     (Abort, [1], 0, False),
     (Abort, [1], 0, None),
@@ -386,7 +394,7 @@ WRONG_TYPES = [
 SAMPLING_FIELD_BAD = [(0, "0.5"), (0, None), (0, True), (1, None), (1, [1.0]), (2, 1.5),
                       (2, "10"), (2, True), (2, None), (3, None), (4, 1.5), (4, "42"),
                       (4, True), (5, 1.0), (5, None), (5, True), (12, 7), (12, ["g"])]
-WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, [], []], 2,
+WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 2,
                  replace(good_sampling(), i, v)) for i, v in SAMPLING_FIELD_BAD]
 WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], [], [], [], [], True, [], [], []], 3,
                  [replace(good_prefill(), 4, replace(good_sampling(), i, v))])
@@ -405,7 +413,7 @@ LIMITS_FIELD_BAD = [(0, 0), (0, -5), (0, "many"), (0, None), (1, 0), (2, 0), (2,
 WRONG_TYPES += [(WorkerReady, [LIMITS.to_wire()], 0, replace(LIMITS.to_wire(), i, v))
                 for i, v in LIMITS_FIELD_BAD]
 WRONG_TYPES += [(TokenBatch, good_batch(), 0, [replace(good_entry(), 5, usage)])
-                for usage in ([1, 0], [1, 0, 0, 0, 0, 0, 0], [1, 0, 0, -1], [-1, 0, 0], [1, 0.5, 0],
+                for usage in ([1, 0], [1, 0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, -1], [1, 0, 0, -1], [-1, 0, 0], [1, 0.5, 0],
                               [1, 0, None],
                               {"prompt_tokens": 1, "completion_tokens": 0, "cached_tokens": 0})]
 
@@ -557,7 +565,7 @@ def test_out_of_range_sampling_params(index, value):
 ], ids=lambda v: repr(v))
 def test_in_range_sampling_params_are_accepted(index, value):
     msg = decode_as(TokenizedRequest,
-                    [30, 1, [1], replace(good_sampling(), index, value), 4, [], []])
+                    [30, 1, [1], replace(good_sampling(), index, value), 4, [], [], [], 0])
     assert msg.sampling.to_wire()[index] == value
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
     step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])

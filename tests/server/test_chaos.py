@@ -1,7 +1,8 @@
 """The chaos test: under steady streaming load, SIGKILL the worker, then SIGKILL a
 client process mid-stream, then SIGSTOP the worker past --worker-timeout and SIGCONT
-it. Every request of the surviving clients gets its finish (an error for the ones
-lost), no KV slot leaks, and requests complete again afterwards."""
+it. Every request of the surviving clients completes (those running at the death or
+the hang resume from their tokens so far), no KV slot leaks, and requests complete
+again afterwards."""
 
 import os
 import signal
@@ -128,14 +129,14 @@ def test_chaos(llama_model):
             t.join(within(30))
             assert not t.is_alive(), f"{t.name} hangs"
 
-        # every request of the surviving clients got its finish
+        # every request of the surviving clients completed, some of them resumed; one
+        # running at both the death and the hang ends with an error saying so
         finishes = [f for t in threads for f in t.finishes]
         assert not [f for t in threads for f in t.failures]
         assert {f.finish_reason for f in finishes} <= {"length", "error"}
         errors = [f.error for f in finishes if f.finish_reason == "error"]
-        assert any("worker process died" in e for e in errors), errors
-        assert any("unresponsive" in e for e in errors), errors
-        assert all("worker process died" in e or "unresponsive" in e for e in errors), errors
+        assert all("unresponsive" in e and "2 failures in a row" in e for e in errors), errors
+        assert sum(f.usage["resumes"] for f in finishes) >= 2   # the death, the hang
         # throughput returns, and no slot leaked
         with Client(server.address, timeout=60) as c:
             results = [c.generate(PROMPTS[i % len(PROMPTS)], max_tokens=16, ignore_eos=True)

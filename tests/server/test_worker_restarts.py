@@ -1,6 +1,7 @@
 """Worker supervision: a dead worker is replaced by a new one, its running requests
-end with an error, and the server serves again without clients reconnecting; a worker
-that keeps dying, or one that dies while loading, stops the server."""
+resume on it (a request running at a second death ends with an error), and the
+server serves again without clients reconnecting; a worker that keeps dying, or one
+that dies while loading, stops the server."""
 
 import os
 import shutil
@@ -57,20 +58,27 @@ def server(llama_model):
     s.stop()
 
 
-def test_a_killed_worker_is_replaced_and_its_requests_end_with_an_error(server):
+def test_a_killed_worker_is_replaced_and_a_request_running_at_two_deaths_ends(server):
+    """Streams running at the first death resume on the new worker; those running at
+    the second end with an error naming both."""
     scheduler, tokenizer = server.child("scheduler_proc"), server.child("tokenizer_proc")
-    with Client(server.address, timeout=60) as c, Client(server.address, timeout=10) as load:
+    with Client(server.address, timeout=60) as c, Client(server.address, timeout=30) as load:
         before = c.generate(PROMPT, max_tokens=12, ignore_eos=True)
         streams = [load.stream("Once upon a time", max_tokens=100000, ignore_eos=True)
                    for _ in range(STREAMS)]
         for stream in streams:
             next(stream)                  # each one is running
+        kill_worker(server)
+        assert wait_until(lambda: serving_again(c, 1), 60), server.stderr_lines[-20:]
+        # each one runs again (resumed, not failed) before the second death
+        assert wait_until(lambda: c.stats()["running"] == STREAMS, 30), c.stats()
         old = kill_worker(server)
-        # no reply for 10 s would raise the SDK's timeout: every error comes sooner
+        # no reply for 30 s would raise the SDK's timeout: every error comes sooner
         lasts = [list(stream)[-1] for stream in streams]
         for last in lasts:
             assert last.finish_reason == "error" and LOST in last.error, last
-        assert wait_until(lambda: serving_again(c, 1), 60), server.stderr_lines[-20:]
+            assert "2 failures in a row" in last.error and last.usage["resumes"] == 1
+        assert wait_until(lambda: serving_again(c, 2), 60), server.stderr_lines[-20:]
         after = c.generate(PROMPT, max_tokens=12, ignore_eos=True)
         assert after.token_ids == before.token_ids   # greedy: the same tokens
         assert after.usage["cached_tokens"] == 0     # the new worker's cache starts empty
@@ -78,8 +86,8 @@ def test_a_killed_worker_is_replaced_and_its_requests_end_with_an_error(server):
     assert server.proc.poll() is None
     assert pid_alive(scheduler) and pid_alive(tokenizer)
     assert server.child("worker_proc") != old
-    assert any("worker process exited with code -9; starting a new one" in line
-               for line in server.stderr_lines)
+    assert sum("worker process exited with code -9; starting a new one" in line
+               for line in server.stderr_lines) == 2
 
 
 def test_a_worker_that_keeps_dying_stops_the_server(llama_model):

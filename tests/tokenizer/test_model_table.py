@@ -1,6 +1,7 @@
 """tokenizer_proc/models.py and model_loader.py: which models to unload for a load (LRU,
 never pinned), idle models, ids that name their model, and the loader's states on the
-event loop with a scripted host in place of the tokenizer process and the launcher."""
+event loop with a scripted host in place of the tokenizer process and the launcher
+(failed loads: reported, or past the ready timeout, then tried again)."""
 
 import asyncio
 from types import SimpleNamespace
@@ -10,9 +11,9 @@ import pytest
 from mlxd.protocol import SamplingParams, SchedulerReady, TokenizedRequest
 from mlxd.runtime.model_catalog import Catalog, ModelEntry
 from mlxd.tokenizer_proc.engines import EngineSet
-from mlxd.tokenizer_proc.model_loader import ModelLoader, ModelUnavailable
-from mlxd.tokenizer_proc.models import (ID_SPACE, LOADED, LOADING, UNLOADED, UNLOADING,
-                                        ModelTable, Served, first_id)
+from mlxd.tokenizer_proc.model_loader import LoadFailed, ModelLoader, ModelUnavailable
+from mlxd.tokenizer_proc.models import (FAILED, ID_SPACE, LOADED, LOADING, UNLOADED,
+                                        UNLOADING, ModelTable, Served, first_id)
 from support import worker_limits
 
 
@@ -161,7 +162,8 @@ def test_a_load_that_does_not_come_is_a_503_then_fails_and_is_tried_again():
         await asyncio.sleep(0.2)
         with pytest.raises(ModelUnavailable):
             await loader.ready(t.find("b"))
-        assert t.find("b").state == UNLOADED   # past fail_after: given up
+        assert t.find("b").state == FAILED   # past fail_after: given up
+        assert "no engine joined within 0.25 s (--ready-timeout)" in t.find("b").failure
         assert host.controls == [("unload", "a"), ("load", "b"), ("unload", "b")]
         host.answer_loads = True
         await loader.ready(t.find("b"))
@@ -226,4 +228,50 @@ def test_the_models_started_with_the_server_are_loading_until_their_engine_joins
         await loader.ready(served.first)
         assert served.first.loads == 1 and host.controls == []
         assert served.models[1].core.first == ID_SPACE + 1
+    asyncio.run(run())
+
+
+def test_a_reported_failure_ends_the_waiting_requests_at_once_and_the_next_one_retries():
+    async def run():
+        t = two_models_one_fits()
+        loader, host = loader_for(t, load_timeout=30.0)
+        host.answer_loads = False
+        b = t.find("b")
+        asyncio.get_running_loop().call_later(0.1, loader.failed, b, "its worker1 process "
+                                              "exited with code 1: OSError: bad weights")
+        waiting = await asyncio.wait_for(asyncio.gather(
+            loader.ready(b), loader.ready(b), return_exceptions=True), 5)   # not 30 s
+        for caught in waiting:
+            assert isinstance(caught, LoadFailed) and caught.code == "model_load_failed"
+            assert str(caught) == ("the model 'b' failed to load: its worker1 process "
+                                   "exited with code 1: OSError: bad weights")
+        assert (b.state, b.failures) == (FAILED, 1)
+        assert b.card()["failure"].endswith("OSError: bad weights")
+        assert t.used_gb() == 0.0 and t.plan_load(b) == []   # it holds no memory
+        host.answer_loads = True
+        await loader.ready(b)   # a later request loads it again
+        assert host.controls == [("unload", "a"), ("load", "b"), ("load", "b")]
+        assert b.state == LOADED and b.loads == 1 and "failure" not in b.card()
+    asyncio.run(run())
+
+
+def test_a_failure_reported_for_a_model_not_loading_is_ignored():
+    async def run():
+        t = two_models_one_fits()
+        loader, host = loader_for(t)
+        loader.failed(t.find("a"), "late")
+        loader.failed(t.find("b"), "late")
+        assert (t.find("a").state, t.find("b").state) == (LOADED, UNLOADED)
+        assert t.find("a").failures == t.find("b").failures == 0
+    asyncio.run(run())
+
+
+def test_without_a_launcher_a_load_fails_at_once():
+    async def run():
+        t = table(("a", 1.0, False, UNLOADED, 0.0))
+        loader, host = loader_for(t, load_timeout=30.0)
+        host.control = lambda action, model: False
+        with pytest.raises(LoadFailed, match="'a' failed to load: no launcher"):
+            await asyncio.wait_for(loader.ready(t.find("a")), 5)
+        assert t.find("a").state == FAILED
     asyncio.run(run())

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from mlxd.protocol import (Abort, GetStats, SamplingParams, SchedulerReady, Stats,
-                           TokenBatch, TokenEntry, TokenizedRequest)
+                           TokenBatch, TokenEntry, TokenizedRequest, Usage)
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
-from mlxd.tokenizer_proc.engines import EngineSet
+from mlxd.tokenizer_proc.engines import Ended, EngineSet
 from mlxd.tokenizer_proc.router import PrefixIndex, RoutePolicy, Router
 from support import worker_limits
 
@@ -160,8 +160,8 @@ def test_choices_share_an_engine_and_aborts_follow_their_request():
     engines = two_engines()
     first = request(1, ids(1))
     choices = [first, TokenizedRequest(2, first.input_ids, SamplingParams(seed=1), 8, [])]
-    out, failed = engines.dispatch(choices + [request(3, ids(2))])
-    assert not failed
+    out, ended = engines.dispatch(choices + [request(3, ids(2))])
+    assert not ended
     assert out[0][0] == out[1][0] != out[2][0]   # the third goes to the idle engine
     assert engines.router.decisions["affinity"] == 1
     aborts, _ = engines.dispatch([Abort(2), Abort(99)])
@@ -169,27 +169,91 @@ def test_choices_share_an_engine_and_aborts_follow_their_request():
     engines.check_integrity()
 
 
-def test_a_lost_engine_s_unstarted_requests_run_elsewhere_and_started_ones_fail():
+def test_a_lost_engine_s_requests_go_on_elsewhere_started_ones_resumed_from_their_tokens():
     engines = two_engines()
     out, _ = engines.dispatch([request(1, ids(1)), request(2, ids(2)),
                                request(3, ids(3)), request(4, ids(4))])
     on_e1 = sorted(m.rid for e, m in out if e == "e1")
     started, unstarted = on_e1
-    batch = engines.on_batch("e1", TokenBatch([entry(started)]))
-    assert [e.rid for e in batch.entries] == [started]
-    resend, failed = engines.lost("e1")
-    assert failed == [started]
-    assert [(e, m.rid) for e, m in resend] == [("e0", unstarted)]
+    batch = engines.on_batch("e1", TokenBatch([entry(started, [5]), entry(started, [6, 7])]))
+    assert [e.rid for e in batch.entries] == [started, started]
+    resend, ended = engines.lost("e1")
+    assert ended == []
+    moved = {m.rid: m for e, m in resend}
+    assert [e for e, _ in resend] == ["e0", "e0"] and sorted(moved) == on_e1
+    assert moved[started].output_ids == [5, 6, 7] and moved[started].resumes == 1
+    assert moved[started].input_ids == ids(started)   # the prompt as it was
+    assert moved[unstarted] is not None and moved[unstarted].output_ids == []
+    assert moved[unstarted].resumes == 0
+    assert engines.router.decisions["resume"] == 1 and engines.router.decisions["rerun"] == 1
     # a late batch of the lost engine is not its to report any more
     assert engines.on_batch("e1", TokenBatch([entry(unstarted)])).entries == []
     assert engines.on_batch("e0", TokenBatch([entry(unstarted, finish="length")])).entries
     engines.check_integrity()
-    assert engines.engines["e0"].load == 2
-    # the last engine gone: nothing can run again
-    resend, failed = engines.lost("e0")
-    assert resend == [] and len(failed) == 2
-    out, failed = engines.dispatch([request(9, ids(9))])
-    assert out == [] and failed == [9]
+    assert engines.engines["e0"].load == 3
+    assert engines.merged_stats({})["router"]["resumes"] == 1
+
+
+def test_a_request_running_at_a_second_loss_ends_with_an_error_naming_the_engine():
+    engines = two_engines()
+    out, _ = engines.dispatch([request(1, ids(1))])
+    first = out[0][0]
+    engines.on_batch(first, TokenBatch([entry(1, [5])]))
+    [(second, resumed)], _ = engines.lost(first)
+    engines.on_batch(second, TokenBatch([entry(1, [6])]))
+    engines.join(first, ready())
+    resend, [end] = engines.lost(second)
+    assert resend == [] and end.rid == 1 and end.reason == "error"
+    assert f"({second}) was lost" in end.message and "2 failures in a row" in end.message
+    engines.check_integrity()
+
+
+def test_a_resume_by_the_scheduler_counts_toward_the_second_loss():
+    """Its usage said the request was resumed after a worker's death already."""
+    engines = two_engines()
+    out, _ = engines.dispatch([request(1, ids(1))])
+    resumed = TokenEntry(1, [5], [0.0], usage=Usage(64, 3, 0, resumes=1))
+    engines.on_batch(out[0][0], TokenBatch([resumed]))
+    _, [end] = engines.lost(out[0][0])
+    assert end.reason == "error"
+
+
+def test_while_no_engine_is_up_requests_wait_parked_until_one_joins_or_time_runs_out():
+    now = [0.0]
+    engines = EngineSet(park_seconds=10, clock=lambda: now[0])
+    engines.join("e0", ready())
+    out, _ = engines.dispatch([request(1, ids(1)), request(2, ids(2))])
+    engines.on_batch("e0", TokenBatch([entry(1, [5])]))
+    assert engines.lost("e0") == ([], [])
+    assert engines.parked == 2 and engines.expire() == []
+    out, ended = engines.dispatch([request(3, ids(3)), Abort(2)])
+    assert out == [] and ended == [Ended(2, "abort", None)] and engines.parked == 2
+    engines.check_integrity()
+    now[0] = 5.0
+    engines.join("e0", ready())                    # the restarted engine
+    resend = engines.unpark()
+    assert sorted((m.rid, m.output_ids) for _, m in resend) == [(1, [5]), (3, [])]
+    assert engines.parked == 0 and engines.expire() == []
+    assert engines.router.decisions["resume"] == 1 and engines.router.decisions["rerun"] == 0
+    # gone again (1 was resumed once: it ends), and no engine joins within park_seconds
+    _, [end] = engines.lost("e0")
+    assert end.rid == 1 and end.reason == "error"
+    now[0] = 14.9
+    assert engines.expire() == []
+    now[0] = 15.0
+    [end] = engines.expire()
+    assert end.rid == 3 and end.reason == "error" and "within 10 s" in end.message
+    assert engines.parked == 0
+    engines.check_integrity()
+
+
+def test_an_aborted_request_whose_engine_is_lost_ends_as_aborted():
+    engines = two_engines()
+    out, _ = engines.dispatch([request(1, ids(1))])
+    engines.dispatch([Abort(1)])
+    resend, ended = engines.lost(out[0][0])
+    assert resend == [] and ended == [Ended(1, "abort", None)]
+    engines.check_integrity()
 
 
 def test_stats_are_merged_once_every_engine_answered_or_left():

@@ -1,5 +1,6 @@
 """The access log: one line per HTTP request, at info level on `mlxd.http.access`
-(method, path, status, latency, model, prompt and completion tokens, and the error
+(method, path, status, latency, model, prompt and completion tokens, resumes after a
+process death when there were any, and the error
 message of a 4xx or 5xx), written when the response has been sent (a stream: when it
 ended). `--no-access-log` leaves the middleware out.
 
@@ -30,6 +31,7 @@ class AccessNote:
     model: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    resumes: int = 0   # process deaths its generations lived through
     _requests: set = field(default_factory=set)   # rids whose prompt was counted
 
     def count(self, chunk: StreamChunk) -> None:
@@ -40,6 +42,7 @@ class AccessNote:
             self._requests.add(chunk.rid)
             self.prompt_tokens += chunk.usage["prompt_tokens"]
         self.completion_tokens += chunk.usage["completion_tokens"]
+        self.resumes += chunk.usage.get("resumes", 0)
 
 
 def access_note(request: Request) -> AccessNote | None:
@@ -87,6 +90,8 @@ class AccessLog:
         if note.prompt_tokens or note.completion_tokens:
             line += f" prompt_tokens={note.prompt_tokens} " \
                     f"completion_tokens={note.completion_tokens}"
+        if note.resumes:
+            line += f" resumes={note.resumes}"
         if status >= 400:
             gone = "the client went away" if status == CLIENT_GONE else None
             line += f" error={error_message(error) or gone!r}"

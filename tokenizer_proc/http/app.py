@@ -116,7 +116,8 @@ class CountRequests:
 def _model_card(api: Api, request: Request, served=None) -> dict:
     """OpenAI's model object, or Anthropic's to a client that sends the
     `anthropic-version` header (as Anthropic's SDK does); with several models, each
-    with its state (loaded, loading, unloading, unloaded) and aliases."""
+    with its state (loaded, loading, unloading, unloaded, or failed with its `failure`)
+    and aliases."""
     name = served.name if served is not None else api.model_name
     limits = served.core.limits if served is not None else api.limits
     context = limits.max_context if limits is not None and limits.max_context else None
@@ -207,8 +208,8 @@ async def unload_model(api: Api, request: Request):
 def _model_states(api: Api) -> list[dict]:
     if api.directory is None:
         return []
-    return [{"model": s.name, "state": s.state, "loads": s.loads, "unloads": s.unloads}
-            for s in api.directory.listing()]
+    return [{"model": s.name, "state": s.state, "loads": s.loads, "unloads": s.unloads,
+             "failures": s.failures} for s in api.directory.listing()]
 
 
 async def tokenize(api: Api, request: Request):

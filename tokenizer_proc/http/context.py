@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from ..model_loader import ModelUnavailable
+from ..model_loader import LoadFailed, ModelUnavailable
 from ..models import not_served
 from ..text import TextCodec
 from ..validation import ModelLimits
@@ -42,7 +42,8 @@ class Directory(Protocol):
     def listing(self) -> "list[Served]": ...
 
     async def ready(self, served: "Served") -> None:
-        """Once `served` is loaded; raises model_loader.ModelUnavailable."""
+        """Once `served` is loaded; raises model_loader.ModelUnavailable or
+        LoadFailed."""
         ...
 
     def front(self, served: "Served") -> Front: ...
@@ -73,7 +74,8 @@ class Api:
     async def for_model(self, name: str | None) -> "Api":
         """The API as it serves the model `name` (None: the first), waiting for it
         to load: 404 naming the served models for an unknown name, 503 with
-        Retry-After if it does not load in time."""
+        Retry-After if it does not load in time, 503 naming the cause if its load
+        failed (the next request tries again)."""
         if self.directory is None:
             self.check_model(name)
             return self
@@ -83,6 +85,8 @@ class Api:
         except ModelUnavailable as exc:
             raise ApiError(503, str(exc), "model", "model_not_loaded",
                            {"Retry-After": str(exc.retry_after)}) from None
+        except LoadFailed as exc:
+            raise ApiError(503, str(exc), "model", exc.code) from None
         return self.view(served)
 
     def served(self, name: str | None) -> "Served":

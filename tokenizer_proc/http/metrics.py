@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from mlxd.protocol import StreamChunk
 
 from ..engines import add_stats
+from ..models import STATES
 from ..router import REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -70,7 +71,6 @@ ENGINE_GAUGES = {
 
 MODEL_GAUGES = {key: STATS_GAUGES[key] for key in
                 ("running", "waiting", "used_slots", "cached_slots", "capacity")}
-MODEL_STATES = ("loaded", "loading", "unloading", "unloaded")
 
 
 class _EngineMetrics:
@@ -130,20 +130,23 @@ class _EngineMetrics:
         yield from (decisions, up, losses)
 
     def _states(self):
-        state = GaugeMetricFamily("mlxd_model_state", "1 for each model's state (loaded, "
-                                  "loading, unloading, unloaded)", labels=["model", "state"])
+        state = GaugeMetricFamily("mlxd_model_state", "1 for each model's state "
+                                  f"({', '.join(STATES)})", labels=["model", "state"])
         loads = CounterMetricFamily("mlxd_model_loads", "times the model was loaded",
                                     labels=["model"])
+        failures = CounterMetricFamily("mlxd_model_load_failures", "times the model's load "
+                                       "failed", labels=["model"])
         unloads = CounterMetricFamily("mlxd_model_unloads", "times the model was unloaded, "
                                       "by reason (memory, idle, admin)",
                                       labels=["model", "reason"])
         for model in self.states:
-            for name in MODEL_STATES:
+            for name in STATES:
                 state.add_metric([model["model"], name], float(model["state"] == name))
             loads.add_metric([model["model"]], model["loads"])
+            failures.add_metric([model["model"]], model["failures"])
             for reason, n in sorted(model["unloads"].items()):
                 unloads.add_metric([model["model"], reason], n)
-        yield from (state, loads, unloads)
+        yield from (state, loads, failures, unloads)
 
 
 class Metrics:
@@ -166,6 +169,11 @@ class Metrics:
         self.pinned_tokens = Counter("mlxd_prefix_cache_pinned_tokens",
                                      "prompt tokens computed and pinned by cache_control",
                                      registry=r)
+        self.resumed = Counter("mlxd_requests_resumed", "generations that went on after "
+                               "the death of a process running them (counted once each, "
+                               "when they finish)", registry=r)
+        self.resumes = Counter("mlxd_request_resumes", "resumes of those generations "
+                               "(one per process death each lived through)", registry=r)
         self.ttft = Histogram("mlxd_time_to_first_token_seconds", "time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("mlxd_inter_token_latency_seconds",
@@ -190,6 +198,10 @@ class Metrics:
             self.cached_tokens.inc(chunk.usage.get("cached_tokens", 0))
             self.disk_tokens.inc(chunk.usage.get("disk_tokens", 0))
             self.pinned_tokens.inc(chunk.usage.get("pinned_tokens", 0))
+            resumes = chunk.usage.get("resumes", 0)
+            if resumes:
+                self.resumed.inc()
+                self.resumes.inc(resumes)
 
     def render(self, by_model: dict[str, dict], states: list[dict] = ()) -> bytes:
         """The text exposition, the gauges set from each model's merged stats (the
