@@ -428,7 +428,7 @@ class Launcher:
             self._on_model_control(msg)
             return None
         if isinstance(msg, EngineUnresponsive):
-            self._on_unresponsive(msg.engine)
+            self._on_unresponsive(msg.engine, msg.pid)
             return None
         for engine in self.engines:
             if msg.process == engine.worker.name:   # rank 0: the whole group formed
@@ -470,12 +470,13 @@ class Launcher:
         except zmq.Again:   # the front end is gone or stuck: its wait times out instead
             log.warning("could not tell the front end that model %s failed to load", model)
 
-    def _on_unresponsive(self, name: str) -> None:
-        """The front end lost an engine: if its scheduler still lives after a grace
-        (one that is exiting is gone by then), it is stopped or hung, and is killed,
-        to be restarted as a dead one is."""
+    def _on_unresponsive(self, name: str, pid: int) -> None:
+        """The front end lost an engine whose scheduler was `pid`: if that process
+        still lives after a grace (one that is exiting is gone by then), it is
+        stopped or hung, and is killed, to be restarted as a dead one is. A report
+        naming an earlier scheduler of the engine (restarted since) is no news."""
         for engine in self.engines:
-            if engine.name == name:
+            if engine.name == name and engine.scheduler.proc.pid == pid:
                 engine.suspect_since = time.monotonic()
 
     def _kill_unresponsive(self) -> None:

@@ -1,6 +1,6 @@
 """Control messages between the launcher and its children, both ways."""
 
-from .fields import Opt, Str, wire
+from .fields import Int, Opt, Str, wire
 from .message import message
 
 
@@ -49,3 +49,4 @@ class EngineUnresponsive:
 
     TAG = 4
     engine: str = wire(Str(max_len=256))
+    pid: int = wire(Int(minimum=0))   # its scheduler's, as it joined (SchedulerReady)

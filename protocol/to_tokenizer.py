@@ -58,13 +58,15 @@ class Stats:
 
 @message
 class SchedulerReady:
-    """The scheduler is up: the worker's limits, how many requests run at once, and
-    the name of the model it serves ("": the front end's first)."""
+    """The scheduler is up: the worker's limits, how many requests run at once, the
+    name of the model it serves ("": the front end's first), and its process id (the
+    launcher replaces an unresponsive engine's scheduler only while that is this one)."""
 
     TAG = 42
     limits: WorkerLimits = wire(Struct(WorkerLimits))
     max_running_requests: int = wire(Int(minimum=1))
     model: str = wire(Str(max_len=MAX_MODEL_CHARS), default="")
+    pid: int = wire(Int(minimum=0), default=0)
 
 
 @message

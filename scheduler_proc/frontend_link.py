@@ -6,7 +6,8 @@ joining), TokenBatches and Stats go out.
 On this machine the address is the front end's `ipc://` one; an engine on another
 machine (`mlxd engine --join`) connects over `tcp://` with CURVE under the front
 end's own key pair, which the front end's authenticator alone accepts, and ZeroMQ
-heartbeats notice a peer that vanished. The socket monitor reports the connection's
+heartbeats notice a peer that vanished; a frame over MAX_FRAME_BYTES (a handshake's
+too, read before the key is checked) ends the connection. The socket monitor reports the connection's
 ends and new starts: the loop re-announces itself on each new start (a restarted
 front end learns of it) and drops the requests of an ended one (nobody waits for
 them any more).
@@ -16,7 +17,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.runtime.keys import KeyPair, connect_as_owner
-from mlxd.runtime.sockets import heartbeat
+from mlxd.protocol.codec import MAX_FRAME_BYTES
+from mlxd.runtime.sockets import cap_frames, heartbeat
 
 
 class FrontendLink:
@@ -34,6 +36,8 @@ class FrontendLink:
             connect_as_owner(self.sock, curve)
         if address.startswith("tcp://"):
             heartbeat(self.sock)
+            # whoever answers at that address is read before its key is checked
+            cap_frames(self.sock, MAX_FRAME_BYTES)
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.monitor.setsockopt(zmq.LINGER, 0)

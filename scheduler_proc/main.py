@@ -117,7 +117,8 @@ class SchedulerLoop:
         """Join the front end: the worker's limits, then (with the next batch) the
         whole prefix cache."""
         self.frontend.send(encode(SchedulerReady(
-            self.worker_limits, self.cfg.flags.max_running_requests, self.cfg.model_name)))
+            self.worker_limits, self.cfg.flags.max_running_requests, self.cfg.model_name,
+            os.getpid())))
         self.scheduler.announce_cache()
 
     def _on_frontend_events(self) -> None:
@@ -128,6 +129,9 @@ class SchedulerLoop:
                 log.log(logging.WARNING if requests else logging.INFO,
                         "the front end's connection ended; %d requests aborted", requests)
                 self.scheduler.abort_all()
+                # their abort entries would reach the next front end, which may have
+                # sent the same rids here again (resumed): nobody is to see them
+                self.scheduler.take_outputs()
                 self.rejoin = True
             elif self.rejoin:
                 log.info("the front end's connection started again; joining it")

@@ -61,6 +61,7 @@ class Request:
                   resumes=msg.resumes)
         req.fill_len = len(req.all_ids)
         req.pins = sorted(msg.pin, key=lambda p: p.offset)
+        req.report_usage = msg.resumes > 0   # the front end learns its count anew
         return req
 
     @property

@@ -241,10 +241,12 @@ class Scheduler:
         req.status = Status.WAITING
         req.fill_len = len(req.all_ids)
         req.resumes += 1
-        req.report_usage = True
         self.num_resumes += 1
         self.spec.forget(req.rid)
         self.waiting.push_front(req)
+        # told now: should this scheduler die before its next token, the front end
+        # counts this resume toward the request's limit
+        self._outbox.append(TokenEntry(req.rid, [], [], usage=req.usage()))
 
     def abandon_step(self, error: WorkerError) -> None:
         """The worker has not answered the step in flight: running requests fail and

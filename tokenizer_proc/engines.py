@@ -48,7 +48,7 @@ class Sent:
 
     request: TokenizedRequest
     output_ids: list[int] = field(default_factory=list)
-    resumes: int = 0
+    resumes: int = 0          # process deaths (or engine losses) it was running at
     aborted: bool = False     # an Abort went to its engine: it is not to go on
     placed: bool = False      # it was sent to an engine (once parked, maybe not yet)
     parked_until: float | None = None   # waiting for an engine to join, until then
@@ -58,9 +58,9 @@ class Sent:
         return bool(self.output_ids)
 
     def resumed(self) -> TokenizedRequest:
-        """The request to send to another engine: whole if it streamed nothing."""
-        if not self.started:
-            return self.request
+        """The request to send to another engine after its engine left: whole if it
+        streamed nothing; either way counting that loss (a prompt that kills what
+        runs it is not run a third time)."""
         self.resumes += 1
         return replace(self.request, output_ids=list(self.output_ids), resumes=self.resumes)
 
@@ -133,7 +133,7 @@ class EngineSet:
         for rid in sorted(engine.rids):
             del self._engine_of[rid]
             sent = self._sent[rid]
-            why = resume_refusal(sent.resumes, cause) if sent.started else None
+            why = resume_refusal(sent.resumes, cause)
             if sent.aborted or why:
                 del self._sent[rid]
                 ended.append(Ended(rid, "abort", None) if sent.aborted
@@ -147,9 +147,10 @@ class EngineSet:
         if not self.engines:
             sent.parked_until = self.clock() + self.park_seconds
             return []
-        if sent.placed:
-            self.router.count("resume" if sent.started else "rerun")
-            self.resumes += sent.started
+        if not sent.placed:   # parked before it ever reached an engine
+            return self._send(sent.request)
+        self.router.count("resume" if sent.started else "rerun")
+        self.resumes += sent.started
         return self._send(sent.resumed())
 
     def unpark(self) -> Outgoing:

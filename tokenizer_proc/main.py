@@ -35,9 +35,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from mlxd.protocol import (
     AbortRequest, Decoder, EngineUnresponsive, ErrorReply, GenerateRequest, GetStats,
-    ModelControl,
-    ModelLoadFailed, ProtocolError, Ready, SchedulerReady, Stats, StatsRequest, TokenBatch,
-    TokenizedRequest, encode,
+    ModelControl, ModelLoadFailed, ProtocolError, Ready, SchedulerReady, Stats,
+    StatsRequest, TokenBatch, TokenizedRequest, encode,
 )
 from mlxd.runtime.aio import LoopSocket, TaskSet
 from mlxd.runtime.config import parse_config
@@ -372,7 +371,7 @@ class TokenizerServer:
             log.error("refused engine %s: an engine of that name is joined already", name)
             return
         if other is not None:   # joining again (restarted) before its old link's end was seen
-            self._on_lost(name)
+            self._on_lost(name, report=False)
         served = self.models.find(msg.model or None)
         why = self._join_refusal(served, msg) or served.engines.join(name, msg)
         if why:
@@ -401,12 +400,16 @@ class TokenizerServer:
                 self._on_lost(name)
             await self.send()
 
-    def _on_lost(self, name: str) -> None:
-        """An engine's link ended: its requests run elsewhere or end."""
+    def _on_lost(self, name: str, report: bool = True) -> None:
+        """An engine's link ended: its requests run elsewhere or end; the launcher is
+        told (`report`), to replace the engine if its scheduler still lives."""
         self._link_of.pop(name, None)
         served = self._model_of.pop(name, None)
         if served is None:
             return
+        engine = served.engines.engines.get(name)
+        if report and engine is not None and self.to_launcher is not None:
+            self.to_launcher.send(encode(EngineUnresponsive(name, engine.ready.pid)))
         out, ended = served.engines.lost(name)
         log.error("engine %s of model %s was lost (%d up): %d requests go on elsewhere "
                   "(%d parked until an engine joins), %d end", name, served.name,
@@ -415,8 +418,6 @@ class TokenizerServer:
                   served.engines.parked, len(ended))
         self._deliver_to_engines(served, out)
         self._end(served, ended)
-        if self.to_launcher is not None:   # a live one is stuck: it is to be replaced
-            self.to_launcher.send(encode(EngineUnresponsive(name)))
 
     @staticmethod
     def _end(served: Served, ended: list[Ended]) -> None:

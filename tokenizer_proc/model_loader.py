@@ -175,6 +175,14 @@ class ModelLoader:
     def failed(self, served: Served, reason: str) -> None:
         """The launcher reports that `served`'s load failed (it stopped what it had
         started): its waiting requests end with `reason`, the next one tries again."""
+        if served.state == LOADED and not served.engines.engines:
+            # its only engine died serving and its restart failed: nothing will join
+            log.error("model %s lost its engines and failed to restart: %s",
+                      served.name, reason)
+            self.host.stop_serving(served, f"the model {served.name!r} failed to "
+                                           f"restart: {reason}")
+            self._fail(served, reason)
+            return
         if served.state != LOADING:   # a late report, for a load called off already
             log.warning("model %s: ignored a load failure while %s: %s", served.name,
                         served.state, reason)

@@ -56,8 +56,8 @@ class Served:
 
     @property
     def busy(self) -> int:
-        """Its requests not finished (sent to its engines)."""
-        return sum(e.load for e in self.engines.engines.values())
+        """Its requests not finished (sent to its engines, or parked waiting for one)."""
+        return sum(e.load for e in self.engines.engines.values()) + self.engines.parked
 
     def card(self) -> dict:
         """What `/v1/models` says of it beyond OpenAI's fields."""

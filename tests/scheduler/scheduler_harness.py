@@ -442,6 +442,11 @@ class Harness:
             had = len(self.output(rid))
             self.entries[rid].append(entry)
             n = len(self.prompts[rid])
+            if not entry.token_ids and not entry.finish_reason:   # resumed: told at once
+                assert entry.usage.resumes == self.resumed.get(rid, 0) + 1
+                assert entry.usage.completion_tokens == had
+                self.resumed[rid] = entry.usage.resumes
+                continue
             if entry.finish_reason:
                 self.final[rid] = entry
                 if entry.usage is None:            # rejected before it was queued
@@ -459,11 +464,8 @@ class Harness:
                 assert entry.usage.completion_tokens == 1
                 assert 0 <= entry.usage.cached_tokens < n
                 self.first_usage[rid] = entry.usage
-            else:   # (usage again: a resumed request's first tokens after it)
-                assert entry.token_ids
-                assert entry.usage is None or entry.usage.resumes > self.resumed.get(rid, 0)
-                if entry.usage is not None:
-                    self.resumed[rid] = entry.usage.resumes
+            else:
+                assert entry.token_ids and entry.usage is None
         if self.in_flight is None:
             self._check_pool()
 

@@ -14,7 +14,7 @@ from mlxd.protocol import (
 )
 from mlxd.scheduler_proc.kv_book import KVBook
 from mlxd.scheduler_proc.request import Request, Status
-from mlxd.scheduler_proc.scheduler import SchedulerLimits
+from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.scheduler_proc.waiting import LPM_OVERTAKE_LIMIT, LPM_QUEUE_LIMIT, SHARED_PREFIX_WAIT
 from scheduler_harness import (
     EOS, PLAIN, Harness, by_position, make_request, prefilled, prompt_of, run_to_finish,
@@ -529,15 +529,45 @@ def test_fail_step_resumes_running_requests_where_they_stopped():
     h.assert_idle()
 
 
-def test_a_resumed_request_reports_its_resume_with_its_next_tokens():
+def test_a_resumed_request_reports_its_resume_at_once():
+    """An entry with no token, only the usage: its front end counts the resume even
+    if this scheduler dies before the request's next token."""
     h = Harness()
     h.add(make_request(1, max_new=10))
     h.run_step()
     h.fail(h.schedule())
+    entry = h.entries[1][-1]
+    assert entry.token_ids == [] and not entry.finish_reason and entry.usage.resumes == 1
     h.run_step()
-    assert h.entries[1][-1].usage.resumes == 1
-    h.run_step()
-    assert h.entries[1][-1].usage is None
+    assert h.entries[1][-1].token_ids and h.entries[1][-1].usage is None
+
+
+def test_a_request_resumed_elsewhere_goes_on_after_its_tokens_and_reports_its_count():
+    """A front end resumed it here with the tokens it had streamed: it prefills
+    prompt + those, counts them against max_tokens, and its first tokens here carry
+    its usage (resumes, and the prompt's cached tokens only)."""
+    s = Scheduler(SchedulerLimits(kv_capacity=64, max_context=1000))
+    s.add_request(dataclasses.replace(make_request(1, max_new=4), output_ids=[50, 51],
+                                      resumes=1))
+    step = s.schedule()
+    [p] = step.prefills
+    assert p.input_ids == prompt_of(1, 4) + [50, 51] and p.num_generated == 2
+    s.process_result(StepResult(step.step_id, [1], [60], [-0.5]))
+    [entry] = s.take_outputs()
+    assert entry.token_ids == [60] and entry.usage.resumes == 1
+    assert entry.usage.completion_tokens == 3 and entry.usage.cached_tokens == 0
+    step = s.schedule()
+    s.process_result(StepResult(step.step_id, [1], [61], [-0.5]))
+    [entry] = s.take_outputs()
+    assert entry.finish_reason == "length" and entry.usage.completion_tokens == 4
+
+
+def test_a_resumed_request_with_nothing_left_to_generate_is_refused():
+    s = Scheduler(SchedulerLimits(kv_capacity=64, max_context=1000))
+    s.add_request(dataclasses.replace(make_request(1, max_new=2), output_ids=[50, 51],
+                                      resumes=1))
+    [entry] = s.take_outputs()
+    assert entry.finish_reason == "error" and "no tokens left" in entry.error
 
 
 def test_a_request_running_at_a_second_death_ends_with_an_error_naming_the_cause():

@@ -447,6 +447,7 @@ def test_a_worker_error_resumes_running_requests_and_the_scheduler_keeps_serving
     sched.request(2, [4, 5], max_new_tokens=3)
     step = _until_decoding(sched, [1, 2])
     sched.results.send(encode(WorkerError(step.step_id, "boom: out of memory")))
+    resume_notices(sched, [1, 2])
     sched.request(3, [7, 8, 9, 10], max_new_tokens=2)
     # the worker dropped all state: both resume, prefilling prompt + output so far
     # (no releases: the worker holds nothing of them), and nothing fails
@@ -456,11 +457,19 @@ def test_a_worker_error_resumes_running_requests_and_the_scheduler_keeps_serving
     assert_resumed(first, {1: [1, 2, 3], 2: [4, 5]}, 9)
     for rid in (1, 2):
         entries = out["entries"][rid]
-        assert entries[0].usage.resumes == 1 and entries[-1].usage.resumes == 1
-        assert entries[-1].finish_reason == "length"
+        assert entries[-1].usage.resumes == 1 and entries[-1].finish_reason == "length"
     assert [e.token_ids[0] for e in out["entries"][3]] == [30, 31]
     assert out["entries"][3][-1].usage.resumes == 0
     sched.finish_releases({1, 2, 3} - released(out))
+
+
+def resume_notices(h: Harness, rids: list[int]) -> None:
+    """The batch that tells the front end at once that `rids` were resumed: an entry
+    each with no token and the usage counting one resume."""
+    entries = h.batch().entries
+    assert sorted(e.rid for e in entries) == sorted(rids)
+    assert all(not e.token_ids and not e.finish_reason and e.usage.resumes == 1
+               for e in entries)
 
 
 def released(out: dict) -> set[int]:
@@ -493,8 +502,8 @@ def test_an_unresponsive_worker_s_requests_wait_and_resume_after_its_late_answer
     harness.request(2, [4, 5], max_new_tokens=3)
     step = _until_decoding(harness, [1, 2])
     # the worker hangs: the step goes unanswered past the limit; its requests wait
-    assert wait_until(lambda: _stats(harness, 2)["worker_status"] == "unresponsive",
-                      RECV_TIMEOUT)
+    resume_notices(harness, [1, 2])
+    assert _stats(harness, 2)["worker_status"] == "unresponsive"
     stats = _stats(harness, 3)
     assert stats["worker_step_seconds"] >= 1 and stats["running"] == 0
     assert stats["waiting"] == 2 and stats["resumes"] == 2
@@ -550,8 +559,8 @@ def test_a_dead_worker_s_requests_resume_on_its_successor_with_the_waiting_ones(
     harness.request(3, [6, 7, 8], max_new_tokens=2)    # waits: two run at most
     _until_decoding(harness, [1, 2])
     harness.worker_dies()                               # with a step in flight
+    resume_notices(harness, [1, 2])                     # nothing failed
     assert _restarting(harness)
-    harness.assert_no_batch(0)                          # nothing failed
     stats = _stats(harness, 1)
     assert stats["worker_status"] == "restarting" and stats["worker_restarts"] == 1
     assert (stats["running"], stats["waiting"], stats["used_slots"]) == (0, 3, 0)
@@ -580,8 +589,8 @@ def test_a_dead_unresponsive_worker_is_replaced_and_nothing_is_released_to_its_s
     harness.worker_ready()
     harness.request(1, [1, 2, 3], max_new_tokens=3)
     _until_decoding(harness, [1])
-    assert wait_until(lambda: _stats(harness, 1)["worker_status"] == "unresponsive",
-                      RECV_TIMEOUT)                    # its request waits to resume
+    resume_notices(harness, [1])                       # the watchdog: it waits to resume
+    assert _stats(harness, 1)["worker_status"] == "unresponsive"
     harness.worker_dies()                              # the hung worker is killed
     assert _restarting(harness)
     harness.worker_restarts()

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from mlxd.client import AsyncClient, Client
+from resume_support import assert_same_stream
 from support import ROOT, Server, children_of, reference_tokens, wait_until
 
 MAX_TOKENS = 12
@@ -73,8 +74,9 @@ def serves_exactly(server: Server, model: str) -> dict:
 
 def lose_a_rank(model: str, how: str, *split: str) -> None:
     """SIGKILL or SIGSTOP rank 1 of a 2-rank group under load: every request resumes
-    on the new group and completes with the tokens of an undisturbed run, the group
-    comes back with new processes, and the next greedy request is exact."""
+    on the new group and completes with the tokens of an undisturbed run (up to a
+    tie: resume_support.assert_same_stream), the group comes back with new
+    processes, and the next greedy request is exact."""
     server = Server(model, *split, "--kv-capacity", "4096", "--speculative", "off",
                     "--worker-timeout", "3", "--log-level", "warning")
     try:
@@ -85,7 +87,7 @@ def lose_a_rank(model: str, how: str, *split: str) -> None:
         async def run():
             async with AsyncClient(server.address, timeout=60) as c:
                 jobs = [asyncio.ensure_future(c.generate(input_ids=p, max_tokens=400,
-                                                         ignore_eos=True)) for p in batch]
+                                                         ignore_eos=True, logprobs=True)) for p in batch]
                 await asyncio.sleep(0.5)
                 os.kill(before[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
                 return await asyncio.gather(*jobs, return_exceptions=True)
@@ -93,7 +95,8 @@ def lose_a_rank(model: str, how: str, *split: str) -> None:
         results = asyncio.run(run())
         for result, want in zip(results, undisturbed):
             assert getattr(result, "finish_reason", None) == "length", result
-            assert result.token_ids == want.token_ids
+            assert_same_stream(result.token_ids, result.logprobs, want.token_ids,
+                               want.logprobs)
         assert wait_until(lambda: set(rank_pids(server).values()).isdisjoint(before.values())
                           and len(rank_pids(server)) == 2, 60)
         ids = prompts(1, seed=12)[0]

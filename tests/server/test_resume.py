@@ -14,18 +14,13 @@ from resume_support import assert_same, killer, pid_of, resumed, run_workload
 from support import Server, wait_until
 
 COMMON = ("--kv-capacity", "4096", "--log-level", "warning")
+# replicas take turns, so engine1 runs half the workload when the disturbance comes
+DP2 = ("--dp", "2", "--route-policy", "round_robin")
 
 
 def stats(server: Server) -> dict:
     with Client(server.address, timeout=60) as c:
         return c.stats()
-
-
-def busiest(server: Server) -> str:
-    """The engine running the most requests now (the router may have sent them all
-    to one, by their cached prefixes)."""
-    engines = stats(server)["engines"]
-    return max(sorted(engines), key=lambda name: engines[name]["running"])
 
 
 def disturbed_equals_undisturbed(server: Server, disturb) -> dict:
@@ -34,15 +29,16 @@ def disturbed_equals_undisturbed(server: Server, disturb) -> dict:
     undisturbed = run_workload(server)
     disturbed = run_workload(server, disturb)
     assert_same(disturbed, undisturbed)
-    assert resumed(disturbed) >= 1, ([(o.finish_reason, o.resumes, len(o.tokens or ())) for o in disturbed], stats(server)["router"])
+    assert resumed(disturbed) >= 1, [(o.finish_reason, o.resumes) for o in disturbed]
     return stats(server)
 
 
 def test_a_replica_s_scheduler_killed_mid_stream_loses_no_request(llama_model):
-    server = Server(llama_model, "--dp", "2", *COMMON)
+    server = Server(llama_model, *DP2, *COMMON)
     try:
         after = disturbed_equals_undisturbed(server, killer(
-            lambda: pid_of(server, "scheduler_proc", f"--engine={busiest(server)}")))
+            lambda: pid_of(server, "scheduler_proc", "--engine=engine1"),
+            engine="engine1"))
         assert after["router"]["losses"] == 1 and after["router"]["resumes"] >= 1
         assert wait_until(lambda: stats(server)["router"]["engines_up"] == 2, 60)
         assert not any(" ERROR " in line and "Traceback" in line for line in server.stderr_lines)
@@ -51,17 +47,13 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_no_request(llama_model):
 
 
 def test_a_replica_s_worker_killed_mid_stream_loses_no_request(llama_model):
-    server = Server(llama_model, "--dp", "2", *COMMON)
+    server = Server(llama_model, *DP2, *COMMON)
     try:
-        victim = []
-
-        def worker_of_the_busiest():
-            victim.append(busiest(server))
-            index = int(victim[0][len("engine"):])   # engine 0's is plain "worker"
-            return pid_of(server, "worker_proc", f"--name=worker{index or ''}")
-        after = disturbed_equals_undisturbed(server, killer(worker_of_the_busiest))
-        assert after["engines"][victim[0]]["worker_restarts"] == 1
-        assert after["engines"][victim[0]]["resumes"] >= 1
+        after = disturbed_equals_undisturbed(
+            server, killer(lambda: pid_of(server, "worker_proc", "--name=worker1"),
+                           engine="engine1"))
+        assert after["engines"]["engine1"]["worker_restarts"] == 1
+        assert after["engines"]["engine1"]["resumes"] >= 1
     finally:
         server.stop()
 
@@ -69,7 +61,8 @@ def test_a_replica_s_worker_killed_mid_stream_loses_no_request(llama_model):
 def test_a_single_engine_s_worker_killed_mid_stream_loses_no_request(llama_model):
     server = Server(llama_model, "--kv-capacity", "4096", "--log-level", "info")
     try:
-        after = disturbed_equals_undisturbed(server, killer(lambda: server.child("worker_proc")))
+        after = disturbed_equals_undisturbed(
+            server, killer(lambda: server.child("worker_proc")))
         assert after["worker_restarts"] == 1 and after["resumes"] >= 1
         # counted where people look: /metrics and the access log
         metrics = urllib.request.urlopen(f"{server.http_url}/metrics").read().decode()
@@ -97,7 +90,8 @@ def test_a_rank_of_a_tp_group_killed_mid_stream_loses_no_request(llama_model):
     server = Server(llama_model, "--tp", "2", *COMMON)
     try:
         before = rank_pids(server)
-        after = disturbed_equals_undisturbed(server, killer(lambda: rank_pids(server)[1]))
+        after = disturbed_equals_undisturbed(
+            server, killer(lambda: rank_pids(server)[1]))
         assert after["worker_restarts"] == 1 and after["resumes"] >= 1
         assert set(rank_pids(server).values()).isdisjoint(before.values())
     finally:
@@ -108,19 +102,14 @@ def test_a_stopped_scheduler_is_replaced_within_the_worker_timeout(llama_model):
     """A SIGSTOPped scheduler answers nothing: its link's heartbeats go unanswered,
     the front end resumes its requests on the other replica within --worker-timeout
     and the launcher replaces the stopped engine."""
-    server = Server(llama_model, "--dp", "2", "--worker-timeout", "3", *COMMON)
-    victim = []
-
-    def scheduler_of_the_busiest():
-        victim.append(busiest(server))
-        return pid_of(server, "scheduler_proc", f"--engine={victim[0]}")
-    stop = killer(scheduler_of_the_busiest, signal.SIGSTOP)
+    server = Server(llama_model, *DP2, "--worker-timeout", "8", *COMMON)
+    stop = killer(lambda: pid_of(server, "scheduler_proc", "--engine=engine1"),
+                  signal.SIGSTOP, engine="engine1")
     try:
         after = disturbed_equals_undisturbed(server, stop)
         assert after["router"]["losses"] == 1 and after["router"]["resumes"] >= 1
         assert wait_until(lambda: stats(server)["router"]["engines_up"] == 2, 60)
-        assert pid_of(server, "scheduler_proc", f"--engine={victim[0]}") != stop.killed[0]
-        assert any(f"engine {victim[0]} is unresponsive" in line
-                   for line in server.stderr_lines)
+        assert pid_of(server, "scheduler_proc", "--engine=engine1") != stop.killed[0]
+        assert any("engine engine1 is unresponsive" in line for line in server.stderr_lines)
     finally:
         server.stop()

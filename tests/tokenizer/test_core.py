@@ -249,7 +249,7 @@ def test_chunks_fan_out_to_each_requests_own_sink(core, codec):
     assert whole.rid == "y" and whole.text == codec.decode(tb) and whole.token_ids == tb
     assert whole.finish_reason == "length"
     assert whole.usage == {"prompt_tokens": len(rb.input_ids), "completion_tokens": len(tb),
-                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
+                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0, "resumes": 0}
     assert core.stats() == {"streams": 0}
     core.check_integrity()
 
@@ -431,7 +431,7 @@ def test_a_failed_client_gets_a_final_error_chunk_per_request(core, codec):
     assert first.finish_reason is None and first.token_ids == ids[:1]
     assert final.finish_reason == "error" and final.error == "fell behind"
     assert final.usage == {"prompt_tokens": len(ra.input_ids), "completion_tokens": 1,
-                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
+                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0, "resumes": 0}
     assert core.abort(b"a", "x") == [] and core.stats() == {"streams": 1}
     core.check_integrity()
 
@@ -445,7 +445,7 @@ def test_a_request_ended_before_its_first_token_still_reports_usage(core):
     [final] = a.take()
     assert final.finish_reason == "error"
     assert final.usage == {"prompt_tokens": len(ra.input_ids), "completion_tokens": 0,
-                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
+                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0, "resumes": 0}
 
 
 class Clock:

@@ -259,10 +259,27 @@ def test_a_failure_reported_for_a_model_not_loading_is_ignored():
     async def run():
         t = two_models_one_fits()
         loader, host = loader_for(t)
+        running(t.find("a"))
         loader.failed(t.find("a"), "late")
         loader.failed(t.find("b"), "late")
         assert (t.find("a").state, t.find("b").state) == (LOADED, UNLOADED)
         assert t.find("a").failures == t.find("b").failures == 0
+    asyncio.run(run())
+
+
+def test_a_loaded_model_whose_engines_died_and_failed_to_restart_fails():
+    """Its requests wait parked for an engine that will not come: they end, and the
+    model's next request loads it again."""
+    async def run():
+        t = two_models_one_fits()
+        loader, host = loader_for(t)
+        a = running(t.find("a"))
+        assert a.busy == 1
+        a.engines.lost("e0")
+        assert a.engines.parked == 1 and a.busy == 1   # parked requests are work
+        loader.failed(a, "its scheduler process exited with code 1")
+        assert a.state == FAILED and a.failures == 1 and a.engines.parked == 0
+        assert "exited with code 1" in a.failure
     asyncio.run(run())
 
 

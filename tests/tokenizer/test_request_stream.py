@@ -104,7 +104,7 @@ def test_non_stream_sends_exactly_one_chunk_at_the_end(decode, encode):
     assert chunk.logprobs == [-0.5 - j for j in range(len(ids))]
     assert chunk.finish_reason == "length" and chunk.error is None
     assert chunk.usage == {"prompt_tokens": 5, "completion_tokens": len(ids),
-                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
+                           "cached_tokens": 0, "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0, "resumes": 0}
 
 
 def test_entry_without_tokens_sends_nothing(decode, encode):
@@ -145,7 +145,7 @@ def test_abort_without_tokens(decode):
     assert rs.finished and chunk.finish_reason == "abort"
     assert chunk.text == "" and chunk.token_ids == []
     assert chunk.usage == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0,
-                           "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
+                           "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0, "resumes": 0}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -165,7 +165,7 @@ def test_usage(decode, encode):
     chunks = feed(rs, entries_for(ids, prompt_tokens=11, cached=4))
     assert chunks[-1].usage == {"prompt_tokens": 11, "completion_tokens": len(ids),
                                 "cached_tokens": 4, "disk_tokens": 0, "pinned_tokens": 0,
-                                "accepted_tokens": 0}
+                                "accepted_tokens": 0, "resumes": 0}
     assert rs.usage == Usage(prompt_tokens=11, completion_tokens=len(ids),
                              cached_tokens=4)   # remembered from the scheduler's usage
 
@@ -241,7 +241,7 @@ def test_stop_string_usage_is_the_schedulers_latest_with_the_tokens_passed_on(de
     assert rs.finish_reason == "stop" and 1 < len(rs.token_ids) < len(ids)
     assert chunks[-1].usage == {"prompt_tokens": 9, "completion_tokens": len(rs.token_ids),
                                 "cached_tokens": 8, "disk_tokens": 0, "pinned_tokens": 0,
-                                "accepted_tokens": 0}
+                                "accepted_tokens": 0, "resumes": 0}
 
 
 def test_stop_string_spanning_several_tokens(decode, encode):

@@ -183,8 +183,8 @@ def test_a_lost_engine_s_requests_go_on_elsewhere_started_ones_resumed_from_thei
     assert [e for e, _ in resend] == ["e0", "e0"] and sorted(moved) == on_e1
     assert moved[started].output_ids == [5, 6, 7] and moved[started].resumes == 1
     assert moved[started].input_ids == ids(started)   # the prompt as it was
-    assert moved[unstarted] is not None and moved[unstarted].output_ids == []
-    assert moved[unstarted].resumes == 0
+    assert moved[unstarted].output_ids == []
+    assert moved[unstarted].resumes == 1   # run again whole, the loss counted
     assert engines.router.decisions["resume"] == 1 and engines.router.decisions["rerun"] == 1
     # a late batch of the lost engine is not its to report any more
     assert engines.on_batch("e1", TokenBatch([entry(unstarted)])).entries == []
@@ -206,6 +206,16 @@ def test_a_request_running_at_a_second_loss_ends_with_an_error_naming_the_engine
     assert resend == [] and end.rid == 1 and end.reason == "error"
     assert f"({second}) was lost" in end.message and "2 failures in a row" in end.message
     engines.check_integrity()
+
+
+def test_a_request_that_streamed_nothing_ends_at_its_second_loss_too():
+    """A prompt that kills every engine it reaches is not run a third time."""
+    engines = two_engines()
+    out, _ = engines.dispatch([request(1, ids(1))])
+    [(second, rerun)], _ = engines.lost(out[0][0])
+    assert rerun.output_ids == [] and rerun.resumes == 1
+    resend, [end] = engines.lost(second)
+    assert resend == [] and end.reason == "error" and "2 failures in a row" in end.message
 
 
 def test_a_resume_by_the_scheduler_counts_toward_the_second_loss():

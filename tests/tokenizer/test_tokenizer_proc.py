@@ -279,7 +279,7 @@ def test_stream_text_equals_the_full_decode(tok, client, llama_model, stop):
     assert chunks[-1].finish_reason == "length"
     assert chunks[-1].usage == {"prompt_tokens": len(req.input_ids),
                                 "completion_tokens": len(ids), "cached_tokens": 0,
-                                "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0}
+                                "disk_tokens": 0, "pinned_tokens": 0, "accepted_tokens": 0, "resumes": 0}
     assert all(c.logprobs is None for c in chunks)
 
 
@@ -304,7 +304,7 @@ def test_generate_returns_one_result(tok, client, bg, llama_model):
     assert result.finish_reason == "stop" and result.error is None
     assert result.usage == {"prompt_tokens": len(req.input_ids), "completion_tokens": len(ids),
                             "cached_tokens": 4, "disk_tokens": 0, "pinned_tokens": 0,
-                            "accepted_tokens": 0}
+                            "accepted_tokens": 0, "resumes": 0}
 
     fut = bg.submit(client.generate, "Hello", max_tokens=50)       # no logprobs asked
     req = tok.take_request()
@@ -648,7 +648,7 @@ def _reconnect_engine(tok: TokenizerProc, name: bytes) -> zmq.Socket:
     return sock
 
 
-def test_a_lost_engine_s_requests_end_or_run_again_and_a_new_one_is_used(tok, client, bg):
+def test_a_lost_engine_s_requests_go_on_elsewhere_or_wait_for_one_to_join(tok, client, bg):
     import httpx
 
     engine0 = tok.batches
@@ -667,23 +667,34 @@ def test_a_lost_engine_s_requests_end_or_run_again_and_a_new_one_is_used(tok, cl
     assert (a.input_ids, b.input_ids, c.input_ids) == ([1, 50], [1, 51], [1, 52])
     engine0.send(encode(TokenBatch([TokenEntry(a.rid, [60], [-0.1])])))   # A streams
     time.sleep(0.2)
-    engine0.close()   # engine0 goes: A (streaming) fails, C (not started) moves
+    engine0.close()   # engine0 goes: A resumes from its token so far, C runs again
     tok.sockets.remove(engine0)
-    result = results[0].result(CLIENT_TIMEOUT)
-    assert result.finish_reason == "error", result
-    moved = tok._recv(engine1, decoder, "C, run again")
-    assert moved.rid == c.rid and moved.input_ids == [1, 52]
-    engine1.send(encode(TokenBatch([TokenEntry(b.rid, [61], [0.0], finish_reason="length"),
+    moved = sorted((tok._recv(engine1, decoder, "A and C, moved") for _ in range(2)),
+                   key=lambda m: m.rid)
+    assert [m.rid for m in moved] == sorted([a.rid, c.rid])
+    moved_a, moved_c = moved if moved[0].rid == a.rid else moved[::-1]
+    assert (moved_a.input_ids, moved_a.output_ids, moved_a.resumes) == ([1, 50], [60], 1)
+    assert (moved_c.input_ids, moved_c.output_ids) == ([1, 52], [])
+    engine1.send(encode(TokenBatch([TokenEntry(a.rid, [63], [0.0], finish_reason="length"),
+                                    TokenEntry(b.rid, [61], [0.0], finish_reason="length"),
                                     TokenEntry(c.rid, [62], [0.0], finish_reason="length")])))
+    assert results[0].result(CLIENT_TIMEOUT).token_ids == [60, 63]
     assert results[1].result(CLIENT_TIMEOUT).token_ids == [61]
     assert results[2].result(CLIENT_TIMEOUT).token_ids == [62]
     assert httpx.get(health).status_code == 200
-    engine1.close()   # no engine left: health says so, a request ends at once
+    engine1.close()   # no engine left: health says so, a request waits for one
     tok.sockets.remove(engine1)
     assert wait_for(lambda: httpx.get(health).status_code == 503)
-    assert client.generate(input_ids=[1, 53], max_tokens=4).finish_reason == "error"
+    waiting = bg.submit(client.generate, input_ids=[1, 53], max_tokens=4)
+    time.sleep(0.3)
+    assert not waiting.done()
     tok.requests = tok.batches = _reconnect_engine(tok, b"engine0")   # it comes back
     tok.batches.send(encode(SchedulerReady(tok.limits, max_running_requests=64)))
+    parked = tok._recv(tok.batches, decoder, "the waiting request")
+    assert parked.input_ids == [1, 53]
+    tok.batches.send(encode(TokenBatch([TokenEntry(parked.rid, [64], [0.0],
+                                                   finish_reason="length")])))
+    assert waiting.result(CLIENT_TIMEOUT).token_ids == [64]
     assert wait_for(lambda: httpx.get(health).status_code == 200)
     serves_a_request(tok, client)
 
