@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,10 +65,11 @@ class Outcome:
     resumes: int = 0           # as its usage says (the SDK's)
 
 
-async def _sdk(client: AsyncClient, job: Job) -> Outcome:
+async def _sdk(client: AsyncClient, job: Job, streaming: threading.Event) -> Outcome:
     tokens, logprobs, text, last = [], [], "", None
     async for chunk in client.stream(input_ids=job.ids, max_tokens=MAX_TOKENS,
                                      logprobs=True, **job.params):
+        streaming.set()
         tokens += chunk.token_ids
         logprobs += chunk.logprobs or []
         text += chunk.text
@@ -96,16 +98,16 @@ async def _openai(client: openai.AsyncOpenAI, model: str, job: Job) -> Outcome:
 
 
 async def _run(server: Server, disturb=None) -> list[Outcome]:
-    jobs = workload()
+    jobs, streaming = workload(), threading.Event()
     http = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none",
                               max_retries=0, timeout=180)
     async with AsyncClient(server.address, timeout=180) as sdk:
         model = (await http.models.list()).data[0].id
-        tasks = [asyncio.ensure_future(_sdk(sdk, job) if job.via == "sdk" else
+        tasks = [asyncio.ensure_future(_sdk(sdk, job, streaming) if job.via == "sdk" else
                                        _openai(http, model, job))
                  for job in jobs]
-        if disturb is not None:   # (the server runs ahead of what this loop has read)
-            tasks.append(asyncio.ensure_future(disturb(sdk)))
+        if disturb is not None:   # in a thread: this loop is busy reading 12 streams
+            tasks.append(asyncio.ensure_future(asyncio.to_thread(disturb, streaming)))
         results = (await asyncio.gather(*tasks))[:len(jobs)]
     await http.close()
     return results
@@ -117,7 +119,8 @@ def resumed(outcomes: list[Outcome]) -> int:
 
 
 def run_workload(server: Server, disturb=None) -> list[Outcome]:
-    """The workload's outcomes; `await disturb(client)` runs beside it."""
+    """The workload's outcomes; `disturb(streaming)` runs beside it, in a thread
+    (`streaming` is set once a stream has had its first chunk)."""
     return asyncio.run(_run(server, disturb))
 
 
@@ -164,21 +167,24 @@ def pid_of(server: Server, module: str, *args: str) -> int:
     raise LookupError((module, args))
 
 
+# The engines run ahead of what this process has read (a tiny model on two cores
+# outpaces a Python client reading 12 streams): the disturbance is timed from the
+# first chunk read, when every request has been sent and its engine is decoding it.
+DISTURB_AFTER_S = 0.3
+
+
 def killer(pid_fn, sig=signal.SIGKILL, engine: str | None = None):
-    """A disturbance: once the server (or its `engine`) runs at least five requests
-    (so one of the SDK's, whichever the openai client's are), `sig` to the process
-    `pid_fn()` names at that moment (kept in `.killed`)."""
+    """A disturbance: DISTURB_AFTER_S after the first chunk (all 12 requests run,
+    the engines are a few hundred tokens into them; `engine`: the one disturbed),
+    `sig` to the process `pid_fn()` names at that moment (kept in `.killed`)."""
     killed = []
 
-    def running(stats: dict) -> int:
-        return stats["engines"][engine]["running"] if engine else stats["running"]
-
-    async def disturb(client: AsyncClient):
-        deadline = time.monotonic() + 60
-        while running(await client.stats()) < 5 and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+    def disturb(streaming: threading.Event):
+        assert streaming.wait(60), "no stream started"
+        time.sleep(DISTURB_AFTER_S)
         pid = pid_fn()
         killed.append(pid)
         os.kill(pid, sig)
     disturb.killed = killed
+    disturb.engine = engine
     return disturb
