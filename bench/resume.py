@@ -1,8 +1,9 @@
 """What a resume costs: N streams run, and once each has streamed S tokens a process
 serving them is SIGKILLed; each stream pauses and goes on from its tokens. Printed,
-per scenario: the pause of the resumed streams (their longest gap between chunks),
-next to the same streams' ordinary gaps and a fresh request's TTFT with a prompt as
-long as prompt + S (the prefill a resume runs). Scenarios:
+per scenario: the pause of the resumed streams (the gap between chunks across the
+kill), next to the same streams' ordinary gaps, a fresh request's TTFT with a prompt
+as long as prompt + S (the prefill a resume runs) and the slowest TTFT of N such
+requests sent at once to the idle server (the prefill work of resuming N). Scenarios:
 
   dp2-scheduler  --dp 2, engine1's scheduler killed: its streams go on on engine0
                  (detection + the resumed prefill; no restart is waited for)
@@ -64,20 +65,29 @@ async def _run(server, prompts, gen_len, after, victim) -> tuple[list, float]:
         return await asyncio.gather(*jobs), killed_at
 
 
-async def _ttft(server, ids) -> float:
-    async with AsyncClient(server.address, timeout=600) as c:
-        start = time.perf_counter()
-        async for _ in c.stream(input_ids=ids, max_tokens=1):
-            return time.perf_counter() - start
+async def _ttft(client, ids) -> float:
+    start = time.perf_counter()
+    async for _ in client.stream(input_ids=ids, max_tokens=1):
+        return time.perf_counter() - start
     return float("nan")
 
 
-def scenario(name, model, flags, victim_words, args, vocab) -> None:
+async def _ttfts(server, prompts, at_once: bool) -> list[float]:
+    """Each fresh prompt's TTFT: one at a time, or all sent at once."""
+    async with AsyncClient(server.address, timeout=600) as c:
+        if at_once:
+            return list(await asyncio.gather(*(_ttft(c, p) for p in prompts)))
+        return [await _ttft(c, p) for p in prompts]
+
+
+def scenario(name, model, flags, victim_words, burst_n, args, vocab) -> None:
     server = MlxdServer(model, *flags)
     try:
         prompts = random_prompts(args.n, args.prompt_len, vocab, seed=11)
-        fresh = [asyncio.run(_ttft(server, p)) for p in
-                 random_prompts(3, args.prompt_len + args.after, vocab, seed=99)]
+        long_len = args.prompt_len + args.after
+        fresh = asyncio.run(_ttfts(server, random_prompts(3, long_len, vocab, seed=99), False))
+        burst = asyncio.run(_ttfts(server, random_prompts(burst_n, long_len, vocab, seed=98),
+                                   True))
         runs, killed_at = asyncio.run(_run(server, prompts, args.gen_len, args.after,
                                            lambda: pid_of(server, *victim_words)))
     finally:
@@ -94,8 +104,8 @@ def scenario(name, model, flags, victim_words, args, vocab) -> None:
           f"{statistics.median(resumed) * 1e3:.0f} ms (min {min(resumed) * 1e3:.0f}, max "
           f"{max(resumed) * 1e3:.0f}); ordinary gap median "
           f"{statistics.median(gaps) * 1e3:.1f} ms; fresh TTFT for "
-          f"{args.prompt_len + args.after} prompt tokens "
-          f"{statistics.median(fresh) * 1e3:.0f} ms")
+          f"{long_len} prompt tokens {statistics.median(fresh) * 1e3:.0f} ms, the slowest "
+          f"of {burst_n} sent at once to the idle server {max(burst) * 1e3:.0f} ms")
 
 
 def main() -> None:
@@ -115,9 +125,9 @@ def main() -> None:
     base = ["--speculative", "off", "--max-running-requests", str(2 * args.n)]
     if args.scenario in ("dp2-scheduler", "both"):
         scenario("dp2-scheduler", model, [*base, "--dp", "2"],
-                 ("mlxd.scheduler_proc", "--engine=engine1"), args, vocab)
+                 ("mlxd.scheduler_proc", "--engine=engine1"), args.n, args, vocab)
     if args.scenario in ("worker", "both"):
-        scenario("worker", model, base, ("mlxd.worker_proc",), args, vocab)
+        scenario("worker", model, base, ("mlxd.worker_proc",), args.n, args, vocab)
 
 
 if __name__ == "__main__":
