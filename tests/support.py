@@ -53,6 +53,27 @@ def reference_tokens(model_path: str, input_ids: list[int], max_tokens: int,
             for r in stream_generate(model, tokenizer, input_ids, max_tokens=max_tokens)]
 
 
+# Two chosen tokens whose logprobs are this close were tied: which one wins depends on
+# the order of a float sum, and a resumed request computes its earlier tokens' KV in
+# one prefill where the undisturbed run computed it one decode step at a time.
+TIE = 1e-4
+
+
+def assert_same_stream(tokens: list, logprobs: list[float], want_tokens: list,
+                       want_logprobs: list[float], label=None) -> bool:
+    """One stream's tokens equal another's, and their chosen-token logprobs agree to
+    1e-3, up to the end or a tie (two different tokens chosen with logprobs within
+    TIE), after which the streams may go apart. Whether they were equal to the end."""
+    for i, (a, b) in enumerate(zip(tokens, want_tokens)):
+        apart = abs(logprobs[i] - want_logprobs[i])
+        if a != b:
+            assert apart < TIE, (label, i, a, b, logprobs[i - 2:i + 1], want_logprobs[i - 2:i + 1])
+            return False
+        assert apart < 1e-3, (label, i, logprobs[i], want_logprobs[i])
+    assert len(tokens) == len(want_tokens), label
+    return True
+
+
 def encode(model_path: str, prompt: str) -> list[int]:
     _, tokenizer = load_reference(model_path)
     return tokenizer.encode(prompt)

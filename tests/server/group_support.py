@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 from mlxd.client import AsyncClient, Client
-from resume_support import assert_same_stream
-from support import ROOT, Server, children_of, reference_tokens, wait_until
+from support import (
+    ROOT, Server, assert_same_stream, children_of, reference_tokens, wait_until,
+)
 
 MAX_TOKENS = 12
 
@@ -75,7 +76,7 @@ def serves_exactly(server: Server, model: str) -> dict:
 def lose_a_rank(model: str, how: str, *split: str) -> None:
     """SIGKILL or SIGSTOP rank 1 of a 2-rank group under load: every request resumes
     on the new group and completes with the tokens of an undisturbed run (up to a
-    tie: resume_support.assert_same_stream), the group comes back with new
+    tie: support.assert_same_stream), the group comes back with new
     processes, and the next greedy request is exact."""
     server = Server(model, *split, "--kv-capacity", "4096", "--speculative", "off",
                     "--worker-timeout", "3", "--log-level", "warning")

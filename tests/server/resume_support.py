@@ -15,7 +15,7 @@ import openai
 
 from mlxd.client import AsyncClient
 from structured_support import response_formats
-from support import Server, children_of
+from support import Server, assert_same_stream, children_of
 
 MAX_TOKENS = 1024   # long enough to be running when the disturbance comes
 VOCAB = 500
@@ -122,27 +122,6 @@ def run_workload(server: Server, disturb=None) -> list[Outcome]:
     """The workload's outcomes; `disturb(streaming)` runs beside it, in a thread
     (`streaming` is set once a stream has had its first chunk)."""
     return asyncio.run(_run(server, disturb))
-
-
-# Two chosen tokens whose logprobs are this close were tied: which one wins depends on
-# the order of a float sum, and a resumed request computes its earlier tokens' KV in
-# one prefill where the undisturbed run computed it one decode step at a time.
-TIE = 1e-4
-
-
-def assert_same_stream(tokens: list, logprobs: list[float], want_tokens: list,
-                       want_logprobs: list[float], label=None) -> bool:
-    """One stream's tokens equal another's, and their chosen-token logprobs agree to
-    1e-3, up to the end or a tie (two different tokens chosen with logprobs within
-    TIE), after which the streams may go apart. Whether they were equal to the end."""
-    for i, (a, b) in enumerate(zip(tokens, want_tokens)):
-        if a != b:
-            assert abs(logprobs[i] - want_logprobs[i]) < TIE, (label, i, a, b, logprobs[i - 2:i + 1],
-                                                                 want_logprobs[i - 2:i + 1])
-            return False
-        assert abs(logprobs[i] - want_logprobs[i]) < 1e-3, (label, i, logprobs[i], want_logprobs[i])
-    assert len(tokens) == len(want_tokens), label
-    return True
 
 
 def assert_same(disturbed: list[Outcome], undisturbed: list[Outcome]) -> None:
