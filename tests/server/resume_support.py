@@ -17,7 +17,7 @@ from mlxd.client import AsyncClient
 from structured_support import response_formats
 from support import Server, assert_same_stream, children_of
 
-MAX_TOKENS = 1024   # long enough to be running when the disturbance comes
+MAX_TOKENS = 2048   # long enough to be running when the disturbance comes
 VOCAB = 500
 
 
@@ -65,11 +65,23 @@ class Outcome:
     resumes: int = 0           # as its usage says (the SDK's)
 
 
-async def _sdk(client: AsyncClient, job: Job, streaming: threading.Event) -> Outcome:
+class Started:
+    """Set once each of `n` streams has had its first chunk."""
+
+    def __init__(self, n: int):
+        self.left, self.event = set(range(n)), threading.Event()
+
+    def first_chunk(self, index: int) -> None:
+        self.left.discard(index)
+        if not self.left:
+            self.event.set()
+
+
+async def _sdk(client: AsyncClient, job: Job, started: Started) -> Outcome:
     tokens, logprobs, text, last = [], [], "", None
     async for chunk in client.stream(input_ids=job.ids, max_tokens=MAX_TOKENS,
                                      logprobs=True, **job.params):
-        streaming.set()
+        started.first_chunk(job.index)
         tokens += chunk.token_ids
         logprobs += chunk.logprobs or []
         text += chunk.text
@@ -98,16 +110,20 @@ async def _openai(client: openai.AsyncOpenAI, model: str, job: Job) -> Outcome:
 
 
 async def _run(server: Server, disturb=None) -> list[Outcome]:
-    jobs, streaming = workload(), threading.Event()
+    jobs = workload()
+    started = Started(len(jobs))
+    for job in jobs:
+        if job.via != "sdk":
+            started.first_chunk(job.index)   # (waited for through the SDK's only)
     http = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none",
                               max_retries=0, timeout=180)
     async with AsyncClient(server.address, timeout=180) as sdk:
         model = (await http.models.list()).data[0].id
-        tasks = [asyncio.ensure_future(_sdk(sdk, job, streaming) if job.via == "sdk" else
+        tasks = [asyncio.ensure_future(_sdk(sdk, job, started) if job.via == "sdk" else
                                        _openai(http, model, job))
                  for job in jobs]
         if disturb is not None:   # in a thread: this loop is busy reading 12 streams
-            tasks.append(asyncio.ensure_future(asyncio.to_thread(disturb, streaming)))
+            tasks.append(asyncio.ensure_future(asyncio.to_thread(disturb, started.event)))
         results = (await asyncio.gather(*tasks))[:len(jobs)]
     await http.close()
     return results
@@ -119,8 +135,8 @@ def resumed(outcomes: list[Outcome]) -> int:
 
 
 def run_workload(server: Server, disturb=None) -> list[Outcome]:
-    """The workload's outcomes; `disturb(streaming)` runs beside it, in a thread
-    (`streaming` is set once a stream has had its first chunk)."""
+    """The workload's outcomes; `disturb(started)` runs beside it, in a thread
+    (`started` is set once each of the SDK's streams has had its first chunk)."""
     return asyncio.run(_run(server, disturb))
 
 
@@ -146,20 +162,22 @@ def pid_of(server: Server, module: str, *args: str) -> int:
     raise LookupError((module, args))
 
 
-# The engines run ahead of what this process has read (a tiny model on two cores
-# outpaces a Python client reading 12 streams): the disturbance is timed from the
-# first chunk read, when every request has been sent and its engine is decoding it.
-DISTURB_AFTER_S = 0.3
+# The engines run ahead of what the front end has passed on (a tiny model on two
+# cores outpaces it with 12 streams): the disturbance is timed from the first chunk
+# of the SDK's last stream to start, when the front end holds tokens of every request
+# on both engines (a lost engine's requests are then resumed, not run again) and the
+# engines are a few hundred of their 2048 tokens in.
+DISTURB_AFTER_S = 0.2
 
 
 def killer(pid_fn, sig=signal.SIGKILL, engine: str | None = None):
-    """A disturbance: DISTURB_AFTER_S after the first chunk (all 12 requests run,
-    the engines are a few hundred tokens into them; `engine`: the one disturbed),
-    `sig` to the process `pid_fn()` names at that moment (kept in `.killed`)."""
+    """A disturbance: DISTURB_AFTER_S after each SDK stream's first chunk (`engine`:
+    the one disturbed), `sig` to the process `pid_fn()` names at that moment (kept in
+    `.killed`)."""
     killed = []
 
-    def disturb(streaming: threading.Event):
-        assert streaming.wait(60), "no stream started"
+    def disturb(started: threading.Event):
+        assert started.wait(60), "a stream never started"
         time.sleep(DISTURB_AFTER_S)
         pid = pid_fn()
         killed.append(pid)

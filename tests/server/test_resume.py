@@ -13,8 +13,8 @@ from group_support import rank_pids
 from resume_support import assert_same, killer, pid_of, resumed, run_workload
 from support import Server, wait_until
 
-# room for all 12 requests at once (16 + 1024 tokens each): none waits for another
-COMMON = ("--kv-capacity", "16384", "--log-level", "warning")
+# room for all 12 requests at once (16 + 2048 tokens each): none waits for another
+COMMON = ("--kv-capacity", "32768", "--log-level", "warning")
 # replicas take turns, so engine1 runs half the workload when the disturbance comes
 DP2 = ("--dp", "2", "--route-policy", "round_robin")
 
@@ -62,7 +62,7 @@ def test_a_replica_s_worker_killed_mid_stream_loses_no_request(llama_model):
 
 
 def test_a_single_engine_s_worker_killed_mid_stream_loses_no_request(llama_model):
-    server = Server(llama_model, "--kv-capacity", "16384", "--log-level", "info")
+    server = Server(llama_model, "--kv-capacity", "32768", "--log-level", "info")
     try:
         after = disturbed_equals_undisturbed(
             server, killer(lambda: server.child("worker_proc")))
