@@ -7,10 +7,10 @@ On this machine the address is the front end's `ipc://` one; an engine on anothe
 machine (`mlxd engine --join`) connects over `tcp://` with CURVE under the front
 end's own key pair, which the front end's authenticator alone accepts, and ZeroMQ
 heartbeats notice a peer that vanished; a frame over MAX_FRAME_BYTES (a handshake's
-too, read before the key is checked) ends the connection. The socket monitor reports the connection's
-ends and new starts: the loop re-announces itself on each new start (a restarted
-front end learns of it) and drops the requests of an ended one (nobody waits for
-them any more).
+too, read before the key is checked) ends the connection. The socket monitor
+reports the connection's ends and new starts: the loop re-announces itself on each
+new start (a restarted front end learns of it) and drops the requests of an ended
+one (nobody waits for them any more).
 """
 
 import zmq

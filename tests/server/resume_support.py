@@ -66,10 +66,10 @@ class Outcome:
 
 
 class Started:
-    """Set once each of `n` streams has had its first chunk."""
+    """Set once each of the jobs `indices` names has had its first chunk."""
 
-    def __init__(self, n: int):
-        self.left, self.event = set(range(n)), threading.Event()
+    def __init__(self, indices: set[int]):
+        self.left, self.event = indices, threading.Event()
 
     def first_chunk(self, index: int) -> None:
         self.left.discard(index)
@@ -111,10 +111,7 @@ async def _openai(client: openai.AsyncOpenAI, model: str, job: Job) -> Outcome:
 
 async def _run(server: Server, disturb=None) -> list[Outcome]:
     jobs = workload()
-    started = Started(len(jobs))
-    for job in jobs:
-        if job.via != "sdk":
-            started.first_chunk(job.index)   # (waited for through the SDK's only)
+    started = Started({job.index for job in jobs if job.via == "sdk"})
     http = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none",
                               max_retries=0, timeout=180)
     async with AsyncClient(server.address, timeout=180) as sdk:
