@@ -7,7 +7,7 @@ processes (`mlxd.tokenizer_proc`, `mlxd.scheduler_proc`, `mlxd.worker_proc`), th
 wire (`mlxd.protocol`), shared plumbing (`mlxd.runtime`), models
 (`mlxd.model_store`) and the launcher (`mlxd.launcher`, the `mlxd` command).
 In the source tree those folders sit beside this one, and `mlxd/<part>` is a
-symbolic link to each (see docs/ARCHITECTURE.md, "Packaging"), so an import path
+symbolic link to each (see docs/design/packaging.md), so an import path
 is a file path for Python, an install and every static tool alike.
 """
 

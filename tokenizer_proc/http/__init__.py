@@ -1,5 +1,5 @@
 """The OpenAI- and Anthropic-compatible HTTP API of the tokenizer process
-(docs/ARCHITECTURE.md, "HTTP front end")."""
+(docs/design/http.md)."""
 
 from .server import HttpFrontEnd
 

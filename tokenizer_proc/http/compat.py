@@ -1,4 +1,4 @@
-"""The compatibility policy (docs/ARCHITECTURE.md, "Compatibility policy"), applied by
+"""The compatibility policy (docs/design/http.md, "Compatibility policy"), applied by
 one table, `TABLE`, to a request body's JSON before its model validates it.
 
 Each row names a field of an API this server speaks (OpenAI's, Anthropic's, or
