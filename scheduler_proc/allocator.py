@@ -1,4 +1,17 @@
-"""KV slot allocator over the worker's pool capacity. Slot 0 is padding, never handed out."""
+"""KV slot allocator over the worker's pool, in pages.
+
+The pool's slots come in pages of `page` consecutive ids: page q holds slots
+q * page .. q * page + page - 1. Page 0 is never handed out (slot 0 is padding).
+A page is handed out whole, and a sequence's position p always sits at offset
+p mod page of its page: a run of positions of one request fills one page in
+order, so the worker attends a request's KV where it lies, page by page, without
+copying it anywhere (worker_proc/paged_batch.py).
+
+A page's slots are freed one by one (the radix tree evicts tokens, a verify's
+rejected drafts go back); the page itself is free again once none of its slots is
+held. Until then its free slots are loose: only the request that took the page
+(its open page, see `extend`) writes there again. With `page` 1 a page is a slot.
+"""
 
 
 class OutOfSlots(RuntimeError):
@@ -6,46 +19,134 @@ class OutOfSlots(RuntimeError):
 
 
 class SlotAllocator:
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._free = list(range(capacity, 0, -1))   # pop() hands out low ids first
-        self._is_free = bytearray([0]) + bytearray([1]) * capacity
+    def __init__(self, capacity: int, page: int = 1):
+        self.page = page
+        self.pages = capacity // page
+        self.capacity = self.pages * page
+        self._free_pages = list(range(self.pages, 0, -1))   # pop() hands out low ids first
+        self._page_free = bytearray([0]) + bytearray([1]) * self.pages
+        self._held = [0] * (self.pages + 1)   # held slots per page
+        rows = (self.pages + 1) * page
+        self._is_free = bytearray([0]) * page + bytearray([1]) * (rows - page)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Slots in free pages: what any request can be handed."""
+        return len(self._free_pages) * self.page
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
 
     @property
     def num_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self.num_free
+
+    @property
+    def num_unheld(self) -> int:
+        """Slots holding nothing: those of free pages and the loose ones."""
+        return sum(self._is_free)
+
+    @property
+    def num_loose(self) -> int:
+        """Free slots of pages still held: only their page's taker writes there."""
+        return self.num_unheld - self.num_free
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return self.pages_for(n) <= len(self._free_pages)
+
+    def pages_for(self, n: int) -> int:
+        """Pages `n` positions of one request take at most."""
+        return n if self.page == 1 else -(-n // self.page) + 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfSlots(f"asked for {n} slots, {len(self._free)} free")
-        slots = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        for s in slots:
+        """`n` slots for positions 0..n-1 of a new run (fresh pages)."""
+        return self.extend(0, n, 0)
+
+    def extend(self, start: int, n: int, open_page: int) -> list[int]:
+        """Slots for positions start .. start + n - 1 of a sequence, position p at
+        offset p mod page: in `open_page` (the page the sequence took last, 0: none)
+        while p stays within it and its slot is free, else in fresh pages."""
+        page = self.page
+        kept = self._kept(start, n, open_page)   # positions that stay in the open page
+        first, rest = start + kept, n - kept
+        need = (first + rest - 1) // page - first // page + 1 if rest else 0
+        if need > len(self._free_pages):
+            raise OutOfSlots(f"asked for {need} pages, {len(self._free_pages)} free")
+        fresh = self._free_pages[len(self._free_pages) - need:][::-1]
+        del self._free_pages[len(self._free_pages) - need:]
+        slots, q = [], open_page
+        for i, p in enumerate(range(start, start + n)):
+            if i >= kept and (i == kept or p % page == 0):
+                q = fresh.pop(0)
+                self._page_free[q] = 0
+            s = q * page + p % page
             self._is_free[s] = 0
+            self._held[q] += 1
+            slots.append(s)
         return slots
 
+    def _kept(self, start: int, n: int, q: int) -> int:
+        """How many of positions start.. go on in open page `q`: those before the
+        page ends, while their slots are free."""
+        page = self.page
+        if page == 1 or not q or self._page_free[q] or start % page == 0:
+            return 0
+        kept = 0
+        while kept < n and (start + kept) % page and \
+                self._is_free[q * page + (start + kept) % page]:
+            kept += 1
+        return kept
+
     def free(self, slots: list[int]) -> None:
-        """Return slots; a list with any slot that is not allocated changes nothing."""
+        """Return slots; a list with any slot that is not allocated changes nothing.
+        A page none of whose slots is held any more is free again."""
+        self._check(slots)
+        for s in slots:
+            self._release(s)
+
+    def free_keep(self, slots: list[int], open_page: int) -> None:
+        """`free`, but `open_page` stays with its taker even when emptied."""
+        self._check(slots)
+        for s in slots:
+            self._release(s, open_page)
+
+    def _check(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots):
             raise ValueError("freeing the same slot twice")
         for s in slots:
-            if not 1 <= s <= self.capacity or self._is_free[s]:
+            if not self.page <= s < len(self._is_free) or self._is_free[s]:
                 raise ValueError(f"freeing slot {s} that is not allocated")
-        for s in slots:
-            self._is_free[s] = 1
-        self._free += slots
+
+    def _release(self, s: int, keep: int = 0) -> None:
+        q = s // self.page
+        self._is_free[s] = 1
+        self._held[q] -= 1
+        if not self._held[q] and q != keep:
+            self._give_page(q)
+
+    def _give_page(self, q: int) -> None:
+        self._page_free[q] = 1
+        self._free_pages.append(q)
+
+    def close_page(self, q: int) -> None:
+        """Its taker lets go of page `q`: free now if none of its slots is held."""
+        if q and not self._held[q] and not self._page_free[q]:
+            self._give_page(q)
 
     def check_integrity(self) -> None:
-        """free + used == capacity, no slot free twice, slot 0 never free."""
-        assert self._is_free[0] == 0, "padding slot 0 is marked free"
-        assert len(set(self._free)) == len(self._free), "a slot is on the free list twice"
-        assert all(self._is_free[s] for s in self._free), "free list and bitmap disagree"
-        assert sum(self._is_free) == len(self._free), "bitmap counts a slot not on the free list"
-        assert all(1 <= s <= self.capacity for s in self._free), "free slot out of range"
+        """Every page free or holding slots (or kept open), a free page's slots all
+        free, slot 0's page never free."""
+        page = self.page
+        assert self._page_free[0] == 0 and not any(self._is_free[:page]), \
+            "padding page 0 is marked free"
+        assert len(set(self._free_pages)) == len(self._free_pages), \
+            "a page is on the free list twice"
+        assert all(self._page_free[q] for q in self._free_pages), "free list and bitmap disagree"
+        assert sum(self._page_free) == len(self._free_pages), \
+            "bitmap counts a page not on the free list"
+        for q in range(1, self.pages + 1):
+            row = self._is_free[q * page:(q + 1) * page]
+            assert self._held[q] == page - sum(row), "a page's held count is off"
+            if self._page_free[q]:
+                assert self._held[q] == 0, "a free page holds slots"

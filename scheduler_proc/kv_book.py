@@ -47,10 +47,14 @@ class KVBook:
     def __init__(self, capacity: int, use_tree: bool = True, state_slots: int = 0,
                  snapshot_slots: int = 0, window_capacity: int = 0, window: int = 0,
                  max_pinned: int = -1, pin_ttl_scale: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, page: int = 1):
         """`max_pinned`: the most slots pins may hold (-1: a quarter of `capacity`);
-        `pin_ttl_scale` multiplies every pin's TTL (tests shorten them)."""
-        self.capacity = capacity
+        `pin_ttl_scale` multiplies every pin's TTL (tests shorten them); `page`: the
+        pool's positions per page (allocator.py; the worker reads its rows' KV in
+        place page by page, so a request's slots never move while it runs)."""
+        self.page = page
+        self.allocator = SlotAllocator(capacity, page)
+        self.capacity = capacity = self.allocator.capacity
         # window slots: the largest sliding window of the model (0: no window pool)
         self.window = window if window_capacity else 0
         self.window_capacity = window_capacity if self.window else 0
@@ -63,7 +67,6 @@ class KVBook:
         self._free_snapshots = list(range(state_slots + self.snapshot_slots, state_slots, -1))
         # Eviction walks the whole tree: free a batch at a time, not one slot per step.
         self.evict_batch = max(1, min(256, capacity // 64))
-        self.allocator = SlotAllocator(capacity)
         self.tree = (RadixCache(self.allocator.free, self._free_snapshots.append,
                                 self.windows.free, clock) if use_tree else None)
         self.max_pinned = (max_pinned if max_pinned >= 0 else capacity // 4) if use_tree else 0
@@ -91,14 +94,42 @@ class KVBook:
         """Window slots one request's next `n` tokens take at most."""
         return min(n, self.window + 1)
 
-    def can_have(self, n: int, windows: int = 0) -> bool:
-        """`n` slots and `windows` window slots can be had (evicting if need be)."""
-        return self.available >= n and (not self.window or self.available_windows >= windows)
+    def room(self, n: int, start: int = -1) -> int:
+        """Free slots `n` positions of one request need, from position `start` (-1:
+        anywhere): the pages they touch (allocator.py)."""
+        page = self.page
+        if page == 1 or not n:
+            return n
+        if start < 0:
+            return self.allocator.pages_for(n) * page
+        return ((start + n - 1) // page - start // page + 1) * page
 
-    def make_room(self, n: int, windows: int = 0) -> bool:
-        """Ensure `n` free slots and `windows` free window slots (with a window
-        pool), evicting unlocked tree leaves if needed."""
+    def can_have(self, n: int, windows: int = 0, slots: int = -1) -> bool:
+        """Room for `n` positions of one request (or exactly `slots` free slots) and
+        `windows` window slots can be had (evicting if need be)."""
+        need = self.room(n) if slots < 0 else slots
+        return self.available >= need and (
+            not self.window or self.available_windows >= windows)
+
+    def decode_room(self, reqs: list[Request]) -> int:
+        """Free slots one more position of each of `reqs` needs: a page each whose
+        next position starts a page."""
+        return self.page * sum(1 for r in reqs if self._next_page(r))
+
+    def _next_page(self, req: Request) -> bool:
+        n = len(req.slot_ids)
+        return self.page == 1 or n % self.page == 0 or n // self.page not in req.own_pages
+
+    def make_room(self, n: int, windows: int = 0, slots: int = -1) -> bool:
+        """Ensure free slots for `n` positions of one request (or exactly `slots`
+        free slots) and `windows` free window slots (with a window pool), evicting
+        unlocked tree leaves if needed. A page is free once the tree lets go of
+        every slot it holds there, so eviction goes on until enough are."""
         windows = windows if self.window else 0
+        n = self.room(n) if slots < 0 else slots
+        while self.page > 1 and n > self.allocator.num_free and self.tree and \
+                self.tree.evict(max(n - self.allocator.num_free, self.evict_batch)):
+            pass
         short = n - self.allocator.num_free
         short_windows = windows - self.windows.num_free
         if (short > 0 or short_windows > 0) and self.tree:
@@ -119,15 +150,24 @@ class KVBook:
         """`n` free slots that belong to no request (call make_room first)."""
         return self.allocator.allocate(n)
 
+    def _take(self, req: Request, n: int) -> list[int]:
+        """Slots for the request's next `n` positions, in the pages it took for their
+        windows where it has them (allocator.py); appended to its `slot_ids`."""
+        page, start = self.page, len(req.slot_ids)
+        slots = self.allocator.extend(start, n, req.own_pages.get(start // page, 0))
+        if page > 1 and n:
+            for p in range(start - start % page, start + n, page):
+                req.own_pages[p // page] = slots[max(p, start) - start] // page
+        req.slot_ids += slots
+        return slots
+
     def extend(self, req: Request, n: int, window_keep: int = 0) -> list[int]:
         """`n` new private slots for the request's next `n` tokens, appended to its
         `slot_ids` (call make_room first). Returns them. With a window pool, window
         slots for the last `window_keep` of them (0: `window + 1`)."""
         if self.window:
             self._extend_windows(req, n, window_keep or self.window + 1)
-        slots = self.allocator.allocate(n)
-        req.slot_ids += slots
-        return slots
+        return self._take(req, n)
 
     def drop_tail(self, req: Request, keep: int) -> None:
         """The request keeps its first `keep` positions; the private slots (and window
@@ -136,8 +176,11 @@ class KVBook:
         tail = req.slot_ids[cut:]
         if not tail:
             return
-        self.allocator.free(tail)
+        self.allocator.free_keep(tail, req.own_pages.get((cut - 1) // self.page, 0)
+                                 if cut else 0)
         del req.slot_ids[cut:]
+        for w in [w for w in req.own_pages if w * self.page >= cut and self.page > 1]:
+            self.allocator.close_page(req.own_pages.pop(w))
         if self.window:
             self.windows.free([w for w in req.window_ids[cut:] if w])
             del req.window_ids[cut:]
@@ -148,10 +191,12 @@ class KVBook:
         if self.window:
             for req in reqs:
                 self._extend_windows(req, 1)
-        slots = self.allocator.allocate(len(reqs))
-        for req, slot in zip(reqs, slots):
-            req.slot_ids.append(slot)
-        return slots
+        if self.page == 1:
+            slots = self.allocator.allocate(len(reqs))
+            for req, slot in zip(reqs, slots):
+                req.slot_ids.append(slot)
+            return slots
+        return [self._take(req, 1)[0] for req in reqs]
 
     # ---- window slots ---------------------------------------------------------------
 
@@ -263,7 +308,11 @@ class KVBook:
             return
         tokens = req.all_ids[:len(req.slot_ids)]
         already = self.tree.insert(tokens, req.slot_ids, req.window_ids)
-        self.allocator.free(req.slot_ids[req.prefix_len:already])   # duplicates
+        duplicates = req.slot_ids[req.prefix_len:already]
+        if self.page > 1:   # the worker reads them in place until the request stops
+            req.spare_ids += duplicates
+        else:
+            self.allocator.free(duplicates)
         if self.window:   # the tree takes the duplicates' window slots where it has none
             private = [0] * req.prefix_len + req.window_ids[req.prefix_len:already]
             self.windows.free(self.tree.adopt_windows(tokens, private, already))
@@ -306,6 +355,10 @@ class KVBook:
         else:
             self.allocator.free(req.slot_ids[req.prefix_len:])
             self.windows.free([w for w in req.window_ids[req.prefix_len:] if w])
+        self.allocator.free(req.spare_ids)
+        for page in req.own_pages.values():
+            self.allocator.close_page(page)
+        req.spare_ids, req.own_pages = [], {}
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len, req.slot_ids = None, 0, []
@@ -345,7 +398,8 @@ class KVBook:
             "capacity": self.capacity, "free_slots": self.allocator.num_free,
             "cached_slots": tree.total_size if tree else 0,
             "evictable_slots": tree.evictable_size if tree else 0,
-            "used_slots": sum(len(r.slot_ids) - r.prefix_len for r in running)
+            "used_slots": sum(len(r.slot_ids) - r.prefix_len + len(r.spare_ids)
+                              for r in running)
                           + (tree.protected_size if tree else 0),
         }
 
@@ -353,7 +407,7 @@ class KVBook:
         if self.tree:
             self.tree.check_integrity()
         _check_owners("slot", self.allocator,
-                      [s for r in running for s in r.slot_ids[r.prefix_len:]],
+                      [s for r in running for s in r.slot_ids[r.prefix_len:] + r.spare_ids],
                       self.tree.all_slots() if self.tree else [])
         for r in running:
             assert r.prefix_len == 0 or r.last_node is not None
@@ -384,7 +438,7 @@ def _check_owners(kind: str, allocator: SlotAllocator, private: list[int],
     allocator.check_integrity()
     assert len(set(private)) == len(private), f"a private {kind} is held twice"
     assert not set(private) & set(cached), f"a {kind} is both private and cached"
-    total = allocator.num_free + len(cached) + len(private)
+    total = allocator.num_free + allocator.num_loose + len(cached) + len(private)
     assert total == allocator.capacity, (
-        f"{kind}s: free {allocator.num_free} + cached {len(cached)} + private "
-        f"{len(private)} != capacity {allocator.capacity}")
+        f"{kind}s: free {allocator.num_free} + loose {allocator.num_loose} + cached "
+        f"{len(cached)} + private {len(private)} != capacity {allocator.capacity}")

@@ -75,9 +75,11 @@ class Scheduler:
         self.kv = KVBook(limits.kv_capacity, not limits.disable_radix_cache,
                          limits.state_slots, limits.snapshot_slots,
                          limits.window_capacity, limits.window,
-                         limits.max_pinned_tokens, limits.pin_ttl_scale, clock)
+                         limits.max_pinned_tokens, limits.pin_ttl_scale, clock,
+                         page=limits.decode_page or 1)
+        # the padded layout's decode caches (pages: the rows' KV is the pool's own)
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
-            limits.kv_capacity, limits.max_running_requests, limits.decode_page)
+            limits.kv_capacity, limits.max_running_requests)
         self.waiting = WaitingQueue(self.kv)
         self.running: dict[int, Request] = {}
         self.chunking: Request | None = None   # at most one request prefills in chunks
@@ -287,11 +289,12 @@ class Scheduler:
         not free now (drafts evict no cached prefix) or stretch the decode caches past
         their budget."""
         total = sum(len(p) for p in proposals)
-        if self._chained or not total or total > self.kv.allocator.num_free or (
+        room = sum(self.kv.room(len(p)) for p in proposals if p)
+        if self._chained or not total or room > self.kv.allocator.num_free or (
                 self.kv.window and total > self.kv.windows.num_free):
             return [], [], []
         lengths = [len(r.slot_ids) + len(p) for r, p in zip(rows, proposals)]
-        if batch_tokens(lengths, self.limits.decode_page) > self.decode_cache_tokens:
+        if not self._width_fits_lengths(lengths):
             return [], [], []
         slots, windows = [], []
         for req, draft in zip(rows, proposals):
@@ -324,8 +327,8 @@ class Scheduler:
 
     def _make_room_for_decode(self) -> list[Request]:
         decoding = [r for r in self.running.values() if not r.prefilling]
-        while decoding and not (self._width_fits(decoding) and
-                                self.kv.make_room(len(decoding), len(decoding))):
+        while decoding and not (self._width_fits(decoding) and self.kv.make_room(
+                len(decoding), len(decoding), slots=self.kv.decode_room(decoding))):
             if len(self.running) == 1:   # alone and still too big: it cannot run at all
                 req = decoding[0]
                 self._finish(req, "error", TokenEntry(req.rid, [], [], error=self._too_big(req)))
@@ -338,8 +341,13 @@ class Scheduler:
     def _width_fits(self, rows: list[Request], *extra_lens: int) -> bool:
         """The worker's decode caches (kv_layout's rule for its layout) fit the budget
         with `rows` and rows of `extra_lens` about to join."""
-        lengths = [len(r.slot_ids) for r in rows] + [n for n in extra_lens if n]
-        return batch_tokens(lengths, self.limits.decode_page) <= self.decode_cache_tokens
+        return self._width_fits_lengths([len(r.slot_ids) for r in rows] +
+                                        [n for n in extra_lens if n])
+
+    def _width_fits_lengths(self, lengths: list[int]) -> bool:
+        """Rows holding `lengths` KV positions fit the padded layout's decode caches
+        (always in pages: a row attends its KV in the pool)."""
+        return bool(self.limits.decode_page) or batch_tokens(lengths) <= self.decode_cache_tokens
 
     def _retraction_victim(self) -> Request:
         """The running request with the least progress (then: holding the most KV)."""
@@ -363,7 +371,7 @@ class Scheduler:
         if need > self.limits.kv_capacity:
             return (f"the request needs {need} KV slots; the pool holds "
                     f"{self.limits.kv_capacity}")
-        width = row_tokens(len(req.slot_ids), self.limits.decode_page)
+        width = row_tokens(len(req.slot_ids), 0)
         return (f"the request needs {width} tokens of decode cache; the "
                 f"decode caches may span {self.decode_cache_tokens} tokens")
 
@@ -413,7 +421,7 @@ class Scheduler:
         last = start + n == req.fill_len
         if last and rows and not self._width_fits(rows, req.fill_len):
             return None   # its row would not fit the decode caches yet: wait
-        if not self.kv.make_room(n, self.kv.window_need(n)):
+        if not self.kv.make_room(n, self.kv.window_need(n), slots=self.kv.room(n, start)):
             return None
         return self._prefill_input(req, n)
 
@@ -437,14 +445,15 @@ class Scheduler:
         # Headroom for the running rows' next tokens; never asked of a request alone.
         alone = not self.running
         loaded = cached - len(prefix)   # read from disk into new slots
-        need = loaded + n + (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
+        need = self.kv.room(loaded + n, len(prefix)) + \
+            (0 if alone else self.limits.decode_headroom * (len(rows) + 1))
         # window slots for both parts, and one per decoding row
         windows = self.kv.window_need(loaded) + self.kv.window_need(n) + len(rows)
         self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
-        if not self.kv.can_have(need, windows) or not self.kv.take_state(req):
+        if not self.kv.can_have(0, windows, slots=need) or not self.kv.take_state(req):
             self.kv.release(req, keep=False)
             return None
-        self.kv.make_room(need, windows)
+        self.kv.make_room(0, windows, slots=need)
         self.waiting.remove(req)
         req.status = Status.RUNNING
         if req.cached_tokens is None:   # (a request resumed here counts its prompt's)

@@ -120,11 +120,11 @@ def test_a_rejected_free_changes_nothing(bad_list):
 def test_check_integrity_catches_corruption():
     a = SlotAllocator(4)
     a.allocate(2)
-    a._free.append(a._free[0])    # a slot on the free list twice
+    a._free_pages.append(a._free_pages[0])    # a page on the free list twice
     with pytest.raises(AssertionError):
         a.check_integrity()
     b = SlotAllocator(4)
-    b._is_free[0] = 1             # padding slot marked free
+    b._page_free[0] = 1           # padding page marked free
     with pytest.raises(AssertionError):
         b.check_integrity()
 

@@ -71,8 +71,9 @@ def assert_whole(s: Scheduler) -> None:
     """Every slot free, cached, or held privately by a running request, once."""
     s.check_integrity()
     cached = len(s.kv.tree.all_slots()) if s.kv.tree else 0
-    private = sum(len(r.slot_ids) - r.prefix_len for r in s.running.values())
-    assert s.kv.allocator.num_free + cached + private == s.limits.kv_capacity
+    private = sum(len(r.slot_ids) - r.prefix_len + len(r.spare_ids)
+                  for r in s.running.values())
+    assert s.kv.allocator.num_unheld + cached + private == s.limits.kv_capacity
 
 
 def until_drafting(s: Scheduler, most: int = 20) -> Step:
@@ -110,11 +111,11 @@ def test_drafts_book_one_slot_per_token_and_rejected_ones_go_back(accepted):
     assert len(step.draft_slot_ids[0]) == len(draft)
     assert len(req.slot_ids) == len(req.all_ids) + len(draft)   # input's slot + the draft's
     assert not set(step.draft_slot_ids[0]) & set(step.decode_slot_ids)
-    free_before = s.kv.allocator.num_free
+    free_before = s.kv.allocator.num_unheld
     answer(s, step, accept={1: accepted})
     assert len(req.output_ids) >= accepted + 1
     assert len(req.slot_ids) == len(req.all_ids) - 1
-    assert s.kv.allocator.num_free == free_before + len(draft) - accepted
+    assert s.kv.allocator.num_unheld == free_before + len(draft) - accepted
     assert set(step.draft_slot_ids[0][accepted:]).isdisjoint(req.slot_ids)
     if accepted:   # the accepted tokens keep their slots; the run's last has none yet
         assert req.slot_ids[-accepted:] == step.draft_slot_ids[0][:accepted]
@@ -128,12 +129,12 @@ def test_abort_while_a_draft_step_is_in_flight_frees_its_slots():
     step = until_drafting(s)
     assert 1 in step.decode_rids
     drafted = [slots for slots in step.draft_slot_ids if slots]
-    free = s.kv.allocator.num_free
+    free = s.kv.allocator.num_unheld
     held = len(s.running[1].slot_ids) - s.running[1].prefix_len
     s.abort(1)
     assert_whole(s)
-    assert drafted and s.kv.allocator.num_free >= free + len(drafted[0])
-    assert s.kv.allocator.num_free + (len(s.kv.tree.all_slots()) if s.kv.tree else 0) \
+    assert drafted and s.kv.allocator.num_unheld >= free + len(drafted[0])
+    assert s.kv.allocator.num_unheld + (len(s.kv.tree.all_slots()) if s.kv.tree else 0) \
         >= free + held
     answer(s, step)   # the result still names the aborted row: ignored
     assert 1 not in s.running
@@ -264,17 +265,18 @@ def test_no_drafts_above_max_batch_rows():
 
 
 def test_no_drafts_when_free_slots_are_short():
-    """Two rows of 36 prompt slots and a decode slot each in 80: 6 free, short of
-    their two drafts of 4; no draft goes."""
-    s = make(kv_capacity=80, disable_radix_cache=True, decode_headroom=2)
-    add(s, 1, max_new=8)
-    add(s, 2, max_new=8)
+    """Two rows of 46 prompt slots and a decode slot each, in pages of 16, take 6
+    of a pool's 7 pages: their drafts of 4 would start a page each, and one is
+    free; no draft goes."""
+    s = make(kv_capacity=112, disable_radix_cache=True, decode_headroom=2)
+    add(s, 1, prompt=BLOCK * 3 + BLOCK[:10], max_new=8)
+    add(s, 2, prompt=BLOCK * 3 + BLOCK[:10], max_new=8)
     step = s.schedule()
     assert len(step.prefills) == 2
     answer(s, step)
     step = s.schedule()
     assert step.decode_rids == [1, 2]
-    assert s.kv.allocator.num_free == 6
+    assert s.kv.allocator.num_free == 16
     assert not step.has_drafts and step.draft_slot_ids == []
     answer(s, step)
     assert s.stats()["speculative"]["verifies"] == 0
