@@ -108,7 +108,8 @@ class Step:
     `chain_next`: the worker
     may start the next decode before the next Step arrives (overlap); the scheduler
     clears it when it means to send drafts next, which a chained decode cannot
-    take."""
+    take, or when a row's next position starts a page it could not book
+    (`chain_pages`)."""
 
     TAG = 51
     step_id: int = wire(Int())
@@ -125,10 +126,16 @@ class Step:
     draft_window_ids: list[list[int]] = wire(List(List(Int(minimum=0))), default_factory=list)
     model_drafts: list[int] = wire(List(Int(minimum=0)), default_factory=list)
     spills: list[Spill] = wire(List(Struct(Spill)), default_factory=list)   # disk tier
+    # pages: the pool page each decode row's next position after this step's goes
+    # to where that position starts a page (0: in its input's page, or not booked;
+    # the list empty: none), so a chained decode writes it where it belongs
+    chain_pages: list[int] = wire(List(Int(minimum=0)), default_factory=list)
 
     def check(self):
         if len(self.decode_rids) != len(self.decode_slot_ids):
             raise ProtocolError("decode_rids and decode_slot_ids differ in length")
+        if self.chain_pages and len(self.chain_pages) != len(self.decode_rids):
+            raise ProtocolError("decode_rids and chain_pages differ in length")
         if self.decode_window_ids and len(self.decode_window_ids) != len(self.decode_rids):
             raise ProtocolError("decode_rids and decode_window_ids differ in length")
         if self.decode_drafts or self.draft_slot_ids:

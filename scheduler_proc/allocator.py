@@ -52,6 +52,10 @@ class SlotAllocator:
         """Free slots of pages still held: only their page's taker writes there."""
         return self.num_unheld - self.num_free
 
+    def loose_in(self, q: int) -> int:
+        """Page `q`'s free slots while it is held (0 for a free page)."""
+        return 0 if self._page_free[q] else self.page - self._held[q]
+
     def can_allocate(self, n: int) -> bool:
         return self.pages_for(n) <= len(self._free_pages)
 
@@ -69,8 +73,7 @@ class SlotAllocator:
         while p stays within it and its slot is free, else in fresh pages."""
         page = self.page
         kept = self._kept(start, n, open_page)   # positions that stay in the open page
-        first, rest = start + kept, n - kept
-        need = (first + rest - 1) // page - first // page + 1 if rest else 0
+        need = self.pages_needed(start, n, open_page)
         if need > len(self._free_pages):
             raise OutOfSlots(f"asked for {need} pages, {len(self._free_pages)} free")
         fresh = self._free_pages[len(self._free_pages) - need:][::-1]
@@ -86,17 +89,31 @@ class SlotAllocator:
             slots.append(s)
         return slots
 
+    def pages_needed(self, start: int, n: int, open_page: int) -> int:
+        """Fresh pages positions start .. start + n - 1 take (`extend`)."""
+        kept = self._kept(start, n, open_page)
+        first, rest = start + kept, n - kept
+        return (first + rest - 1) // self.page - first // self.page + 1 if rest else 0
+
     def _kept(self, start: int, n: int, q: int) -> int:
         """How many of positions start.. go on in open page `q`: those before the
         page ends, while their slots are free."""
         page = self.page
-        if page == 1 or not q or self._page_free[q] or start % page == 0:
+        if page == 1 or not q or self._page_free[q]:
             return 0
-        kept = 0
-        while kept < n and (start + kept) % page and \
+        kept, window = 0, start // page
+        while kept < n and (start + kept) // page == window and \
                 self._is_free[q * page + (start + kept) % page]:
             kept += 1
         return kept
+
+    def take_page(self) -> int:
+        """A free page, held by its taker before it writes any slot (0: none free)."""
+        if not self._free_pages:
+            return 0
+        q = self._free_pages.pop()
+        self._page_free[q] = 0
+        return q
 
     def free(self, slots: list[int]) -> None:
         """Return slots; a list with any slot that is not allocated changes nothing.

@@ -60,6 +60,7 @@ class KVBook:
         self.window_capacity = window_capacity if self.window else 0
         self.windows = SlotAllocator(self.window_capacity)
         self._holders: dict[int, Request] = {}   # requests between attach and release
+        self._writers: dict[int, Request] = {}   # requests with pages taken (in pages)
         self.state_slots = state_slots
         self.snapshot_slots = snapshot_slots if use_tree else 0
         self._free_states = list(range(state_slots, 0, -1))
@@ -78,8 +79,16 @@ class KVBook:
 
     @property
     def available(self) -> int:
-        """Slots that can be had now: free, or evictable from the tree."""
-        return self.allocator.num_free + (self.tree.evictable_size if self.tree else 0)
+        """Slots that can be had now: free, or evictable from the tree, with (in pages)
+        the loose slots of pages no running request writes in (they come free with
+        the tree's slots there; an estimate: make_room may still fall short)."""
+        evictable = self.tree.evictable_size if self.tree else 0
+        loose = self.allocator.num_loose
+        if loose and evictable:
+            open_pages = {q for r in self._writers.values() for q in r.own_pages.values()}
+            loose -= sum(self.allocator.loose_in(q) for q in open_pages)
+            evictable += max(0, loose)
+        return self.allocator.num_free + evictable
 
     @property
     def available_windows(self) -> int:
@@ -111,6 +120,12 @@ class KVBook:
         return self.available >= need and (
             not self.window or self.available_windows >= windows)
 
+    def extend_room(self, req: Request, n: int) -> int:
+        """Free slots the request's next `n` positions take (whole fresh pages)."""
+        start = len(req.slot_ids)
+        return self.page * self.allocator.pages_needed(
+            start, n, req.own_pages.get(start // self.page, 0))
+
     def decode_room(self, reqs: list[Request]) -> int:
         """Free slots one more position of each of `reqs` needs: a page each whose
         next position starts a page."""
@@ -119,6 +134,21 @@ class KVBook:
     def _next_page(self, req: Request) -> bool:
         n = len(req.slot_ids)
         return self.page == 1 or n % self.page == 0 or n // self.page not in req.own_pages
+
+    def book_next_pages(self, reqs: list[Request]) -> list[int] | None:
+        """Per request, the page its next position goes to where that position starts
+        a page it has not taken yet (taken now, empty), else 0; None, taking none,
+        when free pages are short (a chained decode writes there before the Step
+        that books its slot)."""
+        page = self.page
+        need = [r for r in reqs if len(r.slot_ids) % page == 0
+                and len(r.slot_ids) // page not in r.own_pages]
+        if len(need) > self.allocator.free_pages:
+            return None
+        for r in need:
+            r.own_pages[len(r.slot_ids) // page] = self.allocator.take_page()
+        booked = {id(r) for r in need}
+        return [r.own_pages[len(r.slot_ids) // page] if id(r) in booked else 0 for r in reqs]
 
     def make_room(self, n: int, windows: int = 0, slots: int = -1) -> bool:
         """Ensure free slots for `n` positions of one request (or exactly `slots`
@@ -156,6 +186,7 @@ class KVBook:
         page, start = self.page, len(req.slot_ids)
         slots = self.allocator.extend(start, n, req.own_pages.get(start // page, 0))
         if page > 1 and n:
+            self._writers[req.rid] = req
             for p in range(start - start % page, start + n, page):
                 req.own_pages[p // page] = slots[max(p, start) - start] // page
         req.slot_ids += slots
@@ -359,6 +390,7 @@ class KVBook:
         for page in req.own_pages.values():
             self.allocator.close_page(page)
         req.spare_ids, req.own_pages = [], {}
+        self._writers.pop(req.rid, None)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len, req.slot_ids = None, 0, []
@@ -395,7 +427,8 @@ class KVBook:
                 "max_pinned_slots": self.max_pinned, "pins_refused": self.pins_refused,
                 "pinned_evicted_slots": tree.pinned_evicted if tree else 0}
         return {**states, **windows, **pins,
-            "capacity": self.capacity, "free_slots": self.allocator.num_free,
+            "capacity": self.capacity, "free_slots": self.allocator.num_unheld,
+            "page": self.page, "free_pages": self.allocator.free_pages,
             "cached_slots": tree.total_size if tree else 0,
             "evictable_slots": tree.evictable_size if tree else 0,
             "used_slots": sum(len(r.slot_ids) - r.prefix_len + len(r.spare_ids)

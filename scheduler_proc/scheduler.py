@@ -275,13 +275,17 @@ class Scheduler:
         self._step_id += 1
         # a row with a proposal now likely has one next step: keep that Step unchained
         chain_next = not any(proposals)
+        chain_pages = []
+        if chain_next and self.limits.worker_overlaps and self.limits.decode_page and decoding:
+            chain_pages = self.kv.book_next_pages(decoding)   # pages the chain writes in
+            chain_next, chain_pages = chain_pages is not None, chain_pages or []
         self._chained = chain_next and self.limits.worker_overlaps
         model_drafts = []
         if drafts and self.spec.by_model:   # the worker's draft model fills them
             model_drafts, drafts = [len(d) for d in drafts], [[] for _ in drafts]
         return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases,
                     decode_windows, drafts, draft_slots, chain_next, draft_windows, model_drafts,
-                    spills)
+                    spills, chain_pages)
 
     def _book_drafts(self, rows: list[Request], proposals: list[list[int]]) -> tuple:
         """The Step's drafts, their slots and (with a window pool) their window slots:
@@ -289,7 +293,7 @@ class Scheduler:
         not free now (drafts evict no cached prefix) or stretch the decode caches past
         their budget."""
         total = sum(len(p) for p in proposals)
-        room = sum(self.kv.room(len(p)) for p in proposals if p)
+        room = sum(self.kv.extend_room(r, len(p)) for r, p in zip(rows, proposals) if p)
         if self._chained or not total or room > self.kv.allocator.num_free or (
                 self.kv.window and total > self.kv.windows.num_free):
             return [], [], []
@@ -450,10 +454,10 @@ class Scheduler:
         # window slots for both parts, and one per decoding row
         windows = self.kv.window_need(loaded) + self.kv.window_need(n) + len(rows)
         self.kv.attach_prefix(req, prefix, node)   # locks the prefix against eviction
-        if not self.kv.can_have(0, windows, slots=need) or not self.kv.take_state(req):
+        if not self.kv.can_have(0, windows, slots=need) or not self.kv.take_state(req) or \
+                not self.kv.make_room(0, windows, slots=need):
             self.kv.release(req, keep=False)
             return None
-        self.kv.make_room(0, windows, slots=need)
         self.waiting.remove(req)
         req.status = Status.RUNNING
         if req.cached_tokens is None:   # (a request resumed here counts its prompt's)

@@ -11,7 +11,7 @@ two layouts, and the choice between them, made once at startup.
 """
 
 from dataclasses import dataclass, replace
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -25,6 +25,9 @@ from .sampling import RowState
 # when rows need more (a growth faults in and copies the arena within a step: ~1.5 s
 # per GiB on a 2-core CPU, so a few large growths rather than many small ones).
 FIRST_PAGES, FIRST_SHARE = 64, 8
+# Beside a pool the rows read in place, the arena holds only the windows they cannot
+# (a prefix ending inside a page): few, so it starts small.
+FIRST_POOL_PAGES = 8
 
 
 class UnsupportedModel(ValueError):
@@ -40,7 +43,7 @@ class JoinGroup:
     caches: list[LayerCache]
     first_tokens: mx.array   # [B], lazy
     # per row, the pool slots of the positions its cache holds (the prefix's, then the
-    # new tokens'): pages with the same slots are shared (paged_batch); None: not shared
+    # new tokens'): the pool pages the row reads in place (paged_batch); None: none
     slots: list[list[int]] | None = None
 
 
@@ -78,9 +81,6 @@ class DecodeRows(Protocol):
 
     def pending_writes(self) -> list[mx.array]:
         """What a step evaluates to complete the batch's own writes."""
-
-    def slots_written(self, slots: Iterable[int]) -> None:
-        """These pool slots are written again: nothing held may stand for their old KV."""
 
     def before_joins(self, decoded: list[mx.array]) -> None:
         """A join is about to write into the batch after a decode read it."""
@@ -128,15 +128,16 @@ def first_pages(most: int) -> int:
 
 
 def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
-                preallocate: bool = False, share: bool = True, float_tail: int = 0,
+                preallocate: bool = False, pool=None, float_tail: int = 0,
                 max_rows: int = 0, tail_slack: int = 0) -> DecodeRows:
     """The decode batch of the layout `decode_page_for` chose (`page`; 0: padded). In
-    pages the arena grows to `most_pages` (the memory split's decode budget), from
-    `first_pages(most_pages)` or, with `preallocate`, all of it at once; `share`:
-    rows from one cached prefix hold its full pages once (not with a window pool).
-    Quantized pages keep each row's newest `float_tail` positions in float too, for
-    up to `max_rows` rows and verifies of up to `tail_slack` drafts (memory:
-    `float_tail_bytes`)."""
+    pages, rows read `pool` (a KVPool) in place where its pages are `page`
+    positions and it has no window pool, and hold in an arena only the windows
+    that are not one pool page (without such a pool: every window, their own
+    copy); the arena grows to `most_pages`, from `first_pages(most_pages)` or,
+    with `preallocate`, all of it at once. Quantized pages keep each row's newest
+    `float_tail` positions in float too, for up to `max_rows` rows and verifies of
+    up to `tail_slack` drafts (memory: `float_tail_bytes`)."""
     from .decode_batch import DecodeBatch
     from .decode_pages import PageArena
     from .paged_batch import PagedDecodeBatch
@@ -144,9 +145,11 @@ def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
     g = geometry
     if not page:
         return DecodeBatch(g.layout)
+    reads_pool = pool is not None and pool.page == page and not pool.uses_windows
+    first = first_pages(most_pages) if not reads_pool else min(most_pages, FIRST_POOL_PAGES)
     arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
-                      most_pages if preallocate else first_pages(most_pages), page,
+                      most_pages if preallocate else first, page,
                       max_pages=most_pages, k_bits=g.k_bits, v_bits=g.v_bits,
                       group=g.kv_group, float_tail=float_tail, max_rows=max_rows,
                       tail_slack=tail_slack)
-    return PagedDecodeBatch(g.cache_layout, arena, share=share)
+    return PagedDecodeBatch(g.cache_layout, arena, pool if reads_pool else None)

@@ -274,6 +274,7 @@ def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
     queries = [1] * len(lengths) if queries is None else list(queries)
     slots = max(queries)
     rows, pages, starts, last_pos, ends = [], [], [], [], []
+    # (a table entry 0 is a window held elsewhere: no pair here)
     for r, (table, n, q) in enumerate(zip(tables, lengths, queries)):
         low = max(0, n - q - window + 1) if window else 0   # the first query's window start
         end = np.full(slots, n) if below is None else np.asarray(below[r])
@@ -284,9 +285,12 @@ def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
         starts.append(np.arange(first, first + count) * page)
         last_pos.append(np.broadcast_to(query_positions(n, q, slots), (count, slots)))
         ends.append(np.broadcast_to(end, (count, slots)))
-    positions = np.concatenate(starts)[:, None] + np.arange(page)   # [n, page]
-    return _pairs(np.concatenate(rows), np.concatenate(pages), arena, positions,
-                  np.concatenate(last_pos), window, slots, below=np.concatenate(ends))
+    pages = np.concatenate(pages)
+    held = pages != 0   # a window a row holds in another store (paged_batch)
+    positions = np.concatenate(starts)[held][:, None] + np.arange(page)   # [n, page]
+    return _pairs(np.concatenate(rows)[held], pages[held], arena, positions,
+                  np.concatenate(last_pos)[held], window, slots,
+                  below=np.concatenate(ends)[held])
 
 
 def tail_pairs(rings: list[int], lengths: list[int], lows, tail: "PageArena",
@@ -336,7 +340,8 @@ def _pairs(rows: np.ndarray, pages: np.ndarray, arena: "PageArena", positions: n
 def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, scale: float,
                     sinks: mx.array | None = None, k_format: KVFormat | None = None,
                     v_format: KVFormat | None = None,
-                    tail: tuple[mx.array, mx.array, Pairs] | None = None) -> mx.array:
+                    tail: tuple[mx.array, mx.array, Pairs] | None = None,
+                    more: tuple = ()) -> mx.array:
     """Attention of L query positions per row `[B, Hq, L, D]` over the pairs' pages of
     an arena (`keys`/`values` `[Hkv, (pages + 1) * page, D]`; as `[Hkv * (pages + 1),
     page, D]`, a free reshape, matrix `head * (pages + 1) + page` is one head's
@@ -346,18 +351,21 @@ def paged_attention(queries: mx.array, keys, values, pairs: Pairs, page: int, sc
     (`mx.gather_qmm`), never dequantized whole: the queries are rotated into the
     stored basis, and the output out of it (kv_quant.py). `tail`: a float tail's
     keys, values (in the stored basis) and pairs (`tail_pairs`), attended beside the
-    pages and merged with them."""
+    pages and merged with them; `more`: (keys, values, pairs) of further stores in
+    the same formats and page size (the pool beside the arena), merged alike."""
     b, hq, slots, d = queries.shape
     k_format = k_format or KVFormat(keys.dtype)
     v_format = v_format or KVFormat(values.dtype)
     k_parts = keys if k_format.quantized else [keys]
-    v_parts = values if v_format.quantized else [values]
     heads = k_parts[0].shape[0]
     # [B, Hkv * g, L, D] head-major: (row, kv head) rows of g x L queries, a free reshape
     q = k_format.rotate(queries * scale).astype(k_format.dtype).reshape(b * heads, hq // heads * slots, d)
     parts = []
-    if pairs.rows.shape[0]:
-        parts.append(_attend_pairs(q, k_parts, v_parts, k_format, v_format, pairs, page))
+    for ks, vs, ps in ((keys, values, pairs), *more):
+        if ps.rows.shape[0]:
+            parts.append(_attend_pairs(q, ks if k_format.quantized else [ks],
+                                       vs if v_format.quantized else [vs],
+                                       k_format, v_format, ps, page))
     if tail is not None:
         tk, tv, ring = tail
         parts.append(_attend_pairs(q, [tk], [tv], KVFormat(tk.dtype), KVFormat(tv.dtype),
@@ -439,37 +447,88 @@ def span_mask(count: int, slots: int, window: int = 0) -> mx.array | str | None:
     return (keys <= at) & (keys > at - window)
 
 
+@dataclass(frozen=True)
+class Writes:
+    """Where a forward's new positions go, in the (row, head, position) order of
+    the new KV flattened (`[B * heads * L, dim]`): `heads` of each; the pool's
+    (index into the flat rows, head, pool row), None for no position there; the
+    arena's (head, arena row, index into the flat rows or None: all of them)."""
+
+    heads: mx.array
+    pool: tuple[mx.array, mx.array, mx.array] | None
+    arena: tuple[mx.array, mx.array, mx.array | None] | None
+
+    @classmethod
+    def of(cls, pool_at: np.ndarray, arena_at: np.ndarray, heads: int) -> "Writes":
+        """From each row's `[rows, L]` pool rows (0: not in the pool) and arena rows."""
+        h = np.tile(np.repeat(np.arange(heads), pool_at.shape[1]), len(pool_at))
+        pool_rows, arena_rows = _flat(pool_at, heads), _flat(arena_at, heads)
+        in_pool = pool_rows > 0
+        heads_all = mx.array(h, mx.int32)
+        if not in_pool.any():
+            return cls(heads_all, None, (heads_all, mx.array(arena_rows, mx.int32), None))
+        at = np.flatnonzero(in_pool)
+        pool = (mx.array(at, mx.int32), mx.array(h[at], mx.int32),
+                mx.array(pool_rows[at], mx.int32))
+        if in_pool.all():
+            return cls(heads_all, pool, None)
+        rest = np.flatnonzero(~in_pool)
+        return cls(heads_all, pool, (mx.array(h[rest], mx.int32),
+                                     mx.array(arena_rows[rest], mx.int32),
+                                     mx.array(rest, mx.int32)))
+
+
+def _flat(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Each row's `[rows, L]` store rows repeated for every head, in (row, head,
+    position) order: the order update_and_fetch flattens the new KV in."""
+    return np.repeat(rows[:, None, :], heads, axis=1).reshape(-1)
+
+
 class PagedLayerCache:
     """One KV leaf's cache for one decode forward, as the model sees it.
 
     A forward gives each row L consecutive query positions (L = 1 for a decode step;
-    more for a verify forward). `write_at` is (head, arena row), each `[B * heads *
-    L]`, in (row, head, position) order: the order of `keys.reshape(-1, dim)` for the
-    `[B, heads, L, dim]` the model writes. `span` (one row whose positions are one run
-    of arena rows) is (first arena row, positions): from the window start of the
-    row's first query (0 without a window) to its last query, included."""
+    more for a verify forward). `writes` (a `Writes`, or the arena's (head, arena
+    row) of every position, each `[B * heads * L]`, in (row, head, position) order:
+    the order of `keys.reshape(-1, dim)` for the `[B, heads, L, dim]` the model
+    writes) says where the new positions go; `pairs` are the arena's (row, page)
+    pairs to read, `pool_pairs` the pool's. `span` (one row whose positions are one
+    run of rows of one store) is (first row, positions, in the pool): from the
+    window start of the row's first query (0 without a window) to its last query,
+    included."""
 
-    def __init__(self, arena: PageArena, leaf: int, offset: mx.array,
-                 write_at: tuple[mx.array, mx.array], pairs: Pairs,
-                 span: tuple[int, int] | None = None,
-                 tail: tuple[tuple[mx.array, mx.array], Pairs] | None = None):
+    def __init__(self, arena: PageArena, leaf: int, offset: mx.array, writes, pairs: Pairs,
+                 span: tuple | None = None,
+                 tail: tuple[tuple[mx.array, mx.array], Pairs] | None = None,
+                 pool=None, pool_pairs: Pairs | None = None):
         self.arena, self.leaf, self.pairs = arena, leaf, pairs
+        self.pool, self.pool_pairs = pool, pool_pairs
+        if writes is not None and not isinstance(writes, Writes):   # the arena's (head, row)
+            writes = Writes(writes[0], None, (writes[0], writes[1], None))
+        self.writes = writes
         # attended as a slice (no gather, no merge)
-        self.span = span
+        self.span = span if span is None or len(span) == 3 else (*span, False)
         self.offset = offset            # [B]: each row's first query's position (RoPE)
-        self.write_at = write_at        # ([B * heads * L] head, [B * heads * L] arena row)
         # the float tail's (head, ring row) of each new position, and its pairs
         self.tail = tail
         self.newest: tuple[mx.array, mx.array] | None = None
         self.attended = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the new positions `[B, heads, L, dim]` into the rows' pages (and
-        their float tails)."""
+        """Write the new positions `[B, heads, L, dim]` where `writes` says (and into
+        the rows' float tails)."""
         self.newest = (keys, values)
-        self.arena.write(self.leaf, *self.write_at,
-                         keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1]),
-                         tail_at=self.tail[0] if self.tail is not None else None)
+        k, v = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])
+        w = self.writes
+        if w is not None and w.arena is not None:
+            heads, rows, index = w.arena
+            picked = (k, v) if index is None else (k[index], v[index])
+            self.arena.write(self.leaf, heads, rows, *picked)
+        if w is not None and w.pool is not None:
+            index, heads, rows = w.pool
+            self.pool.write_at(self.leaf, heads, rows, k[index], v[index])
+        if self.tail is not None:
+            self.arena.write_tail(self.leaf, *self.tail[0], k, v)
         return keys, values
 
     def make_mask(self, *args, **kwargs):
@@ -491,20 +550,28 @@ class PagedLayerCache:
         arena = self.arena
         quantized = arena.k_format.quantized or arena.v_format.quantized
         if self.span is not None and not quantized:   # quantized pages: always by pairs
-            start, n = self.span
-            k = arena.keys[self.leaf][0][None, :, start:start + n]
-            v = arena.values[self.leaf][0][None, :, start:start + n]
+            start, n, in_pool = self.span
+            store = self.pool if in_pool else arena
+            k = store.keys[self.leaf][0][None, :, start:start + n]
+            v = store.values[self.leaf][0][None, :, start:start + n]
             mask = span_mask(n, queries.shape[2], self.pairs.window)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
                                                         sinks=sinks)
-        keys, values = arena.keys[self.leaf], arena.values[self.leaf]
         tail = None
         if self.tail is not None:
             tail = (arena.tail.keys[self.leaf][0], arena.tail.values[self.leaf][0], self.tail[1])
-        return paged_attention(queries, keys if arena.k_format.quantized else keys[0],
-                               values if arena.v_format.quantized else values[0],
+        more = ()
+        if self.pool_pairs is not None:
+            more = ((self._stored(self.pool.keys, arena.k_format),
+                     self._stored(self.pool.values, arena.v_format), self.pool_pairs),)
+        return paged_attention(queries, self._stored(arena.keys, arena.k_format),
+                               self._stored(arena.values, arena.v_format),
                                self.pairs, arena.page, scale, sinks,
-                               arena.k_format, arena.v_format, tail)
+                               arena.k_format, arena.v_format, tail, more)
+
+    def _stored(self, store: list, fmt: KVFormat):
+        """This leaf's parts of a store: the list (quantized), or the one array."""
+        return store[self.leaf] if fmt.quantized else store[self.leaf][0]
 
 
 # ---- the hook -------------------------------------------------------------

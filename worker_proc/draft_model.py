@@ -69,9 +69,11 @@ def drafter_for(model, capacity: int, most_pages: int, preallocate: bool = False
 
     geometry = geometry or probe_geometry(model)
     page = decode_page_for(model, geometry, "paged")
-    # (no page sharing: the model's batch hears of the slots a step writes, not this one)
-    return DraftModel(model, KVPool(geometry, capacity),
-                      decode_rows(geometry, page, most_pages, preallocate, share=False))
+    # its rows hold their KV in their own pages: the draft's pool lacks the positions
+    # it has not run yet (`lag`)
+    # its pool is laid out as the model's, in pages: the scheduler's slot ids
+    return DraftModel(model, KVPool(geometry, capacity, page=page),
+                      decode_rows(geometry, page, most_pages, preallocate))
 
 
 class DraftModel:

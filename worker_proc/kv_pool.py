@@ -1,8 +1,13 @@
 """The slot-indexed KV pool. The scheduler books slot ids; this stores what they hold.
 
-Per layer, keys and values are `[capacity + 1, n_kv_heads, head_dim]`; slot 0 is
-padding and never handed out. Writes are scatters at the slot ids the scheduler
-sent; MLX donates the pool buffer, so a write costs the rows written, not the pool.
+Per layer, keys and values are `[n_kv_heads, capacity + page, head_dim]`, head-major:
+slot s of a head is row s, and the slots come in pages of `page` (the scheduler's
+allocator hands out whole pages, position p of a request at offset p mod page), so
+one head's page is `page` consecutive rows: the decode attends a request's pages
+where they lie (worker_proc/paged_batch.py), and a page of one head is a matrix of
+`[heads * (pages + 1), page, dim]`, a free reshape. Page 0 is padding (slot 0) and
+never handed out. Writes are scatters at the slot ids the scheduler sent; MLX
+donates the pool buffer, so a write costs the rows written, not the pool.
 
 Sliding-window layers may get a smaller pool of their own, the window pool: their
 arrays are `[window_capacity + 1, n_kv_heads, head_dim]`, indexed by window ids the
@@ -133,22 +138,30 @@ class KVPool:
     quantized codes, scales, biases)."""
 
     def __init__(self, geometry: KVGeometry, capacity: int, state_slots: int = 0,
-                 window_capacity: int = 0):
+                 window_capacity: int = 0, page: int = 1):
         g = geometry
         self.geometry = g
-        self.capacity = capacity
+        self.page = page
+        self.capacity = capacity // page * page
         self.window_capacity = window_capacity if g.max_window else 0
         self.window = g.max_window if self.window_capacity else 0
         self.k_format, self.v_format = g.k_format, g.v_format
-        self.keys = [self.k_format.zeros((self._rows(i), g.n_kv_heads), g.k_head_dim)
+        self.keys = [self.k_format.zeros((g.n_kv_heads, self._rows(i)), g.k_head_dim)
                      for i in range(g.num_layers)]
-        self.values = [self.v_format.zeros((self._rows(i), g.n_kv_heads), g.v_head_dim)
+        self.values = [self.v_format.zeros((g.n_kv_heads, self._rows(i)), g.v_head_dim)
                        for i in range(g.num_layers)]
         self.states = StatePool(g, state_slots) if g.state_shapes else None
         mx.eval(self.keys, self.values)
 
     def _rows(self, layer: int) -> int:
-        return (self.window_capacity if self.windowed(layer) else self.capacity) + 1
+        if self.windowed(layer):
+            return self.window_capacity + 1
+        return self.capacity + self.page
+
+    @property
+    def pages(self) -> int:
+        """Pages of the pool's KV layers (page 0 beyond them)."""
+        return self.capacity // self.page
 
     @property
     def uses_windows(self) -> bool:
@@ -171,8 +184,9 @@ class KVPool:
         return [self.keys, self.values, self.states.arrays]
 
     def check_slots(self, slot_ids: list[int]) -> None:
-        if slot_ids and (min(slot_ids) < 1 or max(slot_ids) > self.capacity):
-            raise ValueError(f"slot id outside 1..{self.capacity}")
+        top = self.capacity + self.page - 1
+        if slot_ids and (min(slot_ids) < 1 or max(slot_ids) > top):
+            raise ValueError(f"slot id outside 1..{top}")
 
     def check_window_ids(self, window_ids: list[int]) -> None:
         """Window ids are 0 (not held) or a window pool row."""
@@ -181,15 +195,27 @@ class KVPool:
         if window_ids and (min(window_ids) < 0 or max(window_ids) > self.window_capacity):
             raise ValueError(f"window id outside 0..{self.window_capacity}")
 
+    @property
+    def heads(self) -> int:
+        return self.geometry.n_kv_heads
+
+    def write_at(self, layer: int, heads: mx.array, rows: mx.array, keys: mx.array,
+                 values: mx.array) -> None:
+        """Store `[n, dim]` keys/values at (head, slot) pairs (a decode's positions
+        written where its rows read them)."""
+        parts = self.k_format.encode(keys) + self.v_format.encode(values)
+        for target, part in zip(self.keys[layer] + self.values[layer], parts, strict=True):
+            target[heads, rows] = part
+
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store `[n, heads, dim]` keys/values at `slots` (an int32 array of n ids)."""
         self.write_raw(layer, slots, self.k_format.encode(keys) + self.v_format.encode(values))
 
     def write_raw(self, layer: int, slots: mx.array, parts: list[mx.array]) -> None:
-        """Store parts as `read_raw` gives them (keys' then values')."""
+        """Store parts as `read_raw` gives them (keys' then values', `[n, heads, ...]`)."""
         stored = self.keys[layer] + self.values[layer]
         for target, part in zip(stored, parts, strict=True):
-            target[slots] = part
+            target[:, slots] = part.swapaxes(0, 1)
 
     def write_layers(self, kv: list[tuple[mx.array, mx.array]], ids: WriteIds,
                      rows: mx.array | None = None) -> None:
@@ -213,14 +239,17 @@ class KVPool:
         return ids.slots, None
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """Keys and values `[n, heads, dim]` at `slots`, as computed (dequantized)."""
-        return (self.k_format.decode([a[slots] for a in self.keys[layer]]),
-                self.v_format.decode([a[slots] for a in self.values[layer]]))
+        """Keys and values `[heads, *slots.shape, dim]` at `slots`, as computed
+        (dequantized)."""
+        return (self.k_format.decode([a[:, slots] for a in self.keys[layer]]),
+                self.v_format.decode([a[:, slots] for a in self.values[layer]]))
 
     def read_raw(self, layer: int, slots: mx.array) -> list[mx.array]:
-        """The stored parts at `slots`: the keys' parts, then the values'."""
-        return [a[slots] for a in self.keys[layer] + self.values[layer]]
+        """The stored parts at `slots` (`[n, heads, ...]` each): the keys' parts, then
+        the values'."""
+        return [a[:, slots].swapaxes(0, 1) for a in self.keys[layer] + self.values[layer]]
 
     def raw_shapes(self, layer: int) -> list[tuple[tuple[int, ...], mx.Dtype]]:
-        """Each stored part's shape past the row axis, and its dtype."""
-        return [(tuple(a.shape[1:]), a.dtype) for a in self.keys[layer] + self.values[layer]]
+        """Each stored part's shape past the row axis (`[heads, ...]`), and its dtype."""
+        return [((a.shape[0], *a.shape[2:]), a.dtype)
+                for a in self.keys[layer] + self.values[layer]]

@@ -110,11 +110,12 @@ def build_runner(cfg: WorkerConfig):
     snapshot_slots = state_slots
     # the pool, the decode batch's rows and their copy while rows join
     state_bytes = (3 * state_slots + snapshot_slots + 1) * geometry.bytes_per_state
-    windows = window_split(geometry, max_context, flags.max_prefill_tokens,
-                           flags.window_capacity)
+    # in pages every layer's KV is in the pool, where the decode reads it
+    windows = None if page else window_split(geometry, max_context, flags.max_prefill_tokens,
+                                             flags.window_capacity)
     pool_token_bytes = geometry.bytes_per_token - (windows.bytes_per_token if windows else 0)
-    if draft is not None:   # the draft's KV sits at the same slots, in its own pool
-        pool_token_bytes += draft[1].bytes_per_token
+    if draft is not None:   # the draft's KV sits at the same slots, in its own pool,
+        pool_token_bytes += 2 * draft[1].bytes_per_token   # and its rows' own pages
     # --kv-disk: spills wait for the writer in memory, up to this many bytes
     disk_queue = min(256 << 20, max(32 << 20, limit // 16)) if flags.kv_disk else 0
     # the float tail's rings have room for the longest verify
@@ -129,11 +130,11 @@ def build_runner(cfg: WorkerConfig):
     if group is not None:
         budget = agree(group, budget, settings_digest(cfg), layer_kinds(geometry, page))
     pool = KVPool(geometry, budget.capacity, state_slots + snapshot_slots,
-                  budget.window_capacity)
+                  budget.window_capacity, page=page or 1)
     cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
     mx.set_cache_limit(cache_bytes)
     batch = decode_rows(geometry, page, -(-budget.decode_cache_tokens // page) if page else 0,
-                        flags.preallocate_decode_pages, share=not pool.uses_windows,
+                        flags.preallocate_decode_pages, pool=pool,
                         float_tail=flags.kv_float_tail, max_rows=flags.max_running_requests,
                         tail_slack=slack)
     drafter = None
@@ -141,7 +142,7 @@ def build_runner(cfg: WorkerConfig):
         if not page:
             raise UnsupportedModel("--draft-model needs the paged decode layout, which "
                                    "this model or --decode-layout does not take")
-        drafter = drafter_for(draft[0], budget.capacity, -(-budget.decode_cache_tokens // page),
+        drafter = drafter_for(draft[0], budget.capacity, -(-budget.capacity // page) + 1,
                               flags.preallocate_decode_pages, geometry=draft[1])
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
                          overlap=not flags.disable_overlap,
@@ -153,7 +154,7 @@ def build_runner(cfg: WorkerConfig):
     measured = runner.verifies_drafts and flags.speculative != "off" and \
         flags.spec_cost == "measured" and group is None
     limits = WorkerLimits(
-        kv_capacity=budget.capacity, decode_cache_tokens=budget.decode_cache_tokens,
+        kv_capacity=pool.capacity, decode_cache_tokens=budget.decode_cache_tokens,
         max_context=max_context, vocab_size=vocab_size,
         bytes_per_token=geometry.bytes_per_token,
         kv_pool_bytes=max(1, pool.nbytes + (drafter.pool.nbytes if drafter else 0)),

@@ -1,5 +1,10 @@
 """KV capacity from a memory limit, counting the pool, the window pool and the live
-decode caches."""
+decode caches.
+
+In pages the pool is the one KV store: running rows read it in place, and the
+decode's arena holds only the windows a row cannot read there (a cached prefix
+that ends inside a page), `ARENA_PAGES` per running row. The padded layout's
+caches hold every running row's KV again, twice while a join copies them."""
 
 import os
 from dataclasses import dataclass
@@ -10,6 +15,9 @@ from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget, decode_cache
 
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
+# Arena pages per running row in pages: the window where its cached prefix ends
+# inside a page (a row's other windows are each one pool page).
+ARENA_PAGES = 1
 
 
 def machine_memory_bytes() -> int:
@@ -67,13 +75,17 @@ def window_split(geometry, max_context: int, max_prefill_tokens: int,
 def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
               max_running: int, ceiling: int, capacity: int = 0,
               windows: WindowSplit | None = None, page: int = 0) -> KVBudget:
-    """Split memory between the pool (C tokens) and the decode caches (D tokens, the
-    scheduler's budget for C in the layout of decode `page` (0: padded):
-    kv_layout.decode_cache_budget), held `decode_cache_copies` times (padded: twice
-    while a join copies them): C + copies x D fits. An explicit `capacity` sizes only
-    the pool. With `windows`, `bytes_per_token` counts the global layers only and the
-    window pool (its slots follow from C) and the decode caches' windowed layers are
-    counted too."""
+    """Split memory between the pool (C tokens) and the decode caches. In pages
+    (`page` > 0) the pool is the one KV term, beside the arena (`arena_tokens`, the
+    budget's `decode_cache_tokens`). Padded (`page` 0): D tokens,
+    kv_layout.decode_cache_budget(C), held `decode_cache_copies` times (twice while
+    a join copies them): C + 2D fits. An explicit `capacity` sizes only the pool.
+    With `windows` (padded only), `bytes_per_token` counts the global layers only
+    and the window pool (its slots follow from C) and the decode caches' windowed
+    layers are counted too."""
+    if page:
+        return _paged_budget(limit_bytes, weights_bytes, bytes_per_token, max_running,
+                             ceiling, capacity, page)
     if windows is not None:
         return _window_budget(limit_bytes, weights_bytes, bytes_per_token, max_running,
                               ceiling, capacity, windows, page)
@@ -83,6 +95,22 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
     pool = _pool_share(tokens, max_running, ceiling, page)
     _check_room(pool, limit_bytes, weights_bytes)
     return KVBudget(int(pool), decode_cache_budget(int(pool), max_running, page))
+
+
+def arena_tokens(max_running: int, page: int) -> int:
+    """Positions of the paged decode's arena (see the module)."""
+    return ARENA_PAGES * max_running * page
+
+
+def _paged_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
+                  max_running: int, ceiling: int, capacity: int, page: int) -> KVBudget:
+    """One KV term: the pool C (whole pages, at most `ceiling`), beside the arena."""
+    arena = arena_tokens(max_running, page)
+    if not capacity:
+        tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
+        capacity = min(tokens - arena, ceiling)
+        _check_room(capacity, limit_bytes, weights_bytes)
+    return KVBudget(max(page, capacity // page * page), arena)
 
 
 def buffer_cache_bytes(page: int, decode_cache_tokens: int, bytes_per_token: int) -> int:

@@ -19,6 +19,7 @@ from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
 from . import batch_cache, thinking
 from .background import BackgroundJob
 from .decode import DecodeRows, JoinGroup, UnsupportedModel, decode_page_for, decode_rows
+from .paged_batch import SlotMismatch
 from .disk_io import DiskIO, without_disk
 from .draft_model import DraftModel, rejection_runs
 from .grammar import Grammars, RowGrammar, allowed
@@ -67,6 +68,9 @@ class _Output:
     sampled: Sampled         # per token
     new_kv: list[tuple[mx.array, mx.array]] | None = None   # decode: per layer, the input's KV
     runs: list[int] | None = None   # a verify: tokens per row (None: one each)
+    # decode: per row, the pool slot the forward wrote its input's KV at (0: not in
+    # the pool yet; the commit writes it at the Step's slot)
+    direct: list[int] | None = None
 
 
 def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: int = 0,
@@ -78,9 +82,8 @@ def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: i
     ModelRunner's."""
     page = decode_page_for(model, pool.geometry, decode_layout)
     most = decode_pages or (-(-pool.capacity // page) + 1 if page else 0)
-    batch = decode_rows(pool.geometry, page, most, preallocate_pages,
-                        share=not pool.uses_windows, float_tail=float_tail,
-                        tail_slack=tail_slack)
+    batch = decode_rows(pool.geometry, page, most, preallocate_pages, pool=pool,
+                        float_tail=float_tail, tail_slack=tail_slack)
     return ModelRunner(model, pool, batch, probe_vocab_size(model), **options)
 
 
@@ -119,6 +122,7 @@ class ModelRunner:
         self._outputs_at = 0.0   # when the last step's outputs were evaluated
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
         self._chain_allowed = True   # the Step's chain_next
+        self._chains = False   # this step ends by starting the next decode
         self.disk: DiskIO | None = None   # the disk tier (--kv-disk), set after start
 
     @property
@@ -141,7 +145,7 @@ class ModelRunner:
             timing.active_memory = mx.get_active_memory()
             timing.peak_memory = mx.get_peak_memory()
         timing.chained_wait_ms = (self._outputs_at - start) * 1e3 if chained else 0.0
-        if self._chains_next:   # step k+1, chained on step k
+        if self._chains:   # step k+1, chained on step k
             self.chained = following
             self._background.start(self._dispatch_chained)
         # A wait for the next Step is a round trip only while requests run.
@@ -166,13 +170,15 @@ class ModelRunner:
         if step.has_drafts:
             outputs.append(self._verify(step))
         elif step.decode_rids:   # the chained decode if there is one; its released rows drop
-            launched, self.chained = self.chained or self._launch_decode(), None
+            launched = self.chained or self._launch_decode(self._step_slots(step))
+            self.chained = None
             outputs.append(self._commit_decode(launched, step))
         elif len(self.batch):
             raise ValueError(f"step {step.step_id} decodes nothing but "
                              f"{len(self.batch)} requests are running")
         else:
             self.chained = None
+        self._chains = self._chains_next   # decided before anything moves the rows on
         if outputs and not step.prefills and self._builds_ahead:
             following = self._launch_decode()
             return self._finalize(step.step_id, outputs, writes=False), following
@@ -180,12 +186,21 @@ class ModelRunner:
             self.batch.before_joins(_arrays(outputs) + self._draft_arrays())
         outputs += self._prefill(step.prefills)
         # the chained decode, when there is one, completes the pool writes
-        return self._finalize(step.step_id, outputs, pool_writes=not self._chains_next), None
+        self._chains = self._chains_next   # the joined rows included
+        return self._finalize(step.step_id, outputs, pool_writes=not self._chains), None
 
     @property
     def _chains_next(self) -> bool:
-        """This step ends by starting the next decode on the helper thread."""
-        return self.overlap and self._chain_allowed and len(self.batch) > 0
+        """This step ends by starting the next decode on the helper thread (every
+        row knowing where its next position goes)."""
+        return self.overlap and self._chain_allowed and len(self.batch) > 0 and \
+            getattr(self.batch, "knows_next", lambda: True)()
+
+    def _step_slots(self, step: Step) -> list[list[int]]:
+        """The Step's decode slot of each row of the batch, in row order."""
+        check_decode(step, self.batch.rids, self.pool)
+        slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
+        return [[slot_of[rid]] for rid in self.batch.row_rids if rid is not None]
 
     def _draft_arrays(self) -> list:
         """The draft model's writes (its pool's and its batch's), evaluated with the
@@ -208,7 +223,7 @@ class ModelRunner:
     def _builds_ahead(self) -> bool:
         """The next decode's graph can be built before this step's tokens are read:
         it chains, and no row's grammar or thinking budget needs this step's token."""
-        return self._chains_next and not any(
+        return self._chains and not any(
             r.grammar is not None or (r.thinking is not None and r.thinking.live)
             for r in self.batch.rows)
 
@@ -219,6 +234,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.clear()
         self.chained = None
+        self._chains = False
         self._returned_at = None
         self._new_grammars = {}
         if self.disk is not None:
@@ -249,14 +265,17 @@ class ModelRunner:
 
     # ---- decode -----------------------------------------------------------
 
-    def _launch_decode(self) -> _Output:
-        """Decode every row of the batch, lazily; the rows' next input is the result."""
-        logits = self.batch.forward(self.model)
+    def _launch_decode(self, slots: list[list[int]] | None = None) -> _Output:
+        """Decode every row of the batch, lazily; the rows' next input is the result.
+        `slots`: each row's slot for its input (None: a chained decode's, not sent
+        yet: where the rows' pages put them)."""
+        logits = (self.batch.forward(self.model, slots=slots) if self.batch.page
+                  else self.batch.forward(self.model))
         live = [rid is not None for rid in self.batch.row_rids]
         sampled = self._sample(logits, self.batch.rows, live)
         self.batch.tokens = sampled.tokens
         return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled,
-                       self.batch.newest_kv())
+                       self.batch.newest_kv(), direct=list(getattr(self.batch, "direct", [])))
 
     def _sample(self, logits: mx.array, rows: list[RowState], live=None,
                 masks: Future | None = None, probs: bool = False) -> Sampled:
@@ -295,16 +314,26 @@ class ModelRunner:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
         releases) and store their new KV at the Step's slots (and window ids)."""
         running = check_decode(step, self.batch.rids, self.pool)
-        self.batch.slots_written(step.decode_slot_ids)
         slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
         window_of = dict(zip(step.decode_rids, step.decode_window_ids))   # empty: no window pool
-        ids = write_ids([slot_of[rid] for rid in running],
-                        [window_of[rid] for rid in running if window_of])
-        keep = None
-        if launched.rids != running:
-            position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
-            keep = mx.array([position[rid] for rid in running])
-        self.pool.write_layers(launched.new_kv, ids, keep)
+        position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
+        direct = launched.direct or [0] * len(launched.rids)
+        for rid in running:   # a chained decode wrote where the rows' pages put them
+            if direct[position[rid]] not in (0, slot_of[rid]):
+                raise SlotMismatch(f"step {step.step_id}: request {rid}'s slot "
+                                   f"{slot_of[rid]} is not where its page puts its input "
+                                   f"({direct[position[rid]]})")
+        # the inputs written to the arena only: their KV to the pool at the Step's slots
+        pending = [rid for rid in running if not direct[position[rid]]]
+        if pending:
+            ids = write_ids([slot_of[rid] for rid in pending],
+                            [window_of[rid] for rid in pending if window_of])
+            index = None if pending == launched.rids else \
+                mx.array([position[rid] for rid in pending])
+            self.pool.write_layers(launched.new_kv, ids, index)
+        if step.chain_pages and self.batch.page:
+            self.batch.booked(dict(zip(step.decode_rids, step.chain_pages)))
+        keep = None if launched.rids == running else mx.array([position[rid] for rid in running])
         if self.drafter is not None:   # the draft runs these positions when it next drafts
             self.drafter.decoded(running, [slot_of[rid] for rid in running])
         if keep is None:
@@ -352,12 +381,11 @@ class ModelRunner:
             asked = [draft_of[rid] for rid in running]
         drafts = [_draft_for(row, d) for row, d in zip(rows, asked)]
         masks = self.grammars.start_draft_masks(rows, drafts) if self.grammars else None
-        self.batch.slots_written(step.decode_slot_ids)
-        self.batch.slots_written(s for slots in step.draft_slot_ids for s in slots)
-        logits = self.batch.forward(self.model, drafts)
+        slots = self._verify_slots(step, running, drafts)
+        logits = self.batch.forward(self.model, drafts, slots)
         positions = [p for row, d in zip(rows, drafts) for p in _positions(row, d)]
         sampled = self._sample(logits, positions, masks=masks, probs=proposal is not None)
-        self._write_verified(step, running, drafts)
+        self._write_verified(step, running, drafts, slots)
         mx.eval(sampled.tokens, sampled.logprobs)
         chosen, starts = sampled.tokens.tolist(), _starts(drafts)
         tokens = [chosen[at:at + _agreed(d, chosen[at:at + len(d) + 1]) + 1]
@@ -368,7 +396,7 @@ class ModelRunner:
         runs = [len(run) for run in tokens]
         last = mx.array([run[-1] for run in tokens], dtype=sampled.tokens.dtype)
         if self.batch.needs_replay(runs, drafts):   # recurrent states counted rejected tokens
-            self.batch.replay(self.model, runs)
+            self.batch.replay(self.model, runs, [row[:k] for row, k in zip(slots, runs)])
         self.batch.accept(runs, last)
         if proposal is not None:
             self.drafter.accept(runs, last)
@@ -396,20 +424,34 @@ class ModelRunner:
             None if s.top_logprobs is None else s.top_logprobs[index]),
             runs=[len(run) for run in tokens])
 
-    def _write_verified(self, step: Step, running: list[int], drafts: list[list[int]]) -> None:
-        """Every verified position's KV to the pool, at the Step's slots (the
-        scheduler frees the rejected ones' after reading the runs)."""
+    @staticmethod
+    def _verify_slots(step: Step, running: list[int], drafts: list[list[int]]) -> list[list[int]]:
+        """Each row's slots of a verify's positions: its input's, then its draft's."""
         slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
         drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
-        slots = [s for rid, d in zip(running, drafts)
-                 for s in [slot_of[rid]] + drafts_at[rid][:len(d)]]
+        return [[slot_of[rid]] + drafts_at[rid][:len(d)] for rid, d in zip(running, drafts)]
+
+    def _write_verified(self, step: Step, running: list[int], drafts: list[list[int]],
+                        row_slots: list[list[int]]) -> None:
+        """Every verified position's KV to the pool, at the Step's slots, where the
+        forward did not write it there itself (the scheduler frees the rejected
+        ones' after reading the runs)."""
+        slots = [s for row in row_slots for s in row]
+        direct = getattr(self.batch, "direct", None) or [0] * len(slots)
         windows = []
         if self.pool.uses_windows:   # the windowed layers' KV goes to the window pool
             window_of = dict(zip(step.decode_rids, step.decode_window_ids))
             draft_windows = dict(zip(step.decode_rids, step.draft_window_ids))
             windows = [w for rid, d in zip(running, drafts)
                        for w in [window_of[rid]] + draft_windows[rid][:len(d)]]
-        self.pool.write_layers(self.batch.newest_kv(), write_ids(slots, windows))
+        pending = [k for k, d in enumerate(direct) if not d]
+        if not pending:
+            return
+        if len(pending) < len(slots):
+            slots = [slots[k] for k in pending]
+            windows = [windows[k] for k in pending] if windows else []
+        index = mx.array(pending) if len(pending) < len(direct) else None
+        self.pool.write_layers(self.batch.newest_kv(), write_ids(slots, windows), index)
 
     # ---- prefill ----------------------------------------------------------
 
@@ -422,7 +464,6 @@ class ModelRunner:
             self._draft_disk_tokens(asked, prefills)
         self._new_grammars = {p.rid: self._grammar(p) for p in prefills
                               if p.needs_logits and p.sampling.grammar is not None}
-        self.batch.slots_written(s for p in prefills for s in p.new_slot_ids)
         joins, draft_joins, outputs = [], [], []
         for group in plan_groups(prefills, self.prefill_step_size):
             joined = self._prefill_group(group)

@@ -1,12 +1,23 @@
 """The running requests' decode state in pages (decode_pages): one page table per
-row, the KV in the page arena, recurrent states (hybrid models) one row each.
+row, recurrent states (hybrid models) one row each.
 
-A joining row writes its KV into fresh pages, except for the full pages another
-running row already holds with the same pool slots (shared_pages: a shared prefix is
-held once); a leaving row lets go of its pages; neither touches another row's KV.
+With the pool (`pool`, the default for the model): a row's KV is where the prefill
+and the decode steps wrote it, the pool's pages (kv_pool.py; the scheduler books
+whole pages, position p at offset p mod the page size). A row's table names, per
+window of `page` positions, the pool page that holds them, so a join copies
+nothing and a prefix several rows start from is read once per row where the tree
+keeps it. A window whose positions are not one pool page (a cached prefix that
+ends inside a page: its positions in the prefix's page, the rest in the row's
+own) is copied into a page of the arena instead (at join, from the prefill cache),
+and the positions the row decodes in it are written there and, by the runner, to
+their pool slots. Table entries: > 0 a pool page, < 0 an arena page (its negation).
+
+Without a pool (a draft model's batch, and the startup probe): every window in
+the arena, as the rows' own copy (entries > 0: arena pages).
+
 Each forward builds the caches the model sees (a `PagedLayerCache` per KV leaf, the
-persistent state caches) from the tables: the new position's arena rows and the
-(row, page) pairs each window size reads.
+persistent state caches) from the tables: where each new position is written and
+the (row, page) pairs each window size reads in each store.
 """
 
 import mlx.core as mx
@@ -16,24 +27,26 @@ from . import batch_cache
 from .batch_cache import CacheLayout
 from .decode import JoinGroup
 from .decode_pages import (
-    PageArena, PagedLayerCache, query_positions, step_pairs, tail_pairs,
+    PageArena, PagedLayerCache, Writes, query_positions, step_pairs, tail_pairs,
 )
+from .kv_pool import KVPool
 from .sampling import RowState
-from .shared_pages import SharedPages
+
+
+class SlotMismatch(ValueError):
+    """A Step names a slot other than the one a row's page puts its position at."""
 
 
 class PagedDecodeBatch:
-    """Rows in order; `row_rids` never holds a released row (release is free). With
-    `share`, joining rows' full pages are shared by their pool slots (not for a
-    window pool: a windowed layer's prefix positions beyond the window are not
-    loaded, so two rows' pages with the same slots may differ there)."""
+    """Rows in order; `row_rids` never holds a released row (release is free).
+    `pool`: rows read the pool's pages in place (see the module)."""
 
-    def __init__(self, layout: CacheLayout, arena: PageArena, share: bool = True):
-        self.layout, self.arena = layout, arena
-        self.shared = SharedPages(arena.page) if share else None
+    def __init__(self, layout: CacheLayout, arena: PageArena, pool: KVPool | None = None):
+        assert pool is None or (pool.page == arena.page and not pool.uses_windows)
+        self.layout, self.arena, self.pool = layout, arena, pool
         self.row_rids: list[int] = []
         self.rows: list[RowState] = []
-        self.tables: list[list[int]] = []   # per row: its pages, in position order
+        self.tables: list[list[int]] = []   # per row: per window, its page (see the module)
         self.lengths: list[int] = []        # per row: positions held (the newest input's excluded)
         # with a float tail (arena.tail), per row: its ring, and one past the newest
         # position it was written (a verify's rejected drafts included)
@@ -46,6 +59,9 @@ class PagedDecodeBatch:
         self._held: list[int] = []   # the rows' lengths before the last forward
         self._positions: mx.array | None = None   # a verify's real positions of [B * L]
         self._verified = None   # a verify's (inputs, states before it), with states
+        # the last forward's new positions (rows' in turn): the pool slot each was
+        # written at by the forward itself (0: written to the arena only)
+        self.direct: list[int] = []
 
     @property
     def page(self) -> int:
@@ -60,13 +76,23 @@ class PagedDecodeBatch:
 
     @property
     def cache_tokens(self) -> int:
-        """Tokens the rows' pages span (kv_layout's rule budgets at least this)."""
-        return sum(len(t) for t in self.tables) * self.arena.page
+        """Tokens the rows' arena pages span (their own copies)."""
+        return sum(1 for t in self.tables for e in t if self._in_arena(e)) * self.arena.page
+
+    def _in_arena(self, entry: int) -> bool:
+        return entry < 0 if self.pool is not None else entry > 0
+
+    def _arena_page(self, entry: int) -> int:
+        return -entry if self.pool is not None else entry
+
+    def _arena_entry(self, page: int) -> int:
+        return -page if self.pool is not None else page
 
     # ---- rows joining and leaving ------------------------------------------
 
     def add(self, groups: list[JoinGroup]) -> None:
-        """Write every joining row's KV into pages of its own; append the rows."""
+        """Every joining row's table (its windows' pool pages; the rest copied into
+        the arena); append the rows."""
         tokens = [] if self.tokens is None else [self.tokens]
         for group in groups:
             self._write_group(group)
@@ -103,33 +129,30 @@ class PagedDecodeBatch:
                 self.states[i] = [mx.concatenate([a, b]) for a, b in zip(self.states[i], arrays)]
 
     def _table(self, n: int, slots: list[int] | None) -> tuple[list[int], list[int]]:
-        """The pages of a row joining with `n` positions held at pool `slots`: its
-        full pages shared where a running row holds them already, fresh ones for the
-        rest (listed for sharing when full). Returns (table, indices to write)."""
+        """The table of a row joining with `n` positions held at pool `slots`: each
+        window whose positions are one pool page (position p at offset p mod page)
+        reads that page; the others get arena pages. Returns (table, indices of
+        the arena pages to write)."""
         page = self.arena.page
-        table = [0] * -(-n // page)
+        windows = -(-n // page)
+        table = [0] * windows
         assert slots is None or len(slots) == n, "a joining row's slots are its positions'"
-        full = n // page if slots is not None and self.shared is not None else 0
-        for j in range(full):
-            hit = self.shared.find(slots[j * page:(j + 1) * page])
-            if hit:
-                self.arena.hold(hit)
-                table[j] = hit
-        todo = [j for j, p in enumerate(table) if not p]
+        if self.pool is not None and slots is not None and n:
+            table = _pool_windows(np.asarray(slots, np.int64), page)
+        todo = [j for j, e in enumerate(table) if not e]
         for j, p in zip(todo, self.arena.allocate(len(todo))):
-            table[j] = p
-            if j < full:
-                self.shared.add(p, slots[j * page:(j + 1) * page])
+            table[j] = self._arena_entry(p)
         return table, todo
 
     def _write_pages(self, kv: list, tables: list[list[int]], fresh: list[list[int]],
                      lefts: list[int], end: int) -> None:
-        """Every row's positions of every KV leaf into its fresh pages: per run of
-        consecutive page ids, one slice of the prefill cache into one slice of the
-        arena (columns past the row's end are padding, masked out)."""
+        """Every row's positions of every KV leaf into its fresh arena pages: per run
+        of consecutive page ids, one slice of the prefill cache into one slice of
+        the arena (columns past the row's end are padding, masked out)."""
         page = self.arena.page
         for r, (table, todo, left) in enumerate(zip(tables, fresh, lefts)):
-            for j, first, n in _runs(table, todo):
+            arena_table = [self._arena_page(e) for e in table]
+            for j, first, n in _runs(arena_table, todo):
                 start = left + j * page
                 stop = min(start + n * page, end)
                 for leaf, cache in enumerate(kv):
@@ -154,25 +177,20 @@ class PagedDecodeBatch:
                                       v.reshape(-1, v.shape[-1]))
 
     def check_integrity(self) -> None:
-        """The arena's pages are those the tables hold; each row holds a ring of the
-        float tail of its own."""
-        self.arena.check_integrity(self.tables)
+        """The arena's pages are those the tables hold there; each row holds a ring
+        of the float tail of its own."""
+        self.arena.check_integrity([[self._arena_page(e) for e in t if self._in_arena(e)]
+                                    for t in self.tables])
         if self.arena.tail is not None:
             self.arena.tail.check_integrity([[r] for r in self.rings])
 
-    def slots_written(self, slots) -> None:
-        """The pool's `slots` are being written (a prefill's new tokens, a decode's
-        inputs): pages shared under them are no longer found by them."""
-        if self.shared is not None:
-            self.shared.written(slots)
-
-    def _let_go(self, table: list[int]) -> None:
-        freed = self.arena.free(table)
-        if self.shared is not None:
-            self.shared.forget(freed)
+    def _let_go(self, entries: list[int]) -> None:
+        """A row lets go of these table entries (its arena pages go back; its pool
+        pages are the scheduler's)."""
+        self.arena.free([self._arena_page(e) for e in entries if self._in_arena(e)])
 
     def remove(self, rids: set[int]) -> None:
-        """Drop released rows: their pages go back, the rest stay where they are."""
+        """Drop released rows: their arena pages go back, the rest stay where they are."""
         if not rids.intersection(self.row_rids):
             return
         keep = [i for i, rid in enumerate(self.row_rids) if rid not in rids]
@@ -196,42 +214,109 @@ class PagedDecodeBatch:
         self.states = [[a[index] for a in leaf] for leaf in self.states]
 
     def clear(self) -> None:
-        """No rows: every page free and nothing listed for sharing (also after a step
-        that failed midway through a join or a growth, whose pages no table names)."""
+        """No rows: every arena page free (also after a step that failed midway
+        through a join or a growth, whose pages no table names)."""
         self.arena.reset()
-        if self.shared is not None:
-            self.shared = SharedPages(self.arena.page)
         self.row_rids, self.rows, self.tables, self.lengths = [], [], [], []
         self.rings, self.reached = [], []
         self.tokens, self.states, self._leaves = None, [], []
         self._verified = None
+        self.direct = []
+
+    # ---- where new positions go --------------------------------------------
+
+    def booked(self, rid_pages: dict[int, int]) -> None:
+        """The pool pages (the Step's `chain_pages`) rows' next positions start: their
+        tables take them, so a chained decode writes there."""
+        if self.pool is None:   # the rows' pages are the arena's, taken as they fill
+            return
+        page = self.arena.page
+        for i, rid in enumerate(self.row_rids):
+            q = rid_pages.get(rid, 0)
+            if q and len(self.tables[i]) == self.lengths[i] // page:
+                self.tables[i].append(q)
+
+    def knows_next(self) -> bool:
+        """Every row's next position has its page (a chained decode may run)."""
+        page = self.arena.page
+        return self.pool is None or all(n // page < len(t)
+                                        for t, n in zip(self.tables, self.lengths))
+
+    def _extend_tables(self, queries: list[int], slots: list[list[int]] | None) -> None:
+        """Pages for each row's next `queries[i]` positions: in the arena without a
+        pool; with one, the pool page the Step's slot for a position starting a
+        window names (its offset checked), or, with no slot, the page booked for it."""
+        page = self.arena.page
+        for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
+            short = -(-(n + q) // page) - len(table)
+            if short <= 0:
+                continue
+            if self.pool is None:
+                table += self.arena.allocate(short)
+                continue
+            for w in range(len(table), len(table) + short):
+                p = w * page   # the window's first position; the row's next ones reach it
+                at = p - n
+                s = slots[i][at] if slots is not None and 0 <= at < len(slots[i]) else 0
+                if not s:
+                    raise SlotMismatch(f"row {self.row_rids[i]}: no page for position {p}")
+                if s % page:
+                    raise SlotMismatch(f"row {self.row_rids[i]}: slot {s} for position {p} "
+                                       f"is not at its page's offset")
+                table.append(s // page)
+
+    def _targets(self, queries: list[int], width: int,
+                 slots: list[list[int]] | None) -> tuple[np.ndarray, np.ndarray]:
+        """Per row and query slot `[rows, width]`: where each new position goes, as a
+        row of the pool (> 0, the pool page's) or of the arena (< 0, negated; 0 for
+        padding: the arena's page 0). A Step's slot for a position in a pool page
+        must be that position's slot there."""
+        page = self.arena.page
+        pool_at = np.zeros((len(self.tables), width), dtype=np.int64)
+        arena_at = np.zeros((len(self.tables), width), dtype=np.int64)
+        for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
+            at = n + np.arange(q)
+            entries = np.asarray(table, dtype=np.int64)[at // page]
+            if self.pool is not None:
+                rows = entries * page + at % page
+                in_pool = entries > 0
+                pool_at[i, :q] = np.where(in_pool, rows, 0)
+                arena_at[i, :q] = np.where(in_pool, 0, -entries * page + at % page)
+                if slots is not None and in_pool.any():
+                    want = np.asarray(slots[i][:q], dtype=np.int64)
+                    if (want[in_pool] != rows[in_pool]).any():
+                        raise SlotMismatch(f"row {self.row_rids[i]}: slots {want.tolist()} "
+                                           f"are not its pages' {rows.tolist()}")
+            else:
+                arena_at[i, :q] = entries * page + at % page
+        return pool_at, arena_at
 
     # ---- decode ----------------------------------------------------------
 
-    def forward(self, model, drafts: list[list[int]] | None = None) -> mx.array:
+    def forward(self, model, drafts: list[list[int]] | None = None,
+                slots: list[list[int]] | None = None) -> mx.array:
         """Logits `[rows, V]` for the next token of every row (lazy). Each row's
-        input goes at its next position, in a new page when the last is full.
+        input goes at its next position: in the pool, at the slot `slots[i][0]` the
+        Step names (None: a chained decode, at the slot its page puts it), or, in a
+        window the row holds in the arena, there (the runner writes the pool).
 
         With `drafts` (one list per row, maybe empty), row i's input is its next
-        token then `drafts[i]`, at consecutive positions, all attended causally in
-        one forward (a verify): logits `[sum(1 + len(d)), V]`, each row's positions in
-        turn. The rows' lengths count every position until `accept` says how many
-        of them hold KV to keep. Recurrent states see only each row's own positions
-        (the padding of shorter drafts is masked out of them), and a verify's
-        states count all of them: `replay` gives the states of the kept ones."""
-        page = self.arena.page
+        token then `drafts[i]`, at consecutive positions (`slots[i]`: their slots),
+        all attended causally in one forward (a verify): logits `[sum(1 +
+        len(d)), V]`, each row's positions in turn. The rows' lengths count every
+        position until `accept` says how many of them hold KV to keep. Recurrent
+        states see only each row's own positions (the padding of shorter drafts is
+        masked out of them), and a verify's states count all of them: `replay`
+        gives the states of the kept ones."""
         queries = [1 + len(d) for d in drafts] if drafts else [1] * len(self.tables)
         width = max(queries)
-        for table, n, q in zip(self.tables, self.lengths, queries):
-            short = -(-(n + q) // page) - len(table)
-            if short > 0:
-                table += self.arena.allocate(short)
+        self._extend_tables(queries, slots)
         inputs = self.tokens[:, None]
         if width > 1:
             padded = [d + [0] * (width - 1 - len(d)) for d in drafts]
             inputs = mx.concatenate([inputs, mx.array(padded, dtype=inputs.dtype)], axis=1)
         self._verified = (inputs, self.states) if width > 1 and self.states else None
-        logits = self._run(model, inputs, queries)
+        logits = self._run(model, inputs, queries, slots)
         if width == 1:
             self._positions = None
             return logits[:, -1, :]
@@ -239,34 +324,38 @@ class PagedDecodeBatch:
                                     for j in range(q)])
         return logits.reshape(-1, logits.shape[-1])[self._positions]
 
-    def _run(self, model, inputs: mx.array, queries: list[int]) -> mx.array:
+    def _run(self, model, inputs: mx.array, queries: list[int],
+             slots: list[list[int]] | None = None) -> mx.array:
         """The model over `inputs` `[rows, width]`, row i's first `queries[i]` of them
-        at its next positions (the rest padding: written to page 0, masked out of
-        the attention and of recurrent states); the rows' lengths advance by their
-        queries. Logits `[rows, width, V]` (lazy)."""
-        page, heads = self.arena.page, self.arena.heads
+        at its next positions (the rest padding: written to the arena's page 0,
+        masked out of the attention and of recurrent states); the rows' lengths
+        advance by their queries. Logits `[rows, width, V]` (lazy)."""
+        heads = self.arena.heads
         width = inputs.shape[1]
-        rows = np.zeros((len(self.tables), width), dtype=np.int64)   # padding: page 0
-        for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
-            at = n + np.arange(q)
-            rows[i, :q] = np.asarray(table)[at // page] * page + at % page
-        # (row, head, position) order, as update_and_fetch flattens the new KV
-        write_at = (mx.array(np.tile(np.repeat(np.arange(heads), width), len(rows)), mx.int32),
-                    _per_head(rows, heads))
+        pool_at, arena_at = self._targets(queries, width, slots)
+        real = np.arange(width)[None, :] < np.asarray(queries)[:, None]
+        self.direct = pool_at[real].tolist()
+        writes = Writes.of(pool_at, arena_at, heads)
         offset = mx.array(np.array(self.lengths), mx.int32)
         after = [n + q for n, q in zip(self.lengths, queries)]
         several = queries if width > 1 else None
         ring_rows, lows = self._tail_step(after, queries, width)
-        pairs = {w: step_pairs(self.tables, after, self.arena, w, several, lows)
+        arena_tables = [[self._arena_page(e) if self._in_arena(e) else 0 for e in t]
+                        for t in self.tables]
+        pool_tables = ([[e if e > 0 else 0 for e in t] for t in self.tables]
+                       if self.pool is not None else None)
+        pairs = {w: step_pairs(arena_tables, after, self.arena, w, several, lows)
                  for w in set(self.layout.windows)}
+        pool_pairs = {w: step_pairs(pool_tables, after, self.pool, w, several, lows)
+                      for w in pairs} if pool_tables is not None else {}
         spans = {w: self._span(after, w, queries[0]) for w in pairs}
         tails = {}
         if lows is not None:
-            tail_at = (write_at[0], ring_rows)   # the heads as write_at's
+            tail_at = (writes.heads, ring_rows)
             tails = {w: (tail_at, tail_pairs(self.rings, after, lows, self.arena.tail, w,
                                              several)) for w in pairs}
-        self._leaves = [PagedLayerCache(self.arena, i, offset, write_at, pairs[w], spans[w],
-                                        tails.get(w))
+        self._leaves = [PagedLayerCache(self.arena, i, offset, writes, pairs[w], spans[w],
+                                        tails.get(w), self.pool, pool_pairs.get(w))
                         for i, w in enumerate(self.layout.windows)]
         caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states,
                                                     queries if width > 1 else None)
@@ -279,7 +368,7 @@ class PagedDecodeBatch:
 
     def _tail_step(self, after: list[int], queries: list[int], width: int):
         """With a float tail: the ring row of each new position `[B * heads * L]` (in
-        write_at's order; the positions a ring cannot hold, and padding, at ring 0),
+        write order; the positions a ring cannot hold, and padding, at ring 0),
         and for each query slot `[rows, L]` the first position the tail attends: the
         `keep` up to the query's own, as a decode step at its position would (a
         verify's queries see what one-at-a-time decoding would), less any its ring
@@ -306,40 +395,50 @@ class PagedDecodeBatch:
         return self._verified is not None and any(
             k < 1 + len(d) for k, d in zip(kept, drafts))
 
-    def replay(self, model, kept: list[int]) -> None:
+    def replay(self, model, kept: list[int], slots: list[list[int]] | None = None) -> None:
         """After a verify, before `accept`: every row's recurrent states after its
         first `kept[i]` positions, recomputed from the states before the verify
         (the verify's count every position it checked). The forward writes those
         positions' KV again, as the verify did; its logits are never computed."""
         inputs, before = self._verified
         self.lengths, self.states = self._held, before
-        self._run(model, inputs[:, :max(kept)], kept)
+        direct = self.direct
+        self._run(model, inputs[:, :max(kept)], kept, slots)
+        self.direct = direct
         self._verified = None
 
     def accept(self, kept: list[int], tokens: mx.array, held: list[int] | None = None) -> None:
         """After a verify: row i keeps the KV of its first `kept[i]` new positions
         (its input and the accepted draft tokens) and its next input is `tokens[i]`;
-        pages past what it holds now go back. `held`: the rows' lengths before the
-        positions counted (default: before the last forward)."""
+        windows past what it holds now leave its table (arena pages go back). `held`:
+        the rows' lengths before the positions counted (default: before the last
+        forward)."""
         page = self.arena.page
         for i, (n, k) in enumerate(zip(self._held if held is None else held, kept)):
             self.lengths[i] = n + k
             table = self.tables[i]
             spare = len(table) - -(-(n + k) // page)
-            if spare > 0:   # fresh pages of this step's rejected positions
+            if spare > 0:   # windows of this step's rejected positions
                 self._let_go(table[-spare:])
                 del table[-spare:]
         self.tokens = tokens
 
-    def _span(self, lengths: list[int], window: int, queries: int = 1) -> tuple[int, int] | None:
-        """A lone row whose pages are one run: the positions its `queries` newest
-        positions attend (from the window start of the first, for a windowed layer)
-        as (first arena row, count), attended as one slice."""
-        if len(self.tables) != 1 or len(_runs(self.tables[0])) != 1:
+    def _span(self, lengths: list[int], window: int, queries: int = 1):
+        """A lone row whose pages are one run in one store: the positions its
+        `queries` newest positions attend (from the window start of the first, for a
+        windowed layer) as (first row, count, in the pool), attended as one slice."""
+        if len(self.tables) != 1:
+            return None
+        table = self.tables[0]
+        in_pool = self.pool is not None and all(e > 0 for e in table)
+        if not in_pool and not all(self._in_arena(e) for e in table):
+            return None
+        pages = table if in_pool else [self._arena_page(e) for e in table]
+        if len(_runs(pages)) != 1:
             return None
         n = lengths[0]
         low = max(0, n - (queries - 1) - window) if window else 0
-        return self.tables[0][0] * self.arena.page + low, n - low
+        return pages[0] * self.arena.page + low, n - low, in_pool
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per KV leaf, keys/values `[positions, heads, dim]` the last forward wrote:
@@ -358,15 +457,32 @@ class PagedDecodeBatch:
         """What a step evaluates to complete the batch's writes."""
         tail = self.arena.tail
         rings = [tail.keys, tail.values] if tail is not None else []
-        return [self.arena.keys, self.arena.values, *rings, self.states]
+        pool = [self.pool.keys, self.pool.values] if self.pool is not None else []
+        return [self.arena.keys, self.arena.values, *rings, *pool, self.states]
 
     def pending_writes(self) -> list[mx.array]:
         return self.arrays()
 
     def before_joins(self, decoded: list[mx.array]) -> None:
-        """The decode's reads of the pages come before the joins' writes into them,
-        or the writes would copy the whole arena."""
+        """The decode's reads of the pages come before the prefills' and joins' writes
+        into them, or the writes would copy the whole store."""
         mx.eval(decoded, self.arrays())
+
+
+def _pool_windows(slots: np.ndarray, page: int) -> list[int]:
+    """Per window of a row's positions (held at `slots`), the pool page holding all of
+    them at their offsets, or 0 where they are not one page's."""
+    n = len(slots)
+    windows = -(-n // page)
+    pages = slots // page
+    aligned = slots % page == np.arange(n) % page
+    padded = np.full(windows * page, -1, dtype=np.int64)
+    padded[:n] = np.where(aligned, pages, -1)
+    grid = padded.reshape(windows, page)
+    first = grid[:, 0]
+    whole = (first > 0) & np.all((grid == first[:, None]) | (np.arange(windows * page)
+                                                               .reshape(windows, page) >= n), axis=1)
+    return np.where(whole, first, 0).tolist()
 
 
 def _per_head(rows: np.ndarray, heads: int) -> mx.array:

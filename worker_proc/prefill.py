@@ -92,7 +92,7 @@ class GroupPrefill:
         windows = aligned("prefix_window_ids") if pool.uses_windows else None
         for layer, cache in enumerate(self.kv):
             ids = windows if pool.windowed(layer) else slots
-            keys, values = (mx.contiguous(x.swapaxes(1, 2)) for x in pool.read(layer, ids))
+            keys, values = (mx.contiguous(x.swapaxes(0, 1)) for x in pool.read(layer, ids))
             batch_cache.load_prefix(cache, keys, values, width)
 
     def _load_states(self, pool: KVPool) -> None:

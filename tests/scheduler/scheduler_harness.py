@@ -190,7 +190,7 @@ class Harness:
         assert not self.s.running and not self.s.waiting and not self.s.has_work
         tree = self.s.kv.tree
         cached = tree.total_size if tree is not None else 0
-        assert self.s.kv.allocator.num_free + cached == self.cap
+        assert self.s.kv.allocator.num_unheld + cached == self.cap
         assert tree is None or tree.protected_size == 0
         kv = self.s.kv
         cached_windows = len(tree.all_windows()) if tree is not None else 0

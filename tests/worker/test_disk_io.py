@@ -24,9 +24,9 @@ def make_pool(dtype=mx.float32, window: int = 0, states: bool = False) -> KVPool
     pool = KVPool(geometry, 128, state_slots=4 if states else 0,
                   window_capacity=32 if window else 0)
     for layer in range(2):
-        rows = pool.keys[layer][0].shape[0]
-        pool.keys[layer][0] = mx.random.normal((rows, 2, 8)).astype(dtype)
-        pool.values[layer][0] = mx.random.normal((rows, 2, 8)).astype(dtype)
+        rows = pool.keys[layer][0].shape[1]   # head-major: [heads, rows, dim]
+        pool.keys[layer][0] = mx.random.normal((2, rows, 8)).astype(dtype)
+        pool.values[layer][0] = mx.random.normal((2, rows, 8)).astype(dtype)
     if states:
         pool.states.arrays[0][0] = mx.random.normal(pool.states.arrays[0][0].shape)
     mx.eval(pool.arrays)
@@ -66,9 +66,10 @@ def test_a_spill_reads_back_into_other_slots_exactly(io_for, dtype):
     old, new = list(range(1, N + 1)), list(range(50, 50 + N))
     spill = spill_of(tokens, old)
     io.spill([spill])
-    before = [mx.array(pool.keys[0][0][mx.array(old)]), mx.array(pool.values[1][0][mx.array(old)])]
+    before = [mx.array(pool.keys[0][0][:, mx.array(old)]),
+              mx.array(pool.values[1][0][:, mx.array(old)])]
     for layer in range(2):   # the Step's own writes come after the gather
-        pool.keys[layer][0][mx.array(old)] = mx.zeros((N, 2, 8), dtype)
+        pool.write_raw(layer, mx.array(old), [mx.zeros((N, 2, 8), dtype)] * 2)
     assert io.flush(10) and io.written == 1
     p = prefill_of(spill, new)
     io.start_reads([p])
@@ -76,8 +77,8 @@ def test_a_spill_reads_back_into_other_slots_exactly(io_for, dtype):
     assert loaded.input_ids == [5] and loaded.prefix_slot_ids == new
     assert loaded.new_slot_ids == [127] and loaded.disk_tokens == 0
     mx.eval(pool.arrays)
-    assert mx.array_equal(pool.keys[0][0][mx.array(new)], before[0]).item()
-    assert mx.array_equal(pool.values[1][0][mx.array(new)], before[1]).item()
+    assert mx.array_equal(pool.keys[0][0][:, mx.array(new)], before[0]).item()
+    assert mx.array_equal(pool.values[1][0][:, mx.array(new)], before[1]).item()
     assert io.take_news() == ([], [])
 
 
@@ -144,7 +145,7 @@ def test_window_tail_and_state_travel_with_a_resumable_run(io_for):
     tail = [3, 4, 5, 6, 7]   # window slots of the 5 positions before the end
     spill = spill_of(tokens, range(1, N + 1), window_ids=tail, snapshot_slot=2)
     io.spill([spill])
-    want_tail = mx.array(pool.keys[1][0][mx.array(tail)])
+    want_tail = mx.array(pool.keys[1][0][:, mx.array(tail)])
     want_state = mx.array(pool.states.arrays[0][0][2])
     assert io.flush(10) and io.written == 1
     new_windows = [0] * (N - 4) + [20, 21, 22, 23]   # the window before position N
@@ -153,7 +154,8 @@ def test_window_tail_and_state_travel_with_a_resumable_run(io_for):
     loaded = io.load(p)
     mx.eval(pool.arrays)
     assert loaded.state_from == 3 and loaded.prefix_window_ids == new_windows
-    assert mx.array_equal(pool.keys[1][0][mx.array([20, 21, 22, 23])], want_tail[1:]).item()
+    assert mx.array_equal(pool.keys[1][0][:, mx.array([20, 21, 22, 23])],
+                          want_tail[:, 1:]).item()
     assert mx.array_equal(pool.states.arrays[0][0][3], want_state).item()
     bad = prefill_of(spill, range(60, 60 + N), new_window_ids=[0] * (N - 6) + [1] * 6 + [2],
                      disk_state_slot=3)   # a window position the tail lacks

@@ -13,6 +13,7 @@ import pytest
 
 from mlxd.protocol import SamplingParams, TokenizedRequest
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
+from mlxd.runtime.kv_layout import DECODE_PAGE
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 from support import PROMPTS, encode, load_reference, pressure_prompts, reference_tokens
@@ -33,7 +34,8 @@ class Engine:
         # step's prefill, twice, at most the KV pool's size
         window = max(geometry.cache_layout.windows, default=0)
         windows = min(kv_capacity, 2 * (max_running * window + 4096)) if window else 0
-        self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows),
+        self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows,
+                                                 page=DECODE_PAGE),
                                   overlap=overlap)
         self.scheduler = Scheduler(SchedulerLimits(
             kv_capacity=kv_capacity, max_context=4096, chunked_prefill_size=chunk,

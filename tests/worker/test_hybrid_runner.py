@@ -23,7 +23,7 @@ class Driver(test_model_runner.Driver):
                          window_capacity=window_capacity)
 
     def prefill(self, rid, ids, prefix=(), needs_logits=True, state_from=0, state_slot=0):
-        return PrefillInput(rid, ids, list(prefix), self.new_slots(rid, len(ids)),
+        return PrefillInput(rid, ids, list(prefix), self.new_slots(rid, len(ids), len(prefix)),
                             SamplingParams(), needs_logits, state_from=state_from,
                             state_slot=state_slot)
 

@@ -10,6 +10,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxd.protocol import REPETITION_CONTEXT, PrefillInput, SamplingParams, Step
 from penalty_reference import reference_penalised_tokens
 from support import PROMPTS, encode, load_reference, reference_tokens
+from mlxd.runtime.kv_layout import DECODE_PAGE
+from mlxd.scheduler_proc.allocator import SlotAllocator
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 
@@ -17,42 +19,68 @@ MAX_TOKENS = 20
 
 
 class Driver:
-    """Plays the scheduler: hands out slot ids and records what comes back."""
+    """Plays the scheduler: hands out slot ids as its allocator does (in pages of the
+    pool, position p at offset p mod page, a page taken whole by one request; `page`
+    1: one after another) and records what comes back."""
 
     def __init__(self, model_path: str, capacity: int = 8192, overlap: bool = False,
-                 state_slots: int = 0, window_capacity: int = 0, decode_layout: str = "auto"):
+                 state_slots: int = 0, window_capacity: int = 0, decode_layout: str = "auto",
+                 page: int = DECODE_PAGE):
         model, _ = load_reference(model_path)
         self.model = model
-        pool = KVPool(probe_geometry(model), capacity, state_slots, window_capacity)
+        pool = KVPool(probe_geometry(model), capacity, state_slots, window_capacity, page=page)
         self.runner = runner_for(model, pool, overlap=overlap, decode_layout=decode_layout)
-        self.slots = itertools.count(1)
+        self.allocator = SlotAllocator(capacity, page)
+        self.page = page
+        self.own: dict[int, dict[int, int]] = {}   # rid -> window -> page it took
+        self.length: dict[int, int] = {}           # rid -> positions it holds
         self.step_id = itertools.count(1)
         self.running: list[int] = []
         self.slot_ids: dict[int, list[int]] = {}
         self.out: dict[int, list[tuple[int, float]]] = {}
 
-    def new_slots(self, rid: int, n: int) -> list[int]:
-        slots = [next(self.slots) for _ in range(n)]
+    def new_slots(self, rid: int, n: int, start: int | None = None) -> list[int]:
+        """Slots for the request's next `n` positions (from `start`: after a prefix)."""
+        start = self.length.get(rid, 0) if start is None else start
+        own = self.own.setdefault(rid, {})
+        slots = self.allocator.extend(start, n, own.get(start // self.page, 0))
+        for p in range(start, start + n):
+            own[p // self.page] = slots[p - start] // self.page
+        self.length[rid] = start + n
         self.slot_ids.setdefault(rid, []).extend(slots)
         return slots
 
     def step(self, prefills=(), releases=()):
         self.running = [r for r in self.running if r not in releases]
+        for rid in releases:   # a request resumed later starts over (its pages stay taken)
+            self.length.pop(rid, None)
+            self.own.pop(rid, None)
         decode_slots = [self.new_slots(rid, 1)[0] for rid in self.running]
+        chain_pages = [self._book_next(rid) for rid in self.running] if self.page > 1 else []
         result = self.runner.run(Step(next(self.step_id), list(self.running), decode_slots,
                                       list(prefills), list(releases),
-                                      self.window_ids(decode_slots)))
+                                      self.window_ids(decode_slots), chain_pages=chain_pages))
         for rid, tok, lp in zip(result.rids, result.tokens, result.logprobs):
             self.out.setdefault(rid, []).append((tok, lp))
         self.running += [p.rid for p in prefills if p.needs_logits]
         return result
+
+    def _book_next(self, rid: int) -> int:
+        """The page a chained decode writes the request's next position in, where that
+        position starts one (the scheduler's `chain_pages`)."""
+        n, own = self.length[rid], self.own[rid]
+        if n % self.page or n // self.page in own:
+            return 0
+        own[n // self.page] = self.allocator.take_page()
+        return own[n // self.page]
 
     def window_ids(self, slots: list[int]) -> list[int]:
         """The window ids of these slots' positions (none: no window pool)."""
         return []
 
     def prefill(self, rid, ids, prefix_slots=(), sampling=None, needs_logits=True):
-        return PrefillInput(rid, ids, list(prefix_slots), self.new_slots(rid, len(ids)),
+        return PrefillInput(rid, ids, list(prefix_slots),
+                            self.new_slots(rid, len(ids), len(prefix_slots)),
                             sampling or SamplingParams(), needs_logits)
 
 
@@ -100,9 +128,8 @@ def assert_pool_holds_mlx_lm_kv(d: "Driver", rid: int, prompt_ids: list[int]) ->
     assert len(d.slot_ids[rid]) == len(tokens)
     for layer, c in enumerate(cache):
         got_k, got_v = d.runner.pool.read(layer, slots)
-        assert mx.allclose(got_k, c.keys[0, :, :len(tokens), :].swapaxes(0, 1), atol=1e-4).item()
-        assert mx.allclose(got_v, c.values[0, :, :len(tokens), :].swapaxes(0, 1),
-                           atol=1e-4).item()
+        assert mx.allclose(got_k, c.keys[0, :, :len(tokens), :], atol=1e-4).item()
+        assert mx.allclose(got_v, c.values[0, :, :len(tokens), :], atol=1e-4).item()
 
 
 def test_pool_holds_the_kv_mlx_lm_computes(llama_model):
@@ -183,9 +210,11 @@ def test_mismatched_decode_set_is_rejected(llama_model):
 
 
 def test_slot_ids_outside_the_pool_are_rejected(llama_model):
-    d = Driver(llama_model, capacity=64)
+    d = Driver(llama_model, capacity=64)   # one page: slots 64..127 (page 0 is padding)
     with pytest.raises(ValueError, match="slot id"):
-        d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [64, 65], SamplingParams())]))
+        d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [127, 128], SamplingParams())]))
+    with pytest.raises(ValueError, match="slot id"):
+        d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [0, 64], SamplingParams())]))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])

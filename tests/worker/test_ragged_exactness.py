@@ -41,7 +41,7 @@ def run(path: str, overlap: bool, layout: str):
         if step == 10:
             held = d.slot_ids[1][:SHARED] + d.slot_ids[2]
             last = d.out[2][-1][0]
-            joins.append(PrefillInput(2, [last], held, d.new_slots(2, 1), SamplingParams(),
+            joins.append(PrefillInput(2, [last], held, d.new_slots(2, 1, len(held)), SamplingParams(),
                                       num_generated=len(d.out[2])))
         prompts[short_rid] = prompt(short_rid, SHORT)
         joins.append(d.prefill(short_rid, prompts[short_rid]))

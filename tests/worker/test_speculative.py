@@ -14,6 +14,7 @@ import pytest
 from mlxd.protocol import ProtocolError, SamplingParams, Step, TokenizedRequest
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.scheduler_proc.speculation import SpecConfig
+from mlxd.runtime.kv_layout import DECODE_PAGE
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 from support import PROMPTS, encode, load_reference, reference_tokens
@@ -46,7 +47,8 @@ class Engine:
         if draft is not None:   # the draft model of `--speculative draft`
             from mlxd.worker_proc.draft_model import drafter_for
             drafter = drafter_for(load_reference(draft)[0], kv_capacity, kv_capacity // 64 + 1)
-        self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows),
+        self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows,
+                                                 page=DECODE_PAGE),
                                  decode_layout=decode_layout, overlap=overlap, drafter=drafter)
         if grammars:
             from mlxd.worker_proc.grammar import Grammars
@@ -115,7 +117,7 @@ class Engine:
         assert not s.running and not s.has_work
         s.check_integrity()
         cached = len(s.kv.tree.all_slots()) if s.kv.tree else 0
-        assert s.kv.allocator.num_free + cached == s.limits.kv_capacity
+        assert s.kv.allocator.num_unheld + cached == s.limits.kv_capacity
 
 
 def assert_speculated(e: Engine, method: str = "ngram") -> None:

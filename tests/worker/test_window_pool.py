@@ -33,8 +33,8 @@ class Driver(test_hybrid_runner.Driver):
         self.free_windows = list(range(window_capacity, 0, -1))
         self.window_of: dict[int, int] = {}   # slot id -> the window id its position holds
 
-    def new_slots(self, rid: int, n: int) -> list[int]:
-        slots = super().new_slots(rid, n)
+    def new_slots(self, rid: int, n: int, start: int | None = None) -> list[int]:
+        slots = super().new_slots(rid, n, start)
         for slot in slots[-self.window:]:
             self.window_of[slot] = self.free_windows.pop()
         return slots
@@ -73,8 +73,8 @@ def assert_row_zero_is_zeros(pool: KVPool) -> None:
     windowed = [layer for layer in range(len(pool.keys)) if pool.windowed(layer)]
     assert windowed
     for layer in windowed:
-        assert not mx.any(pool.keys[layer][0][0]).item()
-        assert not mx.any(pool.values[layer][0][0]).item()
+        assert not mx.any(pool.keys[layer][0][:, 0]).item()
+        assert not mx.any(pool.values[layer][0][:, 0]).item()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
@@ -158,10 +158,10 @@ def test_windowed_layers_get_the_window_pools_rows(hybrid_model, llama_model):
     assert pool.uses_windows and pool.window == 8
     for layer, w in enumerate(windows):
         assert pool.windowed(layer) is (w > 0)
-        assert pool.keys[layer][0].shape[0] == pool.values[layer][0].shape[0] == (25 if w else 101)
+        assert pool.keys[layer][0].shape[1] == pool.values[layer][0].shape[1] == (25 if w else 101)
     assert geometry.bytes_per_window_token * 2 == geometry.bytes_per_token
     plain = KVPool(geometry, 100)
-    assert not plain.uses_windows and all(k[0].shape[0] == 101 for k in plain.keys)
+    assert not plain.uses_windows and all(k[0].shape[1] == 101 for k in plain.keys)
     llama, _ = load_reference(llama_model)   # no windowed layer: no window pool
     assert not KVPool(probe_geometry(llama), 100, window_capacity=24).uses_windows
 

@@ -18,6 +18,8 @@ from mlxd.protocol import (
     Decoder, PrefillInput, Ready, SamplingParams, Step, StepResult, WorkerError, WorkerReady,
     encode,
 )
+from mlxd.runtime.kv_layout import DECODE_PAGE
+from mlxd.scheduler_proc.allocator import SlotAllocator
 from proc_support import ProcHarness
 from support import PROMPTS, encode as encode_prompt, load_reference, reference_tokens
 
@@ -52,7 +54,9 @@ class WorkerProc(ProcHarness):
         msg = self.recv(READY_TIMEOUT, "Ready")
         assert isinstance(msg, WorkerReady), msg
         self.limits = msg.limits
-        self.slots = itertools.count(1)      # slot ids are never reused within a process
+        # slot ids are never reused within a process; from page 1 (page 0 is padding),
+        # so one request's run of them sits in its pages as the scheduler's would
+        self.slots = itertools.count(DECODE_PAGE)
         self.step_ids = itertools.count(1)
 
     def recv(self, timeout: float = RECV_TIMEOUT, what: str = "reply"):
@@ -99,20 +103,42 @@ class Driver:
         self.slot_ids: dict[int, list[int]] = {}
         self.decode_slots: dict[int, list[int]] = {}
         self.out: dict[int, list[tuple]] = {}
+        # slots as the scheduler books them: in the worker's pages (allocator.py)
+        self.page = w.limits.decode_page or 1
+        self.alloc = SlotAllocator(KV_CAPACITY, self.page)
+        self.length: dict[int, int] = {}
+        self.own: dict[int, dict[int, int]] = {}
+
+    def _slots(self, rid: int, n: int, start: int | None = None) -> list[int]:
+        start = self.length.get(rid, 0) if start is None else start
+        own = self.own.setdefault(rid, {})
+        slots = self.alloc.extend(start, n, own.get(start // self.page, 0))
+        for p in range(start, start + n):
+            own[p // self.page] = slots[p - start] // self.page
+        self.length[rid] = start + n
+        return slots
+
+    def _book_next(self, rid: int) -> int:
+        n, own = self.length[rid], self.own[rid]
+        if self.page == 1 or n % self.page or n // self.page in own:
+            return 0
+        own[n // self.page] = self.alloc.take_page()
+        return own[n // self.page]
 
     def prefill(self, rid: int, ids: list[int], prefix_slots=(), sampling=GREEDY,
                 needs_logits: bool = True) -> PrefillInput:
-        slots = self.w.new_slots(len(ids))
+        slots = self._slots(rid, len(ids), len(prefix_slots))
         self.slot_ids.setdefault(rid, []).extend(slots)
         return PrefillInput(rid, list(ids), list(prefix_slots), slots, sampling, needs_logits)
 
     def step(self, prefills=(), releases=()) -> StepResult:
         self.running = [r for r in self.running if r not in releases]
-        decode_slots = self.w.new_slots(len(self.running))
+        decode_slots = [self._slots(rid, 1)[0] for rid in self.running]
         for rid, slot in zip(self.running, decode_slots):
             self.decode_slots.setdefault(rid, []).append(slot)
         step = Step(next(self.w.step_ids), list(self.running), decode_slots, list(prefills),
-                    list(releases))
+                    list(releases),
+                    chain_pages=[self._book_next(rid) for rid in self.running])
         result = self.w.send(step)
         if not isinstance(result, StepResult):
             self.w.fail(f"step {step} failed: {result}")
@@ -183,9 +209,13 @@ def test_ready_limits(worker, llama_model):
     assert isinstance(limits.blas, str) and limits.blas
     assert isinstance(limits.device, str)
     assert limits.bytes_per_token > 0
-    assert limits.kv_pool_bytes == (KV_CAPACITY + 1) * limits.bytes_per_token
+    # one KV store: the pool (page 0 is padding), beside a small arena for the
+    # windows a row cannot read in place
+    assert limits.decode_page == DECODE_PAGE
+    assert limits.kv_pool_bytes == (KV_CAPACITY + DECODE_PAGE) * limits.bytes_per_token
     assert limits.vocab_size == config["vocab_size"]
-    assert limits.decode_cache_tokens >= KV_CAPACITY and limits.overlap is True
+    assert limits.decode_cache_tokens > 0 and limits.decode_cache_tokens % DECODE_PAGE == 0
+    assert limits.overlap is True
 
 
 def test_staggered_requests_match_mlx_lm(driver, llama_model):
@@ -372,12 +402,12 @@ def test_decode_with_nothing_running_gets_worker_error(worker, llama_model):
 BAD_SLOTS = {
     "new slot 0": lambda w, ids: dict(new=[0] + w.new_slots(len(ids) - 1)),
     "new slot above capacity": lambda w, ids: dict(new=w.new_slots(len(ids) - 1)
-                                                   + [KV_CAPACITY + 1]),
+                                                   + [KV_CAPACITY + DECODE_PAGE]),
     "new slot negative": lambda w, ids: dict(new=[-1] + w.new_slots(len(ids) - 1)),
     "prefix slot above capacity": lambda w, ids: dict(prefix=[1, 2, 10**6]),
     "prefix slot 0": lambda w, ids: dict(prefix=[0]),
     "decode slot 0": lambda w, ids: dict(decode=[0]),
-    "decode slot above capacity": lambda w, ids: dict(decode=[KV_CAPACITY + 5]),
+    "decode slot above capacity": lambda w, ids: dict(decode=[KV_CAPACITY + DECODE_PAGE]),
 }
 
 
@@ -466,7 +496,7 @@ def test_a_sliding_window_model_gets_a_window_pool(hybrid_model, tmp_path, extra
     must name a window id per new token."""
     path = hybrid_model("gemma3_text")
     with WorkerProc(path, tmp_path, "--max-running-requests", "4", "--max-prefill-tokens",
-                    "64", *extra) as w:
+                    "64", "--decode-layout", "padded", *extra) as w:
         limits = w.limits
         assert limits.window_capacity == window_capacity and limits.window_sizes == [8]
         layer = limits.bytes_per_token // 2   # one global layer, one windowed layer
