@@ -55,7 +55,8 @@ class Driver:
 
         import mlx.core as mx
 
-        from mlxd.runtime.kv_layout import decode_cache_budget
+        from mlxd.runtime.kv_layout import DECODE_PAGE, decode_cache_budget
+        from mlxd.scheduler_proc.allocator import SlotAllocator
         from mlxd.worker_proc.memory import buffer_cache_bytes
 
         from dataclasses import replace
@@ -64,25 +65,35 @@ class Driver:
         kv, _, tail = kv.partition("+")
         bits = int(kv) if kv else 0
         geometry = replace(probe_geometry(model), k_bits=bits, v_bits=bits)
-        self.runner = runner_for(model, KVPool(geometry, capacity), decode_layout=layout,
-                                 float_tail=int(tail or 0))
-        page = self.runner.decode_page   # MLX's buffer cache set as the worker sets it
-        mx.set_cache_limit(buffer_cache_bytes(page, decode_cache_budget(capacity, 64, page),
+        page = DECODE_PAGE if layout != "padded" else 1
+        self.runner = runner_for(model, KVPool(geometry, capacity, page=page),
+                                 decode_layout=layout, float_tail=int(tail or 0))
+        # MLX's buffer cache set as the worker sets it
+        mx.set_cache_limit(buffer_cache_bytes(self.runner.decode_page,
+                                              decode_cache_budget(capacity, 64),
                                               geometry.bytes_per_token))
-        self.slots = itertools.count(1)
+        # slots booked as the scheduler books them: in the pool's pages
+        self.allocator, self.page = SlotAllocator(capacity, page), page
+        self.own: dict[int, dict[int, int]] = {}
         self.step_ids = itertools.count(1)
         self.slot_ids: dict[int, list[int]] = {}
         self.running: list[int] = []
 
-    def new_slots(self, rid: int, n: int) -> list[int]:
-        got = [next(self.slots) for _ in range(n)]
-        self.slot_ids.setdefault(rid, []).extend(got)
+    def new_slots(self, rid: int, n: int, start: int | None = None) -> list[int]:
+        held = self.slot_ids.setdefault(rid, [])
+        start = len(held) if start is None else start
+        own = self.own.setdefault(rid, {})
+        got = self.allocator.extend(start, n, own.get(start // self.page, 0))
+        for p in range(start, start + n):
+            own[p // self.page] = got[p - start] // self.page
+        held.extend(got)
         return got
 
     def prefill(self, rid: int, ids: list[int], prefix_slots=(), needs_logits=True):
         from mlxd.protocol import PrefillInput, SamplingParams
 
-        return PrefillInput(rid, ids, list(prefix_slots), self.new_slots(rid, len(ids)),
+        return PrefillInput(rid, ids, list(prefix_slots),
+                            self.new_slots(rid, len(ids), len(prefix_slots)),
                             SamplingParams(), needs_logits)
 
     def step(self, prefills=(), releases=()) -> float:

@@ -26,6 +26,7 @@ class SlotAllocator:
         self._free_pages = list(range(self.pages, 0, -1))   # pop() hands out low ids first
         self._page_free = bytearray([0]) + bytearray([1]) * self.pages
         self._held = [0] * (self.pages + 1)   # held slots per page
+        self._window = [-1] * (self.pages + 1)   # the window a taken page was taken for
         rows = (self.pages + 1) * page
         self._is_free = bytearray([0]) * page + bytearray([1]) * (rows - page)
 
@@ -83,6 +84,7 @@ class SlotAllocator:
             if i >= kept and (i == kept or p % page == 0):
                 q = fresh.pop(0)
                 self._page_free[q] = 0
+                self._window[q] = p // page
             s = q * page + p % page
             self._is_free[s] = 0
             self._held[q] += 1
@@ -99,7 +101,7 @@ class SlotAllocator:
         """How many of positions start.. go on in open page `q`: those before the
         page ends, while their slots are free."""
         page = self.page
-        if page == 1 or not q or self._page_free[q]:
+        if page == 1 or not q or self._page_free[q] or self._window[q] != start // page:
             return 0
         kept, window = 0, start // page
         while kept < n and (start + kept) // page == window and \
@@ -107,12 +109,14 @@ class SlotAllocator:
             kept += 1
         return kept
 
-    def take_page(self) -> int:
-        """A free page, held by its taker before it writes any slot (0: none free)."""
+    def take_page(self, window: int) -> int:
+        """A free page for positions of `window` (position // page), held by its
+        taker before it writes any slot (0: none free)."""
         if not self._free_pages:
             return 0
         q = self._free_pages.pop()
         self._page_free[q] = 0
+        self._window[q] = window
         return q
 
     def free(self, slots: list[int]) -> None:

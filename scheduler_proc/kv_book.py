@@ -146,7 +146,7 @@ class KVBook:
         if len(need) > self.allocator.free_pages:
             return None
         for r in need:
-            r.own_pages[len(r.slot_ids) // page] = self.allocator.take_page()
+            r.own_pages[len(r.slot_ids) // page] = self.allocator.take_page(len(r.slot_ids) // page)
         booked = {id(r) for r in need}
         return [r.own_pages[len(r.slot_ids) // page] if id(r) in booked else 0 for r in reqs]
 

@@ -18,7 +18,7 @@ from mlxd.protocol import (
     WorkerError,
 )
 from mlxd.runtime.flags import ServerFlags
-from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_tokens
+from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
 from mlxd.runtime.prefix_hash import PREFIX_BLOCK, block_hashes
 from mlxd.runtime.request_limits import length_error, max_new_tokens, resume_refusal
 
@@ -375,7 +375,7 @@ class Scheduler:
         if need > self.limits.kv_capacity:
             return (f"the request needs {need} KV slots; the pool holds "
                     f"{self.limits.kv_capacity}")
-        width = row_tokens(len(req.slot_ids), 0)
+        width = row_width(len(req.slot_ids))
         return (f"the request needs {width} tokens of decode cache; the "
                 f"decode caches may span {self.decode_cache_tokens} tokens")
 

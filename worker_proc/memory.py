@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget, decode_cache_copies
+from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget
 
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
@@ -88,13 +88,13 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
                              ceiling, capacity, page)
     if windows is not None:
         return _window_budget(limit_bytes, weights_bytes, bytes_per_token, max_running,
-                              ceiling, capacity, windows, page)
+                              ceiling, capacity, windows)
     if capacity:
-        return KVBudget(capacity, decode_cache_budget(capacity, max_running, page))
+        return KVBudget(capacity, decode_cache_budget(capacity, max_running))
     tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
-    pool = _pool_share(tokens, max_running, ceiling, page)
+    pool = _pool_share(tokens, max_running, ceiling)
     _check_room(pool, limit_bytes, weights_bytes)
-    return KVBudget(int(pool), decode_cache_budget(int(pool), max_running, page))
+    return KVBudget(int(pool), decode_cache_budget(int(pool), max_running))
 
 
 def arena_tokens(max_running: int, page: int) -> int:
@@ -132,11 +132,8 @@ def _check_room(pool: int, limit_bytes: int, weights_bytes: int) -> None:
             "--mem-limit-gb, or set --kv-capacity")
 
 
-def _pool_share(tokens: int, max_running: int, ceiling: int, page: int) -> int:
-    """A pool C <= ceiling with C + copies x decode_cache_budget(C) <= tokens."""
-    copies = decode_cache_copies(page)
-    if page:   # D = C + max_running x page
-        return min((tokens - copies * max_running * page) // (1 + copies), ceiling)
+def _pool_share(tokens: int, max_running: int, ceiling: int) -> int:
+    """A pool C <= ceiling with C + 2 x decode_cache_budget(C) <= tokens (padded)."""
     pool = min((tokens - 2 * CACHE_STEP) // 3, ceiling)   # first guess: D = C + a step
     if pool + 2 * decode_cache_budget(pool, max_running) > tokens:
         # small memory: a full batch of short rows comes first
@@ -147,13 +144,13 @@ def _pool_share(tokens: int, max_running: int, ceiling: int, page: int) -> int:
 
 def _window_budget(limit_bytes: int, weights_bytes: int, global_bytes: int,
                    max_running: int, ceiling: int, capacity: int,
-                   windows: WindowSplit, page: int) -> KVBudget:
+                   windows: WindowSplit) -> KVBudget:
     """The largest C <= ceiling (or the explicit `capacity`) whose pool, window pool
     and decode caches (all their copies) fit; each grows with C, so a binary search
     finds it."""
     def cost(c: int) -> int:
         return (c * global_bytes + windows.capacity(c, max_running) * windows.bytes_per_token
-                + decode_cache_copies(page) * decode_cache_budget(c, max_running, page)
+                + 2 * decode_cache_budget(c, max_running)
                 * (global_bytes + windows.bytes_per_token))
 
     if not capacity:
@@ -164,5 +161,5 @@ def _window_budget(limit_bytes: int, weights_bytes: int, global_bytes: int,
             low, high = (mid, high) if cost(mid) <= room else (low, mid - 1)
         capacity = low
         _check_room(capacity, limit_bytes, weights_bytes)
-    return KVBudget(capacity, decode_cache_budget(capacity, max_running, page),
+    return KVBudget(capacity, decode_cache_budget(capacity, max_running),
                     windows.capacity(capacity, max_running))

@@ -1,7 +1,9 @@
-"""The worker's decode caches never span more than the shared rule (runtime/kv_layout.py)
-says, the rule the scheduler budgets `decode_cache_tokens` with, in either layout
-(pages, or padded): if the two sides disagree, the scheduler under-budgets memory
-without a sign.
+"""The padded layout's decode caches never span more than the shared rule
+(runtime/kv_layout.py) says, the rule the scheduler budgets `decode_cache_tokens`
+with: if the two sides disagree, the scheduler under-budgets memory without a sign.
+In pages the rows read the pool in place: the arena beside it holds only the window
+where a row's cached prefix ends inside a page (one page per such row, the memory
+split's ARENA_PAGES), and its pages go back with the row.
 
 The ModelRunner runs real Steps on a stand-in model that writes random KV into the
 caches it is handed, so widths of hundreds of positions cost nothing."""
@@ -13,13 +15,12 @@ import mlx.core as mx
 import pytest
 
 from mlxd.protocol import PrefillInput, SamplingParams, Step
-from mlxd.runtime.kv_layout import (
-    DECODE_PAGE, batch_tokens, decode_cache_budget, decode_cache_copies, row_tokens, row_width,
-)
+from mlxd.runtime.kv_layout import DECODE_PAGE, batch_tokens, decode_cache_budget, row_width
+from mlxd.scheduler_proc.allocator import SlotAllocator
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.worker_proc.kv_pool import KVGeometry, KVPool
 from mlxd.worker_proc.decode_pages import scaled_dot_product_attention
-from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, kv_budget
+from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, ARENA_PAGES, kv_budget
 from mlxd.worker_proc.model_runner import runner_for
 
 GEOMETRY = KVGeometry(num_layers=2, n_kv_heads=2, k_head_dim=4, v_head_dim=4,
@@ -49,11 +50,15 @@ class Driver:
     slots it holds) and checks the worker's caches against the rule after each Step."""
 
     def __init__(self, overlap: bool, layout: str = "padded"):
-        self.runner = runner_for(KVWriter(), KVPool(GEOMETRY, CAPACITY), overlap=overlap,
-                                  decode_layout=layout)
+        page = DECODE_PAGE if layout == "paged" else 1
+        self.runner = runner_for(KVWriter(), KVPool(GEOMETRY, CAPACITY, page=page),
+                                 overlap=overlap, decode_layout=layout)
         self.page = self.runner.decode_page
         assert (self.page > 0) == (layout == "paged")
-        self.slots = itertools.cycle(range(1, CAPACITY + 1))
+        self.slots = itertools.cycle(range(1, CAPACITY + 1))   # padded: any slots do
+        self.alloc = SlotAllocator(10 * CAPACITY, page)   # pages: as the scheduler books
+        self.ends: dict[int, int] = {}    # rid -> its next position's slot's page (pages)
+        self.mixed: set[int] = set()      # rows whose prefix ends inside a page
         self.step_ids = itertools.count(1)
         self.lengths: dict[int, int] = {}   # rid -> KV positions (its slots)
         self.running: list[int] = []
@@ -66,12 +71,13 @@ class Driver:
         joins = joins or {}
         self.dead += [self.lengths[rid] for rid in releases]
         self.running = [rid for rid in self.running if rid not in releases]
-        decode_slots = [next(self.slots) for _ in self.running]
+        decode_slots = [self._slot(rid) for rid in self.running]
         for rid in self.running:
             self.lengths[rid] += 1
+        chain_pages = [self._book_next(rid) for rid in self.running] if self.page else []
         prefills = [self._prefill(rid, new, prefix) for rid, (new, prefix) in joins.items()]
         self.runner.run(Step(next(self.step_ids), list(self.running), decode_slots,
-                             prefills, list(releases)))
+                             prefills, list(releases), chain_pages=chain_pages))
         self.running += list(joins)
         self.runner.close()   # the chained decode, if any, has written its position
         self._check(joined=bool(joins))
@@ -80,26 +86,58 @@ class Driver:
         for _ in range(steps):
             self.step()
 
+    def _slot(self, rid: int) -> int:
+        """The slot of the row's next position (pages: in the page it took for it)."""
+        if not self.page:
+            return next(self.slots)
+        n = self.lengths[rid]
+        slot = self.alloc.extend(n, 1, self.ends.get(rid, 0))[0]
+        self.ends[rid] = slot // self.page
+        return slot
+
+    def _book_next(self, rid: int) -> int:
+        """The page a chained decode writes the row's next position in, where that
+        position starts one (the scheduler's chain_pages)."""
+        n = self.lengths[rid]
+        if n % self.page:
+            return 0
+        self.ends[rid] = self.alloc.take_page(n // self.page)
+        return self.ends[rid]
+
     def _prefill(self, rid: int, new: int, prefix: int) -> PrefillInput:
+        """A prefix of `prefix` positions cached by another sequence (pages: its own
+        pages, so a prefix ending inside one is a window the row copies)."""
         self.lengths[rid] = new + prefix
-        return PrefillInput(rid, [1] * new, [next(self.slots) for _ in range(prefix)],
-                            [next(self.slots) for _ in range(new)], SamplingParams())
+        if not self.page:
+            return PrefillInput(rid, [1] * new, [next(self.slots) for _ in range(prefix)],
+                                [next(self.slots) for _ in range(new)], SamplingParams())
+        cached = self.alloc.allocate(prefix)
+        fresh = self.alloc.extend(prefix, new, 0)
+        self.ends[rid] = fresh[-1] // self.page
+        if prefix % self.page:
+            self.mixed.add(rid)
+        return PrefillInput(rid, [1] * new, cached, fresh, SamplingParams())
 
     def _check(self, joined: bool) -> None:
         batch = self.runner.batch
+        assert sorted(batch.rids) == sorted(self.running)
+        if self.page:   # the rows read the pool; the arena holds the mixed windows only
+            batch.check_integrity()
+            held = sum(1 for rid in batch.rids if rid in self.mixed)
+            assert batch.cache_tokens <= held * self.page <= \
+                ARENA_PAGES * len(batch.rids) * self.page
+            ahead = 1 if self.runner.overlap else 0   # the chained decode's position
+            assert batch.lengths == [self.lengths[rid] + ahead for rid in batch.rids]
+            self.spans.append((batch.cache_tokens, held * self.page))
+            return
         if None not in batch.row_rids:   # a join or a compaction dropped the dead rows
             self.dead = []
-        assert sorted(batch.rids) == sorted(self.running)
-        rule = batch_tokens([self.lengths[rid] for rid in batch.rids] + self.dead, self.page)
+        rule = batch_tokens([self.lengths[rid] for rid in batch.rids] + self.dead)
         self.spans.append((batch.cache_tokens, rule))
         assert batch.cache_tokens <= rule, (
             f"the decode caches span {batch.cache_tokens} tokens, the rule budgets {rule} "
             f"(rows {[self.lengths[r] for r in batch.rids]}, dead {self.dead})")
-        if self.page:   # every page held by one row, or free
-            batch.arena.check_integrity(batch.tables)
-            ahead = 1 if self.runner.overlap else 0   # the chained decode's position
-            assert batch.lengths == [self.lengths[rid] + ahead for rid in batch.rids]
-        elif joined:
+        if joined:
             assert batch.cache_tokens == rule, "a join lays the rows out as the rule says"
 
 
@@ -119,7 +157,10 @@ def test_rows_of_various_lengths_join_and_decode_across_steps(overlap, layout):
     d.decode(15)   # rid 5 passes 510, 512 and 514 positions
     d.step({6: (7, 0)})
     d.decode(2)
-    assert any(span != rule for span, rule in d.spans)   # decodes between joins count too
+    if layout == "padded":   # decodes between joins count too
+        assert any(span != rule for span, rule in d.spans)
+    else:   # no prefix: nothing copied
+        assert all(span == 0 for span, _ in d.spans)
 
 
 @LAYOUTS
@@ -134,21 +175,33 @@ def test_joins_with_cached_prefixes_of_different_lengths(overlap, layout):
 
 
 @OVERLAP
-def test_released_rows_give_their_pages_back_at_once(overlap):
+def test_released_rows_give_their_arena_pages_back_at_once(overlap):
     """In pages a released row leaves the batch in the step that releases it, and
-    its pages serve the rows that join next."""
+    the arena page of its mixed window serves the rows that join next."""
     d = Driver(overlap, "paged")
-    d.step({rid: (100 + rid, 0) for rid in range(6)})
+    d.step({rid: (30 + rid, 100 + rid) for rid in range(6)})   # prefixes end mid-page
     d.decode(2)
     arena = d.runner.batch.arena
+    assert d.runner.batch.cache_tokens == 6 * DECODE_PAGE
     free_before = arena.num_free
     d.step(releases=(0, 3))
     assert d.runner.batch.rids == [1, 2, 4, 5]
-    assert arena.num_free >= free_before + 2 * (100 // DECODE_PAGE)
+    assert arena.num_free == free_before + 2
     pages = arena.pages
-    d.step({7: (200, 0), 8: (3, 0)}, releases=(1,))
+    d.step({7: (200, 0), 8: (3, 70)}, releases=(1,))
     d.decode(3)
     assert arena.pages == pages   # the freed pages were enough: no growth
+
+
+@OVERLAP
+def test_rows_without_a_mid_page_prefix_copy_nothing(overlap):
+    """Fresh prompts and prefixes of whole pages: every window of every row is one
+    pool page, read in place; the arena holds nothing."""
+    d = Driver(overlap, "paged")
+    d.step({1: (300, 0), 2: (5, 2 * DECODE_PAGE), 3: (70, 0)})
+    d.decode(70)   # rows cross page boundaries, chained or not
+    assert d.runner.batch.cache_tokens == 0
+    assert all(e > 0 for t in d.runner.batch.tables for e in t)
 
 
 @OVERLAP
@@ -195,41 +248,31 @@ def test_the_scheduler_budgets_with_the_shared_rule():
     assert default.decode_cache_tokens == decode_cache_budget(1000, 3) == row_width(999)
 
 
-def test_the_paged_rule_counts_each_row_by_its_own_pages():
-    """In pages a row costs its own length rounded up to a page (with the decode's
-    room), however long the others are; the budget covers any batch the pool admits."""
-    page = DECODE_PAGE
-    assert row_tokens(1, page) == page and row_tokens(page - 2, page) == page
-    assert row_tokens(page - 1, page) == 2 * page
-    assert batch_tokens([10, 4000], page) == page + row_tokens(4000, page)
-    assert batch_tokens([10, 4000], 0) == 2 * row_width(4000)
-    for capacity, running in [(1000, 3), (5000, 64)]:
-        budget = decode_cache_budget(capacity, running, page)
-        # rows holding the whole pool between them (each its slots and the next input)
-        lengths = [capacity // running - 1] * running
-        assert batch_tokens(lengths, page) <= budget
-    limits = SchedulerLimits(kv_capacity=4096, max_context=4096, decode_page=page,
-                             decode_cache_tokens=batch_tokens([40, 300, 254], page))
-    rows = [SimpleNamespace(slot_ids=[0] * n) for n in (40, 300)]
-    assert Scheduler(limits)._width_fits(rows, 254)
-    assert not Scheduler(limits)._width_fits(rows, 254 + page)
+def test_in_pages_the_scheduler_checks_no_decode_width():
+    """In pages a running row's KV is the pool's: no second budget to fit."""
+    limits = SchedulerLimits(kv_capacity=4096, max_context=4096, decode_page=DECODE_PAGE,
+                             decode_cache_tokens=1)
+    rows = [SimpleNamespace(slot_ids=[0] * n) for n in (40, 3000)]
+    assert Scheduler(limits)._width_fits(rows, 1000)
 
 
-@pytest.mark.parametrize("page", [DECODE_PAGE, 0], ids=["paged", "padded"])
 @pytest.mark.parametrize("tokens", [40_000, 100_000, 1_000_000])
 @pytest.mark.parametrize("max_running", [1, 16, 64])
-def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running, page):
-    """memory.kv_budget reports the scheduler's budget for its pool, and the pool plus
-    that budget times the layout's copies (two while a padded join copies) fits the
-    memory it split."""
+def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running):
+    """Padded: memory.kv_budget reports the scheduler's budget for its pool, and the
+    pool plus twice that budget (a join copies) fits the memory it split. Pages: one
+    KV term, the pool in whole pages, beside the arena's page per row."""
     budget = kv_budget(tokens * 100 + ACTIVATION_RESERVE_BYTES, 0, 100,
-                       max_running=max_running, ceiling=10**9, page=page)
-    assert budget.decode_cache_tokens == decode_cache_budget(budget.capacity, max_running, page)
-    copies = decode_cache_copies(page)
-    assert budget.capacity + copies * budget.decode_cache_tokens <= tokens
-    fixed = kv_budget(0, 0, 100, max_running=max_running, ceiling=10**9, capacity=3000,
-                      page=page)
-    assert fixed.decode_cache_tokens == decode_cache_budget(3000, max_running, page)
+                       max_running=max_running, ceiling=10**9, page=0)
+    assert budget.decode_cache_tokens == decode_cache_budget(budget.capacity, max_running)
+    assert budget.capacity + 2 * budget.decode_cache_tokens <= tokens
+    fixed = kv_budget(0, 0, 100, max_running=max_running, ceiling=10**9, capacity=3000)
+    assert fixed.decode_cache_tokens == decode_cache_budget(3000, max_running)
+    paged = kv_budget(tokens * 100 + ACTIVATION_RESERVE_BYTES, 0, 100,
+                      max_running=max_running, ceiling=10**9, page=DECODE_PAGE)
+    arena = ARENA_PAGES * max_running * DECODE_PAGE
+    assert paged.decode_cache_tokens == arena and paged.capacity % DECODE_PAGE == 0
+    assert tokens - arena - DECODE_PAGE < paged.capacity <= tokens - arena
 
 
 @OVERLAP

@@ -71,7 +71,7 @@ class Driver:
         n, own = self.length[rid], self.own[rid]
         if n % self.page or n // self.page in own:
             return 0
-        own[n // self.page] = self.allocator.take_page()
+        own[n // self.page] = self.allocator.take_page(n // self.page)
         return own[n // self.page]
 
     def window_ids(self, slots: list[int]) -> list[int]:

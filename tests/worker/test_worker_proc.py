@@ -122,7 +122,7 @@ class Driver:
         n, own = self.length[rid], self.own[rid]
         if self.page == 1 or n % self.page or n // self.page in own:
             return 0
-        own[n // self.page] = self.alloc.take_page()
+        own[n // self.page] = self.alloc.take_page(n // self.page)
         return own[n // self.page]
 
     def prefill(self, rid: int, ids: list[int], prefix_slots=(), sampling=GREEDY,
