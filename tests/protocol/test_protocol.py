@@ -352,30 +352,30 @@ WRONG_TYPES = [
     (TokenBatch, good_batch(), 1, 0),
     (TokenBatch, good_batch(), 2, [1.5]),
     (TokenBatch, good_batch(), 3, ["x"]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 0, "1"),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 0, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 1, [True]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 1, "1"),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 2, [2.0]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [None]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [good_prefill() + [0]]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 0, "3")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 1, "ab")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 2, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 4, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 5, 1)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 5, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, -1)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, 1.0)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, True)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, "2")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 3, [replace(good_prefill(), 6, [2])]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 4, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], []], 4, [1.0]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 0, "1"),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 0, None),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 1, [True]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 1, "1"),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 2, [2.0]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, None),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [None]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [good_prefill() + [0]]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 0, "3")]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 1, "ab")]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 2, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 4, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 5, 1)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 5, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, -1)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, 1.0)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, True)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, None)]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, "2")]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, [2])]),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 4, None),
+    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 4, [1.0]),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 0, 1.0),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 1, "1"),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 1, [None]),
@@ -399,7 +399,7 @@ SAMPLING_FIELD_BAD = [(0, "0.5"), (0, None), (0, True), (1, None), (1, [1.0]), (
                       (4, True), (5, 1.0), (5, None), (5, True), (12, 7), (12, ["g"])]
 WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 2,
                  replace(good_sampling(), i, v)) for i, v in SAMPLING_FIELD_BAD]
-WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], [], [], [], [], True, [], [], []], 3,
+WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], [], [], [], [], True, [], [], [], []], 3,
                  [replace(good_prefill(), 4, replace(good_sampling(), i, v))])
                 for i, v in SAMPLING_FIELD_BAD]
 # the worker's step timing: figures of the wrong type are refused, not left out
@@ -453,7 +453,7 @@ def test_misaligned_step_result(fields):
 def test_drafts_must_align_with_their_slots_and_rows(drafts, slots):
     """(and draft window ids with the slots: test_draft_window_ids_align_with_slots)"""
     with pytest.raises(ProtocolError, match="draft"):
-        decode_as(Step, [Step.TAG, 1, [1], [2], [], [], [], drafts, slots, False, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [1], [2], [], [], [], drafts, slots, False, [], [], [], []])
 
 
 @pytest.mark.parametrize("drafts,slots,counts", [
@@ -465,12 +465,12 @@ def test_drafts_must_align_with_their_slots_and_rows(drafts, slots):
 def test_model_drafts_align_with_their_slots_and_rows(drafts, slots, counts):
     with pytest.raises(ProtocolError, match="draft"):
         decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [], drafts, slots, False, [],
-                         counts, []])
+                         counts, [], []])
 
 
 def test_model_drafts_with_their_slots_are_accepted():
     step = decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [], [[], []],
-                            [[9, 10], []], False, [], [2, 0], []])
+                            [[9, 10], []], False, [], [2, 0], [], []])
     assert step.has_drafts and step.model_drafts == [2, 0]
 
 
@@ -478,7 +478,7 @@ def test_model_drafts_with_their_slots_are_accepted():
 def test_draft_window_ids_align_with_slots(windows):
     with pytest.raises(ProtocolError, match="draft_window_ids"):
         decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [1, 1], [[5, 6], []],
-                         [[9, 10], []], False, windows, [], []])
+                         [[9, 10], []], False, windows, [], [], []])
 
 
 def test_aligned_step_result_with_top_logprobs_is_accepted():
@@ -494,7 +494,7 @@ def test_prefill_lengths_must_match(input_ids, new_slot_ids):
     prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], [], 0, 0, 0,
                [], [], [], 0, 0, 0]
     with pytest.raises(ProtocolError, match="equal length"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
 
 
 @pytest.mark.parametrize("prefix_windows,new_windows", [
@@ -504,18 +504,18 @@ def test_prefill_window_ids_must_match_slot_ids(prefix_windows, new_windows):
     prefill = [3, [5, 6], [9], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0,
                prefix_windows, new_windows, [], 0, 0, 0]
     with pytest.raises(ProtocolError, match="window ids"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
 
 
 def test_decode_window_ids_must_match_rows():
     with pytest.raises(ProtocolError, match="decode_window_ids"):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [5, 6], [], [], [7], [], [], True, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [1, 2], [5, 6], [], [], [7], [], [], True, [], [], [], []])
 
 
 @pytest.mark.parametrize("num_generated", [0, 1, 7, 2**31, 2**63 - 1])
 def test_prefill_num_generated_in_range_is_accepted(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
     assert step.prefills[0].num_generated == num_generated
     assert step.prefills[0].to_wire() == prefill
 
@@ -531,14 +531,14 @@ def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context
 def test_prefill_negative_num_generated_is_rejected(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
     with pytest.raises(ProtocolError, match="num_generated"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
 
 
 def test_step_decode_rids_and_slots_must_match():
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [10], [], [], [], [], [], True, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [1, 2], [10], [], [], [], [], [], True, [], [], [], []])
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [], [10], [], [], [], [], [], True, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [], [10], [], [], [], [], [], True, [], [], [], []])
 
 
 def test_unknown_finish_reason():
@@ -559,7 +559,7 @@ def test_out_of_range_sampling_params(index, value):
                   [30, 1, [1], replace(good_sampling(), index, value), 4, [], []])
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
+        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
 
 
 @pytest.mark.parametrize("index,value", [
@@ -571,7 +571,7 @@ def test_in_range_sampling_params_are_accepted(index, value):
                     [30, 1, [1], replace(good_sampling(), index, value), 4, [], [], [], 0])
     assert msg.sampling.to_wire()[index] == value
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], []])
+    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
     assert step.prefills[0].sampling.to_wire()[index] == value
 
 

@@ -784,6 +784,7 @@ def test_stats_and_has_work():
                 "speculative": {"method": "off", "verifies": 0, "draft_tokens": 0,
                                 "accepted_tokens": 0},
                 "free_slots": free, "cached_slots": cached, "evictable_slots": evictable,
+                "page": 1, "free_pages": free,
                 "used_slots": used, "pinned_slots": 0, "max_pinned_slots": 8,
                 "pins_refused": 0, "pinned_evicted_slots": 0}
 

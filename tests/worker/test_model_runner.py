@@ -331,6 +331,9 @@ def test_chained_step_timing_reports_the_wait_as_busy(llama_model):
 
 
 def decode_cache_bytes(batch) -> int:
+    """What a decode step would copy were it not written in place: the rows' store."""
+    if getattr(batch, "pool", None) is not None:   # the rows read the pool
+        return batch.pool.nbytes
     if hasattr(batch, "arena"):
         return batch.arena.nbytes
     return sum(c.keys.nbytes + c.values.nbytes for c in batch.caches)
