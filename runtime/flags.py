@@ -158,8 +158,9 @@ class ServerFlags:
         0, "KV pool size in tokens; 0 derives it from the memory limit", (WORKER,),
         shown="0 (auto)", minimum=0)
     window_capacity: int = flag(
-        0, "sliding-window models: slots of the window pool, which holds the windowed "
-        "layers' KV only for the positions a window may still reach; 0 derives it "
+        0, "sliding-window models in the padded decode layout: slots of the window pool, "
+        "which holds the windowed layers' KV only for the positions a window may still "
+        "reach (in pages they are in the KV pool); 0 derives it "
         "(2 x (max running requests x the window + max prefill tokens), at most the KV "
         "pool's size)", (WORKER,), shown="0 (auto)", minimum=0)
     kv_disk: str = flag(
@@ -232,15 +233,14 @@ class ServerFlags:
         10000, "replies queued for one client that does not read them, beyond which "
         "its requests end with an error (each still gets its finish)", (TOKENIZER,), minimum=1)
     decode_layout: str = flag(
-        "auto", "how running requests' KV is laid out for decoding: `paged` (each "
-        "request's own pages, attended in place), `padded` (mlx_lm's batch caches, every "
-        "row as wide as the longest), or `auto` (paged where the model's attention "
-        "allows)", (WORKER,))
+        "auto", "how running requests' KV is laid out for decoding: `paged` (the KV "
+        "pool's own pages, attended where they lie: one KV store), `padded` (mlx_lm's "
+        "batch caches, every row as wide as the longest, beside the pool), or `auto` "
+        "(paged where the model's attention allows)", (WORKER,))
     preallocate_decode_pages: bool = flag(
-        False, "in the paged decode layout, allocate the page arena at its whole budget "
-        "at startup: memory held from the start, and no growth while serving (by default "
-        "it starts at an eighth of it and doubles as running requests need pages; a "
-        "growth copies it within a step, ~1.5 s per GiB on a 2-core CPU)", (WORKER,))
+        False, "in the paged decode layout, allocate the arena (a page per running "
+        "request, for the window where a cached prefix ends inside a page) at its whole "
+        "budget at startup instead of 8 pages that double as rows need them", (WORKER,))
     disable_overlap: bool = flag(
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "

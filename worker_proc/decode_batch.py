@@ -7,8 +7,6 @@ copies every row once, right-aligned at the longest row's end, into a buffer as
 wide as kv_layout's rule (the one the scheduler budgets with) says.
 """
 
-from typing import Iterable
-
 import mlx.core as mx
 
 from . import batch_cache
@@ -122,9 +120,6 @@ class DecodeBatch:
     def pending_writes(self) -> list[mx.array]:
         """None of its own: a decode's cache writes are read by the next decode."""
         return []
-
-    def slots_written(self, slots: Iterable[int]) -> None:
-        """Nothing here stands for pool slots."""
 
     def before_joins(self, decoded: list[mx.array]) -> None:
         """A join copies every row into new caches anyway."""

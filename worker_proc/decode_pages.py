@@ -492,7 +492,7 @@ class PagedLayerCache:
     row) of every position, each `[B * heads * L]`, in (row, head, position) order:
     the order of `keys.reshape(-1, dim)` for the `[B, heads, L, dim]` the model
     writes) says where the new positions go; `pairs` are the arena's (row, page)
-    pairs to read, `pool_pairs` the pool's. `span` (one row whose positions are one
+    pairs to read, `pool_pairs` the pool's (either None: no row reads that store). `span` (one row whose positions are one
     run of rows of one store) is (first row, positions, in the pool): from the
     window start of the row's first query (0 without a window) to its last query,
     included."""
@@ -554,20 +554,20 @@ class PagedLayerCache:
             store = self.pool if in_pool else arena
             k = store.keys[self.leaf][0][None, :, start:start + n]
             v = store.values[self.leaf][0][None, :, start:start + n]
-            mask = span_mask(n, queries.shape[2], self.pairs.window)
+            window = (self.pairs or self.pool_pairs).window
+            mask = span_mask(n, queries.shape[2], window)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
                                                         sinks=sinks)
         tail = None
         if self.tail is not None:
             tail = (arena.tail.keys[self.leaf][0], arena.tail.values[self.leaf][0], self.tail[1])
-        more = ()
-        if self.pool_pairs is not None:
-            more = ((self._stored(self.pool.keys, arena.k_format),
-                     self._stored(self.pool.values, arena.v_format), self.pool_pairs),)
-        return paged_attention(queries, self._stored(arena.keys, arena.k_format),
-                               self._stored(arena.values, arena.v_format),
-                               self.pairs, arena.page, scale, sinks,
-                               arena.k_format, arena.v_format, tail, more)
+        sources = [(self._stored(store.keys, arena.k_format),
+                    self._stored(store.values, arena.v_format), pairs)
+                   for store, pairs in ((arena, self.pairs), (self.pool, self.pool_pairs))
+                   if pairs is not None]
+        (keys, values, pairs), *more = sources
+        return paged_attention(queries, keys, values, pairs, arena.page, scale, sinks,
+                               arena.k_format, arena.v_format, tail, tuple(more))
 
     def _stored(self, store: list, fmt: KVFormat):
         """This leaf's parts of a store: the list (quantized), or the one array."""

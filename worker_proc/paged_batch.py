@@ -340,21 +340,24 @@ class PagedDecodeBatch:
         after = [n + q for n, q in zip(self.lengths, queries)]
         several = queries if width > 1 else None
         ring_rows, lows = self._tail_step(after, queries, width)
-        arena_tables = [[self._arena_page(e) if self._in_arena(e) else 0 for e in t]
-                        for t in self.tables]
-        pool_tables = ([[e if e > 0 else 0 for e in t] for t in self.tables]
-                       if self.pool is not None else None)
-        pairs = {w: step_pairs(arena_tables, after, self.arena, w, several, lows)
-                 for w in set(self.layout.windows)}
-        pool_pairs = {w: step_pairs(pool_tables, after, self.pool, w, several, lows)
-                      for w in pairs} if pool_tables is not None else {}
-        spans = {w: self._span(after, w, queries[0]) for w in pairs}
+        windows = set(self.layout.windows)
+        pairs, pool_pairs = {}, {}
+        if self.pool is None or any(e < 0 for t in self.tables for e in t):
+            arena_tables = [[self._arena_page(e) if self._in_arena(e) else 0 for e in t]
+                            for t in self.tables]
+            pairs = {w: step_pairs(arena_tables, after, self.arena, w, several, lows)
+                     for w in windows}
+        if self.pool is not None:
+            pool_tables = [[e if e > 0 else 0 for e in t] for t in self.tables]
+            pool_pairs = {w: step_pairs(pool_tables, after, self.pool, w, several, lows)
+                          for w in windows}
+        spans = {w: self._span(after, w, queries[0]) for w in windows}
         tails = {}
         if lows is not None:
             tail_at = (writes.heads, ring_rows)
             tails = {w: (tail_at, tail_pairs(self.rings, after, lows, self.arena.tail, w,
-                                             several)) for w in pairs}
-        self._leaves = [PagedLayerCache(self.arena, i, offset, writes, pairs[w], spans[w],
+                                             several)) for w in windows}
+        self._leaves = [PagedLayerCache(self.arena, i, offset, writes, pairs.get(w), spans[w],
                                         tails.get(w), self.pool, pool_pairs.get(w))
                         for i, w in enumerate(self.layout.windows)]
         caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states,

@@ -167,3 +167,106 @@ def test_randomized_against_a_set_model(seed):
     assert a.num_free == capacity
     assert sorted(a.allocate(capacity)) == list(range(1, capacity + 1))
     a.check_integrity()
+
+
+# ---- pages ----------------------------------------------------------------------
+
+P = 8
+
+
+def test_positions_sit_at_their_offset_in_whole_pages():
+    """Position p goes at offset p mod page; a run fills its pages in order and takes
+    the lowest free pages, ascending."""
+    a = SlotAllocator(4 * P, P)
+    assert a.pages == 4 and a.capacity == 32
+    slots = a.allocate(11)
+    assert slots == list(range(P, P + 11))            # pages 1 and 2, offsets 0..7, 0..2
+    assert [s % P for s in slots] == [p % P for p in range(11)]
+    assert a.free_pages == 2 and a.num_free == 2 * P and a.num_loose == P - 3
+    a.check_integrity()
+
+
+def test_a_run_goes_on_in_the_page_it_took_for_that_window():
+    a = SlotAllocator(4 * P, P)
+    first = a.allocate(3)                            # page 1, offsets 0..2
+    more = a.extend(3, 7, first[-1] // P)            # 3..7 in page 1, then 8, 9 in page 2
+    assert more == [P + 3, P + 4, P + 5, P + 6, P + 7, 2 * P, 2 * P + 1]
+    assert a.pages_needed(10, 1, 2) == 0 and a.pages_needed(16, 1, 2) == 1
+    a.check_integrity()
+
+
+def test_a_run_starting_mid_page_takes_a_fresh_page_at_that_offset():
+    """A run whose window's page is not its own (a cached prefix ends inside it)
+    starts a fresh page at the same offset; the page's slots before it stay loose."""
+    a = SlotAllocator(4 * P, P)
+    prefix = a.allocate(5)
+    mine = a.extend(5, 2, 0)
+    assert mine == [2 * P + 5, 2 * P + 6] and a.num_loose == (P - 5) + 5 + 1
+    a.check_integrity()
+
+
+def test_a_page_taken_for_one_window_is_not_continued_in_another():
+    a = SlotAllocator(4 * P, P)
+    first = a.extend(3, 2, 0)                        # page 1, window 0, offsets 3, 4
+    later = a.extend(P + 1, 1, first[0] // P)        # window 1: not page 1 again
+    assert later[0] // P != first[0] // P and later[0] % P == 1
+    a.check_integrity()
+
+
+def test_a_page_is_free_once_none_of_its_slots_is_held():
+    a = SlotAllocator(2 * P, P)
+    slots = a.allocate(P + 2)
+    a.free(slots[:P - 1])
+    assert a.free_pages == 0                          # page 1 still holds one slot
+    a.free([slots[P - 1]])
+    assert a.free_pages == 1
+    a.free_keep(slots[P:], slots[P] // P)             # its taker goes on there next
+    assert a.free_pages == 1 and a.num_unheld == 2 * P
+    a.close_page(slots[P] // P)
+    assert a.free_pages == 2
+    a.check_integrity()
+
+
+def test_a_booked_page_holds_no_slot_until_written():
+    a = SlotAllocator(2 * P, P)
+    q = a.take_page(3)
+    assert q and a.free_pages == 1 and a.num_loose == P
+    assert a.extend(3 * P, 2, q) == [q * P, q * P + 1]   # the chained decode's position
+    a.check_integrity()
+    assert SlotAllocator(0, P).take_page(0) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_runs_never_share_a_slot(seed):
+    """Random sequences growing and shrinking: every slot held by one of them at its
+    position's offset, pages free exactly when nothing holds them."""
+    rng = random.Random(seed)
+    a = SlotAllocator(40 * P, P)
+    seqs: dict[int, dict] = {}
+    for step in range(2000):
+        rid = rng.randrange(12)
+        s = seqs.setdefault(rid, {"slots": [], "own": {}})
+        op = rng.random()
+        if op < 0.6:
+            n, start = rng.randrange(1, 20), len(s["slots"])
+            if a.pages_needed(start, n, s["own"].get(start // P, 0)) > a.free_pages:
+                continue
+            got = a.extend(start, n, s["own"].get(start // P, 0))
+            for p, slot in enumerate(got, start):
+                assert slot % P == p % P
+                s["own"][p // P] = slot // P
+            s["slots"] += got
+        elif op < 0.8 and s["slots"]:   # drop a tail (rejected drafts)
+            cut = rng.randrange(len(s["slots"]))
+            a.free_keep(s["slots"][cut:], s["own"].get((cut - 1) // P, 0) if cut else 0)
+            del s["slots"][cut:]
+            for w in [w for w in s["own"] if w * P >= cut]:
+                a.close_page(s["own"].pop(w))
+        else:   # the sequence ends
+            a.free(s["slots"])
+            for q in s["own"].values():
+                a.close_page(q)
+            del seqs[rid]
+        held = [slot for s in seqs.values() for slot in s["slots"]]
+        assert len(set(held)) == len(held)
+        a.check_integrity()

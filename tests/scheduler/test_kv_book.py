@@ -35,3 +35,62 @@ def test_extend_each_gives_every_request_one_slot_in_order():
     for req in reqs:
         kv.release(req, keep=False)
     assert kv.allocator.num_free == 32 and all(req.slot_ids == [] for req in reqs)
+
+
+# ---- in pages ------------------------------------------------------------------------
+
+P = 8
+
+
+def test_in_pages_duplicates_stay_the_requests_until_it_stops():
+    """Two requests computing the same prompt: the second's copies are duplicates of
+    what the tree holds. The worker reads them where they were written, so they stay
+    held (private) while the request runs and go back when it stops."""
+    kv = KVBook(8 * P, page=P)
+    a, b = request(1, list(range(20))), request(2, list(range(20)))
+    for req in (a, b):
+        kv.attach_prefix(req, [], None)
+        kv.extend(req, 20)
+    kv.cache_progress(a)
+    own_b = list(b.slot_ids)
+    kv.cache_progress(b)
+    assert b.slot_ids == a.slot_ids and b.spare_ids == own_b
+    kv.check_integrity([a, b])
+    kv.release(b, keep=True)
+    assert b.spare_ids == [] and b.own_pages == {}
+    kv.check_integrity([a])
+    kv.release(a, keep=True)
+    kv.check_integrity([])
+    assert kv.allocator.num_unheld + kv.tree.total_size == kv.capacity
+
+
+def test_in_pages_a_request_goes_on_in_its_page_after_the_tree_takes_its_slots():
+    """cache_progress moves a request's positions into the tree; its next positions
+    still go in the page it took for their window (where a chained decode wrote)."""
+    kv = KVBook(8 * P, page=P)
+    req = request(1, list(range(12)))
+    kv.attach_prefix(req, [], None)
+    kv.extend(req, 12)
+    kv.cache_progress(req)
+    assert req.prefix_len == 12
+    nxt = kv.extend_each([req])[0]
+    assert nxt == req.slot_ids[11] + 1 and nxt % P == 12 % P
+    kv.check_integrity([req])
+
+
+def test_in_pages_the_next_page_is_booked_for_a_chained_decode():
+    kv = KVBook(4 * P, use_tree=False, page=P)
+    a, b = request(1, [1] * P), request(2, [1] * 3)
+    for req, n in ((a, P), (b, 3)):
+        kv.attach_prefix(req, [], None)
+        kv.extend(req, n)
+    booked = kv.book_next_pages([a, b])
+    assert booked[0] and booked[1] == 0           # a's next position starts a page
+    assert kv.extend_each([a, b])[0] == booked[0] * P
+    kv.check_integrity([a, b])
+    kv.extend(b, 2 * P - 4)                       # the pool's last page; b's next starts one
+    assert kv.allocator.free_pages == 0 and kv.book_next_pages([a, b]) is None
+    kv.release(a, keep=False)
+    kv.release(b, keep=False)
+    kv.check_integrity([])
+    assert kv.allocator.free_pages == 4
