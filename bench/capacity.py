@@ -14,14 +14,7 @@ reserve holding KV, once. Deterministic (a split, not a timing): one run each.
 import argparse
 import json
 
-from bench.common import MlxdServer, machine_summary
-
-
-def default_model() -> str:
-    from mlxd.model_store.default_model import ensure_default_model
-    from mlxd.runtime.config import cache_dir
-
-    return str(ensure_default_model(cache_dir()))
+from bench.common import MlxdServer, bench_model, machine_summary
 
 
 def limit_bytes(limit: str) -> int:
@@ -59,14 +52,15 @@ def measure(model: str, limit: str, bits: int, server_args: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the default model")
+    ap.add_argument("--model", default="smollm2",
+                    help="a model folder; default: the server's default model")
     ap.add_argument("--limits", default="1.6,default",
                     help="memory limits in GiB, or `default` (--mem-fraction)")
     ap.add_argument("--kv-bits", default="0,8", help="KV formats: 0 (float) or bits")
     ap.add_argument("--server-args", default="", help="extra launch.py flags")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    model = args.model or default_model()
+    model = bench_model(args.model)
     rows = [measure(model, limit, int(bits), args.server_args.split())
             for limit in args.limits.split(",") for bits in args.kv_bits.split(",")]
     out = {"machine": machine_summary(), "model": model, "rows": rows}

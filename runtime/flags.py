@@ -238,9 +238,10 @@ class ServerFlags:
         "batch caches, every row as wide as the longest, beside the pool), or `auto` "
         "(paged where the model's attention allows)", (WORKER,))
     preallocate_decode_pages: bool = flag(
-        False, "in the paged decode layout, allocate the arena (a page per running "
-        "request, for the window where a cached prefix ends inside a page) at its whole "
-        "budget at startup instead of 8 pages that double as rows need them", (WORKER,))
+        False, "allocate the decode's page arenas at their whole budget at startup "
+        "instead of growing them as rows need pages: the draft model's (`--speculative "
+        "draft`: its rows' own pages) and the model's small one (its rows read the KV "
+        "pool in place)", (WORKER,))
     disable_overlap: bool = flag(
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "

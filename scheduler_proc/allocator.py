@@ -10,7 +10,9 @@ copying it anywhere (worker_proc/paged_batch.py).
 A page's slots are freed one by one (the radix tree evicts tokens, a verify's
 rejected drafts go back); the page itself is free again once none of its slots is
 held. Until then its free slots are loose: only the request that took the page
-(its open page, see `extend`) writes there again. With `page` 1 a page is a slot.
+writes there (its next positions, see `extend`; and the worker completes the window
+of a cached prefix that ends inside a page by copying the prefix's positions into
+the loose slots before the request's first one). With `page` 1 a page is a slot.
 """
 
 

@@ -25,8 +25,8 @@ from .sampling import RowState
 # when rows need more (a growth faults in and copies the arena within a step: ~1.5 s
 # per GiB on a 2-core CPU, so a few large growths rather than many small ones).
 FIRST_PAGES, FIRST_SHARE = 64, 8
-# Beside a pool the rows read in place, the arena holds only the windows they cannot
-# (a prefix ending inside a page): few, so it starts small.
+# Beside a pool the rows read in place, the arena holds only windows whose slots are
+# not at their page's offsets (none the scheduler books): it starts small.
 FIRST_POOL_PAGES = 8
 
 

@@ -1,9 +1,9 @@
 """KV capacity from a memory limit, counting the pool, the window pool and the live
 decode caches.
 
-In pages the pool is the one KV store: running rows read it in place, and the
-decode's arena holds only the windows a row cannot read there (a cached prefix
-that ends inside a page), `ARENA_PAGES` per running row. The padded layout's
+In pages the pool is the one KV store: running rows read it in place; beside it
+the decode keeps a small arena (`ARENA_PAGES`) for a window whose slots are not at
+their page's offsets, which the scheduler's pages never send. The padded layout's
 caches hold every running row's KV again, twice while a join copies them."""
 
 import os
@@ -15,9 +15,9 @@ from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget
 
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
-# Arena pages per running row in pages: the window where its cached prefix ends
-# inside a page (a row's other windows are each one pool page).
-ARENA_PAGES = 1
+# The paged decode's arena: windows whose slots are not at their page's offsets
+# (none the scheduler books; decode.FIRST_POOL_PAGES, doubling if ever needed).
+ARENA_PAGES = 8
 
 
 def machine_memory_bytes() -> int:
@@ -97,15 +97,15 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
     return KVBudget(int(pool), decode_cache_budget(int(pool), max_running))
 
 
-def arena_tokens(max_running: int, page: int) -> int:
+def arena_tokens(page: int) -> int:
     """Positions of the paged decode's arena (see the module)."""
-    return ARENA_PAGES * max_running * page
+    return ARENA_PAGES * page
 
 
 def _paged_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
                   max_running: int, ceiling: int, capacity: int, page: int) -> KVBudget:
     """One KV term: the pool C (whole pages, at most `ceiling`), beside the arena."""
-    arena = arena_tokens(max_running, page)
+    arena = arena_tokens(page)
     if not capacity:
         tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
         capacity = min(tokens - arena, ceiling)

@@ -107,11 +107,13 @@ class PagedDecodeBatch:
         lefts, end = batch_cache.row_extents(kv[0])
         lengths = [end - left for left in lefts]
         slots = group.slots or [None] * len(lengths)
-        tables, fresh = [], []
+        tables, fresh, copies = [], [], ([], [])
         for n, row_slots in zip(lengths, slots):
-            table, todo = self._table(n, row_slots)
+            table, todo = self._table(n, row_slots, copies)
             tables.append(table)
             fresh.append(todo)
+        if copies[0]:
+            self._copy_in_pool(*copies)
         if end:
             self._write_pages(kv, tables, fresh, lefts, end)
         if self.arena.tail is not None:
@@ -128,21 +130,35 @@ class PagedDecodeBatch:
             else:
                 self.states[i] = [mx.concatenate([a, b]) for a, b in zip(self.states[i], arrays)]
 
-    def _table(self, n: int, slots: list[int] | None) -> tuple[list[int], list[int]]:
+    def _table(self, n: int, slots: list[int] | None,
+               copies: tuple[list[int], list[int]]) -> tuple[list[int], list[int]]:
         """The table of a row joining with `n` positions held at pool `slots`: each
         window whose positions are one pool page (position p at offset p mod page)
-        reads that page; the others get arena pages. Returns (table, indices of
-        the arena pages to write)."""
+        reads that page. A window whose positions are in two (a cached prefix ends
+        inside a page: the prefix's positions in its page, the row's own in the page
+        the row took for the window) reads the row's page, the prefix's positions
+        copied into it (`copies`: from, to; the scheduler leaves a page's slots before
+        its taker's first position loose, for its taker alone). Any other window
+        gets an arena page. Returns (table, indices of the arena pages to write)."""
         page = self.arena.page
         windows = -(-n // page)
         table = [0] * windows
         assert slots is None or len(slots) == n, "a joining row's slots are its positions'"
         if self.pool is not None and slots is not None and n:
-            table = _pool_windows(np.asarray(slots, np.int64), page)
+            held = np.asarray(slots, np.int64)
+            table = _pool_windows(held, page)
+            for j in [j for j, e in enumerate(table) if not e]:
+                table[j] = _copy_into_own_page(held, j, page, copies)
         todo = [j for j, e in enumerate(table) if not e]
         for j, p in zip(todo, self.arena.allocate(len(todo))):
             table[j] = self._arena_entry(p)
         return table, todo
+
+    def _copy_in_pool(self, sources: list[int], targets: list[int]) -> None:
+        """Copy these pool slots' KV (as stored) to those, in every KV layer."""
+        src, dst = mx.array(sources, mx.int32), mx.array(targets, mx.int32)
+        for layer in range(len(self.pool.keys)):
+            self.pool.write_raw(layer, dst, self.pool.read_raw(layer, src))
 
     def _write_pages(self, kv: list, tables: list[list[int]], fresh: list[list[int]],
                      lefts: list[int], end: int) -> None:
@@ -470,6 +486,23 @@ class PagedDecodeBatch:
         """The decode's reads of the pages come before the prefills' and joins' writes
         into them, or the writes would copy the whole store."""
         mx.eval(decoded, self.arrays())
+
+
+def _copy_into_own_page(slots: np.ndarray, window: int, page: int,
+                        copies: tuple[list[int], list[int]]) -> int:
+    """For a window of a row's positions (held at `slots`) that is not one pool page:
+    the page its last position is in, when every position is at its offset (the
+    positions held elsewhere listed in `copies` to be copied there), else 0."""
+    first = window * page
+    held = slots[first:first + page]
+    offsets = np.arange(len(held))
+    if (held % page != offsets).any():
+        return 0
+    q = int(held[-1]) // page
+    elsewhere = held // page != q
+    copies[0].extend(held[elsewhere].tolist())
+    copies[1].extend((q * page + offsets[elsewhere]).tolist())
+    return q
 
 
 def _pool_windows(slots: np.ndarray, page: int) -> list[int]:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from mlxd.model_store.tiny import _WORDS
+from mlxd.runtime.kv_layout import DECODE_PAGE
 from support import Server
 
 CAPACITY = 2048          # the tiny model's context too
@@ -67,8 +68,11 @@ def ask(claude, name, system, user="Hello", **kw):
 
 
 def press(claude, name, server):
-    """A prompt that needs every slot no pin holds (but a few): all unpinned KV goes."""
-    room = CAPACITY - int(metric(server, "mlxd_kv_slots_pinned")) - 24
+    """A prompt that needs every slot no pin holds (but a few): all unpinned KV goes.
+    The pool is booked in whole pages: the pinned prefix holds its pages, and the
+    prompt's first page starts after the template start it shares with it."""
+    pinned = int(metric(server, "mlxd_kv_slots_pinned"))
+    room = CAPACITY - -(-pinned // DECODE_PAGE) * DECODE_PAGE - DECODE_PAGE - 24
     words = room
     while True:
         prompt = text(words, seed=99)

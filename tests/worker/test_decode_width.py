@@ -1,9 +1,9 @@
 """The padded layout's decode caches never span more than the shared rule
 (runtime/kv_layout.py) says, the rule the scheduler budgets `decode_cache_tokens`
 with: if the two sides disagree, the scheduler under-budgets memory without a sign.
-In pages the rows read the pool in place: the arena beside it holds only the window
-where a row's cached prefix ends inside a page (one page per such row, the memory
-split's ARENA_PAGES), and its pages go back with the row.
+In pages the rows read the pool in place and nothing is copied anywhere else: a
+window where a cached prefix ends inside a page is completed in the pool, in the
+page the row took for it.
 
 The ModelRunner runs real Steps on a stand-in model that writes random KV into the
 caches it is handed, so widths of hundreds of positions cost nothing."""
@@ -58,7 +58,7 @@ class Driver:
         self.slots = itertools.cycle(range(1, CAPACITY + 1))   # padded: any slots do
         self.alloc = SlotAllocator(10 * CAPACITY, page)   # pages: as the scheduler books
         self.ends: dict[int, int] = {}    # rid -> its next position's slot's page (pages)
-        self.mixed: set[int] = set()      # rows whose prefix ends inside a page
+        self.prefills: list[PrefillInput] = []
         self.step_ids = itertools.count(1)
         self.lengths: dict[int, int] = {}   # rid -> KV positions (its slots)
         self.running: list[int] = []
@@ -76,6 +76,7 @@ class Driver:
             self.lengths[rid] += 1
         chain_pages = [self._book_next(rid) for rid in self.running] if self.page else []
         prefills = [self._prefill(rid, new, prefix) for rid, (new, prefix) in joins.items()]
+        self.prefills += prefills
         self.runner.run(Step(next(self.step_ids), list(self.running), decode_slots,
                              prefills, list(releases), chain_pages=chain_pages))
         self.running += list(joins)
@@ -114,21 +115,17 @@ class Driver:
         cached = self.alloc.allocate(prefix)
         fresh = self.alloc.extend(prefix, new, 0)
         self.ends[rid] = fresh[-1] // self.page
-        if prefix % self.page:
-            self.mixed.add(rid)
         return PrefillInput(rid, [1] * new, cached, fresh, SamplingParams())
 
     def _check(self, joined: bool) -> None:
         batch = self.runner.batch
         assert sorted(batch.rids) == sorted(self.running)
-        if self.page:   # the rows read the pool; the arena holds the mixed windows only
+        if self.page:   # the rows read the pool in place: nothing copied elsewhere
             batch.check_integrity()
-            held = sum(1 for rid in batch.rids if rid in self.mixed)
-            assert batch.cache_tokens <= held * self.page <= \
-                ARENA_PAGES * len(batch.rids) * self.page
+            assert batch.cache_tokens == 0
             ahead = 1 if self.runner.overlap else 0   # the chained decode's position
             assert batch.lengths == [self.lengths[rid] + ahead for rid in batch.rids]
-            self.spans.append((batch.cache_tokens, held * self.page))
+            self.spans.append((batch.cache_tokens, 0))
             return
         if None not in batch.row_rids:   # a join or a compaction dropped the dead rows
             self.dead = []
@@ -175,22 +172,29 @@ def test_joins_with_cached_prefixes_of_different_lengths(overlap, layout):
 
 
 @OVERLAP
-def test_released_rows_give_their_arena_pages_back_at_once(overlap):
-    """In pages a released row leaves the batch in the step that releases it, and
-    the arena page of its mixed window serves the rows that join next."""
+def test_a_prefix_ending_mid_page_is_copied_into_the_rows_own_page(overlap):
+    """The window where a cached prefix ends inside a page: the prefix's positions are
+    copied (in the pool) into the page the row took for that window, before its
+    first position there; the row reads that page like any other, the arena stays
+    empty, and the copies hold the prefix's KV as stored."""
     d = Driver(overlap, "paged")
     d.step({rid: (30 + rid, 100 + rid) for rid in range(6)})   # prefixes end mid-page
     d.decode(2)
-    arena = d.runner.batch.arena
-    assert d.runner.batch.cache_tokens == 6 * DECODE_PAGE
-    free_before = arena.num_free
+    batch, pool = d.runner.batch, d.runner.pool
+    assert batch.cache_tokens == 0 and all(e > 0 for t in batch.tables for e in t)
+    prefill = d.prefills[0]   # rid 0: 100 prefix positions, 30 new
+    window = 100 // DECODE_PAGE
+    own = prefill.new_slot_ids[0] // DECODE_PAGE
+    assert batch.tables[0][window] == own
+    src = mx.array(prefill.prefix_slot_ids[window * DECODE_PAGE:], mx.int32)
+    dst = mx.array([own * DECODE_PAGE + i for i in range(100 % DECODE_PAGE)], mx.int32)
+    for layer in range(GEOMETRY.num_layers):
+        for a, b in zip(pool.read_raw(layer, src), pool.read_raw(layer, dst)):
+            assert mx.array_equal(a, b).item()
     d.step(releases=(0, 3))
-    assert d.runner.batch.rids == [1, 2, 4, 5]
-    assert arena.num_free == free_before + 2
-    pages = arena.pages
     d.step({7: (200, 0), 8: (3, 70)}, releases=(1,))
     d.decode(3)
-    assert arena.pages == pages   # the freed pages were enough: no growth
+    assert batch.cache_tokens == 0
 
 
 @OVERLAP
@@ -261,7 +265,7 @@ def test_in_pages_the_scheduler_checks_no_decode_width():
 def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running):
     """Padded: memory.kv_budget reports the scheduler's budget for its pool, and the
     pool plus twice that budget (a join copies) fits the memory it split. Pages: one
-    KV term, the pool in whole pages, beside the arena's page per row."""
+    KV term, the pool in whole pages, beside a small arena."""
     budget = kv_budget(tokens * 100 + ACTIVATION_RESERVE_BYTES, 0, 100,
                        max_running=max_running, ceiling=10**9, page=0)
     assert budget.decode_cache_tokens == decode_cache_budget(budget.capacity, max_running)
@@ -270,7 +274,7 @@ def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running):
     assert fixed.decode_cache_tokens == decode_cache_budget(3000, max_running)
     paged = kv_budget(tokens * 100 + ACTIVATION_RESERVE_BYTES, 0, 100,
                       max_running=max_running, ceiling=10**9, page=DECODE_PAGE)
-    arena = ARENA_PAGES * max_running * DECODE_PAGE
+    arena = ARENA_PAGES * DECODE_PAGE
     assert paged.decode_cache_tokens == arena and paged.capacity % DECODE_PAGE == 0
     assert tokens - arena - DECODE_PAGE < paged.capacity <= tokens - arena
 
