@@ -120,6 +120,20 @@ class KVBook:
         return self.available >= need and (
             not self.window or self.available_windows >= windows)
 
+    def fitting_prefix(self, prefix: list[int], total: int) -> int:
+        """The longest start of a cached prefix (slots `prefix`) with which a request
+        holding `total` positions fits the pool by itself: the prefix keeps the pages
+        of its slots locked (a window of it may be in two pages, where the tree's
+        paths part inside one) beside the pages the request takes for the rest."""
+        page = self.page
+        if page == 1:
+            return len(prefix)
+        for n in [len(prefix)] + list(range(len(prefix) // page * page, -1, -page)):
+            held = len({s // page for s in prefix[:n]})
+            if held + (total - 1) // page - n // page + 1 <= self.allocator.pages:
+                return n
+        return 0
+
     def extend_room(self, req: Request, n: int) -> int:
         """Free slots the request's next `n` positions take (whole fresh pages)."""
         start = len(req.slot_ids)
@@ -133,7 +147,7 @@ class KVBook:
 
     def _next_page(self, req: Request) -> bool:
         n = len(req.slot_ids)
-        return self.page == 1 or n % self.page == 0 or n // self.page not in req.own_pages
+        return self.page == 1 or n // self.page not in req.own_pages   # (booked: taken)
 
     def book_next_pages(self, reqs: list[Request]) -> list[int] | None:
         """Per request, the page its next position goes to where that position starts
@@ -332,18 +346,23 @@ class KVBook:
             req.window_floor = 0
             self._holders[req.rid] = req
 
-    def cache_progress(self, req: Request) -> None:
+    def cache_progress(self, req: Request, final: bool = False) -> bool:
         """Put everything the request has computed into the tree and move its lock
-        there, so other requests can share it while it runs."""
+        there, so other requests can share it while it runs (`final`: it stops).
+        Duplicates it computed of what the tree holds meanwhile are freed, its slots
+        then the tree's. In pages that waits until it stops (returns False, nothing
+        changed): the worker reads its KV where it wrote it, and taking the tree's
+        would lock more pages than its own."""
         if not self.tree:
-            return
+            return False
         tokens = req.all_ids[:len(req.slot_ids)]
+        if self.page > 1 and not final:
+            held, _ = self.tree.match_prefix(tokens)
+            if len(held) > req.prefix_len:
+                self._place_snapshot(req, None)
+                return False
         already = self.tree.insert(tokens, req.slot_ids, req.window_ids)
-        duplicates = req.slot_ids[req.prefix_len:already]
-        if self.page > 1:   # the worker reads them in place until the request stops
-            req.spare_ids += duplicates
-        else:
-            self.allocator.free(duplicates)
+        self.allocator.free(req.slot_ids[req.prefix_len:already])   # duplicates
         if self.window:   # the tree takes the duplicates' window slots where it has none
             private = [0] * req.prefix_len + req.window_ids[req.prefix_len:already]
             self.windows.free(self.tree.adopt_windows(tokens, private, already))
@@ -359,6 +378,7 @@ class KVBook:
         if self.window:
             req.window_ids = self.tree.path_windows(node)
         self.take_pins(req)
+        return True
 
     def take_pins(self, req: Request) -> None:
         """Pin each of the request's prefixes that the tree holds now (each once): a
@@ -382,14 +402,13 @@ class KVBook:
         """The request stops running: its KV goes to the tree (`keep`, when the KV
         is valid) or back to the allocator; its lock is dropped."""
         if keep and self.tree:
-            self.cache_progress(req)
+            self.cache_progress(req, final=True)
         else:
             self.allocator.free(req.slot_ids[req.prefix_len:])
             self.windows.free([w for w in req.window_ids[req.prefix_len:] if w])
-        self.allocator.free(req.spare_ids)
         for page in req.own_pages.values():
             self.allocator.close_page(page)
-        req.spare_ids, req.own_pages = [], {}
+        req.own_pages = {}
         self._writers.pop(req.rid, None)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
@@ -431,8 +450,7 @@ class KVBook:
             "page": self.page, "free_pages": self.allocator.free_pages,
             "cached_slots": tree.total_size if tree else 0,
             "evictable_slots": tree.evictable_size if tree else 0,
-            "used_slots": sum(len(r.slot_ids) - r.prefix_len + len(r.spare_ids)
-                              for r in running)
+            "used_slots": sum(len(r.slot_ids) - r.prefix_len for r in running)
                           + (tree.protected_size if tree else 0),
         }
 
@@ -440,7 +458,7 @@ class KVBook:
         if self.tree:
             self.tree.check_integrity()
         _check_owners("slot", self.allocator,
-                      [s for r in running for s in r.slot_ids[r.prefix_len:] + r.spare_ids],
+                      [s for r in running for s in r.slot_ids[r.prefix_len:]],
                       self.tree.all_slots() if self.tree else [])
         for r in running:
             assert r.prefix_len == 0 or r.last_node is not None

@@ -25,9 +25,6 @@ class Request:
     prefix_len: int = 0          # leading slots owned by the radix tree (locked)
     # window (position // page) -> the pool page this request took for it (allocator.py)
     own_pages: dict[int, int] = field(default_factory=dict)
-    # slots it computed that the tree held already (duplicates), kept until it stops:
-    # the worker reads its rows' KV where it was written
-    spare_ids: list[int] = field(default_factory=list)
     # window-pool models (KVBook writes these): per position, its window slot (0:
     # none held); private ones before `window_floor` were freed already
     window_ids: list[int] = field(default_factory=list)

@@ -375,6 +375,10 @@ class Scheduler:
         if need > self.limits.kv_capacity:
             return (f"the request needs {need} KV slots; the pool holds "
                     f"{self.limits.kv_capacity}")
+        if self.limits.decode_page:   # pages: its cached prefix holds pages too
+            return (f"the request's KV and the cached prefix it started from need more "
+                    f"than the pool's {self.kv.allocator.pages} pages of "
+                    f"{self.kv.page} positions")
         width = row_width(len(req.slot_ids))
         return (f"the request needs {width} tokens of decode cache; the "
                 f"decode caches may span {self.decode_cache_tokens} tokens")
@@ -425,7 +429,7 @@ class Scheduler:
         last = start + n == req.fill_len
         if last and rows and not self._width_fits(rows, req.fill_len):
             return None   # its row would not fit the decode caches yet: wait
-        if not self.kv.make_room(n, self.kv.window_need(n), slots=self.kv.room(n, start)):
+        if not self.kv.make_room(n, self.kv.window_need(n), slots=self.kv.extend_room(req, n)):
             return None
         return self._prefill_input(req, n)
 
@@ -434,6 +438,10 @@ class Scheduler:
         """Start `req` (or its first chunk) if memory and the step's budget allow;
         None stops admission. The step's first prefill always gets a token."""
         prefix, node = self.kv.match(req.all_ids[:req.fill_len - 1])
+        total = len(req.prompt_ids) + req.max_new_tokens   # the most it may hold
+        fitting = self.kv.fitting_prefix(prefix, total)   # alone, it must fit the pool
+        if fitting < len(prefix):
+            prefix, node = self.kv.match(req.all_ids[:fitting])
         hit = self._disk_hit(req, prefix, node)
         cached = hit.end if hit else len(prefix)
         extend = req.fill_len - cached

@@ -43,25 +43,38 @@ P = 8
 
 
 def test_in_pages_duplicates_stay_the_requests_until_it_stops():
-    """Two requests computing the same prompt: the second's copies are duplicates of
-    what the tree holds. The worker reads them where they were written, so they stay
-    held (private) while the request runs and go back when it stops."""
+    """Two requests computing the same prompt: the second's are duplicates of what the
+    tree holds. The worker reads them where they were written, so while it runs the
+    request keeps them (private, its lock where it was); when it stops they go back
+    and the tree keeps the first's."""
     kv = KVBook(8 * P, page=P)
     a, b = request(1, list(range(20))), request(2, list(range(20)))
     for req in (a, b):
         kv.attach_prefix(req, [], None)
         kv.extend(req, 20)
-    kv.cache_progress(a)
+    assert kv.cache_progress(a)
     own_b = list(b.slot_ids)
-    kv.cache_progress(b)
-    assert b.slot_ids == a.slot_ids and b.spare_ids == own_b
+    assert not kv.cache_progress(b)
+    assert b.slot_ids == own_b and b.prefix_len == 0 and b.last_node is None
     kv.check_integrity([a, b])
     kv.release(b, keep=True)
-    assert b.spare_ids == [] and b.own_pages == {}
+    assert b.own_pages == {} and kv.tree.match_prefix(list(range(20)))[0] == a.slot_ids
     kv.check_integrity([a])
     kv.release(a, keep=True)
     kv.check_integrity([])
     assert kv.allocator.num_unheld + kv.tree.total_size == kv.capacity
+
+
+def test_in_pages_a_prefix_is_cut_to_what_fits_the_pool_alone():
+    """A cached prefix keeps its pages locked; with too many (a window split between
+    two paths' pages), the request starts from a shorter one, page-aligned."""
+    kv = KVBook(4 * P, page=P)
+    prefix = [1 * P + i for i in range(P)] + [2 * P, 2 * P + 1] + \
+        [3 * P + 2, 3 * P + 3]                    # 12 positions; the second window in 2 pages
+    assert kv.fitting_prefix(prefix, 3 * P) == P  # 3 + 2 pages > 4: its first page only
+    assert kv.fitting_prefix(prefix, 2 * P) == 12
+    assert kv.fitting_prefix(prefix, 5 * P) == 0
+    assert KVBook(64).fitting_prefix(prefix, 10**6) == 12   # slots: no pages to lock
 
 
 def test_in_pages_a_request_goes_on_in_its_page_after_the_tree_takes_its_slots():

@@ -71,8 +71,7 @@ def assert_whole(s: Scheduler) -> None:
     """Every slot free, cached, or held privately by a running request, once."""
     s.check_integrity()
     cached = len(s.kv.tree.all_slots()) if s.kv.tree else 0
-    private = sum(len(r.slot_ids) - r.prefix_len + len(r.spare_ids)
-                  for r in s.running.values())
+    private = sum(len(r.slot_ids) - r.prefix_len for r in s.running.values())
     assert s.kv.allocator.num_unheld + cached + private == s.limits.kv_capacity
 
 

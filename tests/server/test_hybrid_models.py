@@ -77,11 +77,13 @@ def test_a_shared_prefix_is_served_from_the_cache(arch, hybrid_model):
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
 def test_window_layers_keep_only_what_the_windows_need(arch, hybrid_model):
-    """Long prompts on a sliding-window model: the window pool keeps `window + 1`
-    positions per point the cache may extend (chunk ends and finishes), not one per
-    token as the global layers' pool does, and the output stays exact."""
+    """Long prompts on a sliding-window model decoding padded (in pages every layer's
+    KV is in the pool): the window pool keeps `window + 1` positions per point the
+    cache may extend (chunk ends and finishes), not one per token as the global
+    layers' pool does, and the output stays exact."""
     path = hybrid_model(arch)
-    server = Server(path, "--chunked-prefill-size", "48", "--log-level", "warning")
+    server = Server(path, "--chunked-prefill-size", "48", "--decode-layout", "padded",
+                    "--log-level", "warning")
     prompts = LONG + [p + " " + LONG[1] for p in PROMPTS[:6]]
     try:
         results, stats = asyncio.run(generate_all(server.address, prompts))
