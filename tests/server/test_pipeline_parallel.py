@@ -62,16 +62,18 @@ def test_each_stage_holds_its_layers_only(pp2, one_process):
     assert split["weights_bytes"] < 0.8 * whole["weights_bytes"]
 
 
-@pytest.mark.parametrize("extra", [["--disable-overlap"], ["--kv-capacity", "160"]],
+@pytest.mark.parametrize("extra", [["--disable-overlap"], ["--kv-capacity", "192"]],
                          ids=["overlap-off", "tight-pool"])
 def test_without_overlap_and_with_a_tight_pool(qwen2_model, extra):
+    """The tight pool: 3 pages of 64, two requests of 40 prompt tokens running, each
+    needing a second page as its output passes position 64."""
     server = Server(qwen2_model, "--pp", "2", "--kv-capacity", "4096", "--speculative",
                     "off", "--log-level", "warning", *extra)
     try:
-        batch = prompts(6, length=20, seed=21)
+        batch = prompts(6, length=40, seed=21)
         for ids, result in zip(batch, run_all(server.address, batch, 30)):
             assert_exact(qwen2_model, ids, result, 30)   # 30 steps: digests compared
-        if "160" in extra:
+        if "192" in extra:
             with Client(server.address, timeout=60) as c:
                 assert c.stats()["retractions"] > 0
     finally:

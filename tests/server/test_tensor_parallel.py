@@ -45,10 +45,12 @@ def test_without_overlap_too(llama_model):
 
 
 def test_a_tight_pool_retracts_and_resumes_exactly(llama_model):
-    server = Server(llama_model, "--tp", "2", "--kv-capacity", "160", "--speculative",
+    # 3 pages of 64: two requests of 40 prompt tokens run, and each needs a second
+    # page as its output passes position 64
+    server = Server(llama_model, "--tp", "2", "--kv-capacity", "192", "--speculative",
                     "off", "--log-level", "warning")
     try:
-        batch = prompts(6, length=20, seed=31)
+        batch = prompts(6, length=40, seed=31)
         for ids, result in zip(batch, run_all(server.address, batch, 30)):
             assert_exact(llama_model, ids, result, 30)
         with Client(server.address, timeout=60) as c:
