@@ -305,8 +305,11 @@ class ModelRunner:
             if self.chained is None:
                 self.chained = self._launch_decode()
             # the pool writes in a call of their own: in one call with the decode's
-            # arrays, async_eval returned only once all of it was computed (no tail)
-            mx.async_eval(self.pool.arrays)
+            # arrays, async_eval returned only once all of it was computed (no tail).
+            # Rows that read the pool write it in the decode itself: its own writes
+            # (batch.pending_writes), which go with its arrays.
+            if getattr(self.batch, "pool", None) is None:
+                mx.async_eval(self.pool.arrays)
             mx.async_eval(_arrays([self.chained]), self.batch.pending_writes(),
                           self._draft_arrays())
 
