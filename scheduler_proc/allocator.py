@@ -76,15 +76,15 @@ class SlotAllocator:
         while p stays within it and its slot is free, else in fresh pages."""
         page = self.page
         kept = self._kept(start, n, open_page)   # positions that stay in the open page
-        need = self.pages_needed(start, n, open_page)
+        need = self._fresh(start, n, kept)
         if need > len(self._free_pages):
             raise OutOfSlots(f"asked for {need} pages, {len(self._free_pages)} free")
-        fresh = self._free_pages[len(self._free_pages) - need:][::-1]
+        fresh = iter(self._free_pages[len(self._free_pages) - need:][::-1])
         del self._free_pages[len(self._free_pages) - need:]
         slots, q = [], open_page
         for i, p in enumerate(range(start, start + n)):
             if i >= kept and (i == kept or p % page == 0):
-                q = fresh.pop(0)
+                q = next(fresh)
                 self._page_free[q] = 0
                 self._window[q] = p // page
             s = q * page + p % page
@@ -95,7 +95,10 @@ class SlotAllocator:
 
     def pages_needed(self, start: int, n: int, open_page: int) -> int:
         """Fresh pages positions start .. start + n - 1 take (`extend`)."""
-        kept = self._kept(start, n, open_page)
+        return self._fresh(start, n, self._kept(start, n, open_page))
+
+    def _fresh(self, start: int, n: int, kept: int) -> int:
+        """Fresh pages for positions start + kept .. start + n - 1."""
         first, rest = start + kept, n - kept
         return (first + rest - 1) // self.page - first // self.page + 1 if rest else 0
 
@@ -124,9 +127,7 @@ class SlotAllocator:
     def free(self, slots: list[int]) -> None:
         """Return slots; a list with any slot that is not allocated changes nothing.
         A page none of whose slots is held any more is free again."""
-        self._check(slots)
-        for s in slots:
-            self._release(s)
+        self.free_keep(slots, 0)
 
     def free_keep(self, slots: list[int], open_page: int) -> None:
         """`free`, but `open_page` stays with its taker even when emptied."""

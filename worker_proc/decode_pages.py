@@ -462,7 +462,7 @@ class Writes:
     def of(cls, pool_at: np.ndarray, arena_at: np.ndarray, heads: int) -> "Writes":
         """From each row's `[rows, L]` pool rows (0: not in the pool) and arena rows."""
         h = np.tile(np.repeat(np.arange(heads), pool_at.shape[1]), len(pool_at))
-        pool_rows, arena_rows = _flat(pool_at, heads), _flat(arena_at, heads)
+        pool_rows, arena_rows = per_head_rows(pool_at, heads), per_head_rows(arena_at, heads)
         in_pool = pool_rows > 0
         heads_all = mx.array(h, mx.int32)
         if not in_pool.any():
@@ -478,7 +478,7 @@ class Writes:
                                      mx.array(rest, mx.int32)))
 
 
-def _flat(rows: np.ndarray, heads: int) -> np.ndarray:
+def per_head_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     """Each row's `[rows, L]` store rows repeated for every head, in (row, head,
     position) order: the order update_and_fetch flattens the new KV in."""
     return np.repeat(rows[:, None, :], heads, axis=1).reshape(-1)

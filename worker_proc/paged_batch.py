@@ -27,7 +27,7 @@ from . import batch_cache
 from .batch_cache import CacheLayout
 from .decode import JoinGroup
 from .decode_pages import (
-    PageArena, PagedLayerCache, Writes, query_positions, step_pairs, tail_pairs,
+    PageArena, PagedLayerCache, Writes, per_head_rows, query_positions, step_pairs, tail_pairs,
 )
 from .kv_pool import KVPool
 from .sampling import RowState
@@ -522,9 +522,9 @@ def _pool_windows(slots: np.ndarray, page: int) -> list[int]:
 
 
 def _per_head(rows: np.ndarray, heads: int) -> mx.array:
-    """Each row's `[rows, L]` arena rows repeated for every head, in (row, head,
-    position) order: the order update_and_fetch flattens the new KV in."""
-    return mx.array(np.repeat(rows[:, None, :], heads, axis=1).reshape(-1), mx.int32)
+    """Each row's `[rows, L]` store rows repeated for every head, in the order
+    update_and_fetch flattens the new KV in (decode_pages.per_head_rows)."""
+    return mx.array(per_head_rows(rows, heads), mx.int32)
 
 
 def _real_positions(a: mx.array, index: mx.array) -> mx.array:
