@@ -328,3 +328,40 @@ def dense_reference(q, keys, values, scale, window=0, sinks=None, queries=None):
                 w = w / w.sum()
                 out[r, h, j] = w[:at + 1 - low] @ v[h // g, low:at + 1]
     return out
+
+
+class PageBooker:
+    """Books pool slots as the scheduler does (scheduler_proc/allocator.py): position p
+    of a request at offset p mod page of the page it took for that window (`page` 1:
+    one slot after another)."""
+
+    def __init__(self, capacity: int, page: int):
+        from mlxd.scheduler_proc.allocator import SlotAllocator
+
+        self.alloc, self.page = SlotAllocator(capacity, page), page
+        self.length: dict[int, int] = {}             # rid -> positions it holds
+        self.own: dict[int, dict[int, int]] = {}     # rid -> window -> the page it took
+
+    def slots(self, rid: int, n: int, start: int | None = None) -> list[int]:
+        """Slots for the request's next `n` positions (from `start`: after a prefix)."""
+        start = self.length.get(rid, 0) if start is None else start
+        own = self.own.setdefault(rid, {})
+        got = self.alloc.extend(start, n, own.get(start // self.page, 0))
+        for p in range(start, start + n):
+            own[p // self.page] = got[p - start] // self.page
+        self.length[rid] = start + n
+        return got
+
+    def book_next(self, rid: int) -> int:
+        """The page a chained decode writes the request's next position in, where that
+        position starts one (the scheduler's `chain_pages`; 0: none)."""
+        n, own = self.length[rid], self.own[rid]
+        if self.page == 1 or n % self.page or n // self.page in own:
+            return 0
+        own[n // self.page] = self.alloc.take_page(n // self.page)
+        return own[n // self.page]
+
+    def forget(self, rid: int) -> None:
+        """A released request starts over when it comes back (its pages stay taken)."""
+        self.length.pop(rid, None)
+        self.own.pop(rid, None)

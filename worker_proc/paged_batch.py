@@ -509,16 +509,11 @@ def _pool_windows(slots: np.ndarray, page: int) -> list[int]:
     """Per window of a row's positions (held at `slots`), the pool page holding all of
     them at their offsets, or 0 where they are not one page's."""
     n = len(slots)
-    windows = -(-n // page)
-    pages = slots // page
-    aligned = slots % page == np.arange(n) % page
-    padded = np.full(windows * page, -1, dtype=np.int64)
-    padded[:n] = np.where(aligned, pages, -1)
-    grid = padded.reshape(windows, page)
-    first = grid[:, 0]
-    whole = (first > 0) & np.all((grid == first[:, None]) | (np.arange(windows * page)
-                                                               .reshape(windows, page) >= n), axis=1)
-    return np.where(whole, first, 0).tolist()
+    pages = np.where(slots % page == np.arange(n) % page, slots // page, -1)
+    first = pages[::page]   # each window's first position's page
+    starts = np.arange(0, n, page)
+    whole = np.logical_and.reduceat(pages == np.repeat(first, page)[:n], starts)
+    return np.where(whole & (first > 0), first, 0).tolist()
 
 
 def _per_head(rows: np.ndarray, heads: int) -> mx.array:

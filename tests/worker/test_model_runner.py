@@ -9,9 +9,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.protocol import REPETITION_CONTEXT, PrefillInput, SamplingParams, Step
 from penalty_reference import reference_penalised_tokens
-from support import PROMPTS, encode, load_reference, reference_tokens
+from support import PROMPTS, PageBooker, encode, load_reference, reference_tokens
 from mlxd.runtime.kv_layout import DECODE_PAGE
-from mlxd.scheduler_proc.allocator import SlotAllocator
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry, runner_for
 
@@ -30,10 +29,8 @@ class Driver:
         self.model = model
         pool = KVPool(probe_geometry(model), capacity, state_slots, window_capacity, page=page)
         self.runner = runner_for(model, pool, overlap=overlap, decode_layout=decode_layout)
-        self.allocator = SlotAllocator(capacity, page)
+        self.book = PageBooker(capacity, page)
         self.page = page
-        self.own: dict[int, dict[int, int]] = {}   # rid -> window -> page it took
-        self.length: dict[int, int] = {}           # rid -> positions it holds
         self.step_id = itertools.count(1)
         self.running: list[int] = []
         self.slot_ids: dict[int, list[int]] = {}
@@ -41,22 +38,16 @@ class Driver:
 
     def new_slots(self, rid: int, n: int, start: int | None = None) -> list[int]:
         """Slots for the request's next `n` positions (from `start`: after a prefix)."""
-        start = self.length.get(rid, 0) if start is None else start
-        own = self.own.setdefault(rid, {})
-        slots = self.allocator.extend(start, n, own.get(start // self.page, 0))
-        for p in range(start, start + n):
-            own[p // self.page] = slots[p - start] // self.page
-        self.length[rid] = start + n
+        slots = self.book.slots(rid, n, start)
         self.slot_ids.setdefault(rid, []).extend(slots)
         return slots
 
     def step(self, prefills=(), releases=()):
         self.running = [r for r in self.running if r not in releases]
-        for rid in releases:   # a request resumed later starts over (its pages stay taken)
-            self.length.pop(rid, None)
-            self.own.pop(rid, None)
+        for rid in releases:
+            self.book.forget(rid)
         decode_slots = [self.new_slots(rid, 1)[0] for rid in self.running]
-        chain_pages = [self._book_next(rid) for rid in self.running] if self.page > 1 else []
+        chain_pages = [self.book.book_next(rid) for rid in self.running] if self.page > 1 else []
         result = self.runner.run(Step(next(self.step_id), list(self.running), decode_slots,
                                       list(prefills), list(releases),
                                       self.window_ids(decode_slots), chain_pages=chain_pages))
@@ -64,15 +55,6 @@ class Driver:
             self.out.setdefault(rid, []).append((tok, lp))
         self.running += [p.rid for p in prefills if p.needs_logits]
         return result
-
-    def _book_next(self, rid: int) -> int:
-        """The page a chained decode writes the request's next position in, where that
-        position starts one (the scheduler's `chain_pages`)."""
-        n, own = self.length[rid], self.own[rid]
-        if n % self.page or n // self.page in own:
-            return 0
-        own[n // self.page] = self.allocator.take_page(n // self.page)
-        return own[n // self.page]
 
     def window_ids(self, slots: list[int]) -> list[int]:
         """The window ids of these slots' positions (none: no window pool)."""

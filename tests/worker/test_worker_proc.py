@@ -19,9 +19,8 @@ from mlxd.protocol import (
     encode,
 )
 from mlxd.runtime.kv_layout import DECODE_PAGE
-from mlxd.scheduler_proc.allocator import SlotAllocator
 from proc_support import ProcHarness
-from support import PROMPTS, encode as encode_prompt, load_reference, reference_tokens
+from support import PROMPTS, PageBooker, encode as encode_prompt, load_reference, reference_tokens
 
 KV_CAPACITY = 4096
 READY_TIMEOUT = 60.0
@@ -104,41 +103,22 @@ class Driver:
         self.decode_slots: dict[int, list[int]] = {}
         self.out: dict[int, list[tuple]] = {}
         # slots as the scheduler books them: in the worker's pages (allocator.py)
-        self.page = w.limits.decode_page or 1
-        self.alloc = SlotAllocator(KV_CAPACITY, self.page)
-        self.length: dict[int, int] = {}
-        self.own: dict[int, dict[int, int]] = {}
-
-    def _slots(self, rid: int, n: int, start: int | None = None) -> list[int]:
-        start = self.length.get(rid, 0) if start is None else start
-        own = self.own.setdefault(rid, {})
-        slots = self.alloc.extend(start, n, own.get(start // self.page, 0))
-        for p in range(start, start + n):
-            own[p // self.page] = slots[p - start] // self.page
-        self.length[rid] = start + n
-        return slots
-
-    def _book_next(self, rid: int) -> int:
-        n, own = self.length[rid], self.own[rid]
-        if self.page == 1 or n % self.page or n // self.page in own:
-            return 0
-        own[n // self.page] = self.alloc.take_page(n // self.page)
-        return own[n // self.page]
+        self.book = PageBooker(KV_CAPACITY, w.limits.decode_page or 1)
 
     def prefill(self, rid: int, ids: list[int], prefix_slots=(), sampling=GREEDY,
                 needs_logits: bool = True) -> PrefillInput:
-        slots = self._slots(rid, len(ids), len(prefix_slots))
+        slots = self.book.slots(rid, len(ids), len(prefix_slots))
         self.slot_ids.setdefault(rid, []).extend(slots)
         return PrefillInput(rid, list(ids), list(prefix_slots), slots, sampling, needs_logits)
 
     def step(self, prefills=(), releases=()) -> StepResult:
         self.running = [r for r in self.running if r not in releases]
-        decode_slots = [self._slots(rid, 1)[0] for rid in self.running]
+        decode_slots = [self.book.slots(rid, 1)[0] for rid in self.running]
         for rid, slot in zip(self.running, decode_slots):
             self.decode_slots.setdefault(rid, []).append(slot)
         step = Step(next(self.w.step_ids), list(self.running), decode_slots, list(prefills),
                     list(releases),
-                    chain_pages=[self._book_next(rid) for rid in self.running])
+                    chain_pages=[self.book.book_next(rid) for rid in self.running])
         result = self.w.send(step)
         if not isinstance(result, StepResult):
             self.w.fail(f"step {step} failed: {result}")
