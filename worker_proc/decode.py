@@ -52,6 +52,9 @@ class DecodeRows(Protocol):
     for a released row not yet dropped (padded); `rids` are the live ones."""
 
     page: int                       # positions per page; 0: the padded layout
+    pool: object                    # the KVPool its rows read in place (None: their own copy)
+    direct: list[int]               # the last forward's new positions: the pool slot each
+                                    # was written at by the forward (0: the runner writes it)
     row_rids: list[int | None]
     rows: list[RowState]
     tokens: mx.array | None         # [rows] each row's next input token
@@ -73,8 +76,15 @@ class DecodeRows(Protocol):
     def clear(self) -> None:
         """Drop every row (after a failed step)."""
 
-    def forward(self, model) -> mx.array:
-        """Logits `[rows, V]` for every row's next token (lazy)."""
+    def forward(self, model, slots: list[list[int]] | None = None) -> mx.array:
+        """Logits `[rows, V]` for every row's next token (lazy); `slots`: each row's
+        slot for its input (None: a chained decode's, where its pages put it)."""
+
+    def knows_next(self) -> bool:
+        """Every row's next position has a place: a chained decode may run."""
+
+    def booked(self, rid_pages: dict[int, int]) -> None:
+        """The pool pages (`Step.chain_pages`) rows' next positions start."""
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per KV layer, keys/values `[rows, heads, dim]` the last forward wrote."""

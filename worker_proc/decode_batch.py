@@ -24,6 +24,7 @@ class DecodeBatch:
 
     DEAD_SHARE = 8
     page = 0   # kv_layout's rule for the padded layout
+    pool = None   # its rows hold their KV in their caches, not the pool's
 
     def __init__(self, layout: batch_cache.CacheLayout | None = None):
         self.row_rids: list[int | None] = []   # per row; None: released, not yet dropped
@@ -34,6 +35,7 @@ class DecodeBatch:
         self.caches: list[LayerCache] | None = None
         self.kv: list[LayerCache] = []   # the caches' KV leaves, in pool layer order
         self.tokens: mx.array | None = None   # [rows] next input token of each row
+        self.direct: list[int] = []   # the last forward wrote no input's KV to the pool
 
     @property
     def rids(self) -> list[int]:
@@ -99,13 +101,22 @@ class DecodeBatch:
         self.row_rids, self.rows, self.caches, self.tokens = [], [], None, None
         self.kv = []
 
-    def forward(self, model) -> mx.array:
-        """Logits `[rows, V]` for the next token of every row, dead ones too (lazy).
-        A decode that would grow the caches drops the dead rows first: the scheduler
-        no longer counts them, and growing copies every row anyway."""
+    def forward(self, model, slots: list[list[int]] | None = None) -> mx.array:
+        """Logits `[rows, V]` for the next token of every row, dead ones too (lazy);
+        `slots` are the pool's business (the runner writes it). A decode that would
+        grow the caches drops the dead rows first: the scheduler no longer counts
+        them, and growing copies every row anyway."""
         if None in self.row_rids and self.kv and batch_cache.is_full(self.kv[0]):
             self.compact()
+        self.direct = [0] * len(self.row_rids)
         return model(self.tokens[:, None], cache=self.caches)[:, -1, :]
+
+    def knows_next(self) -> bool:
+        """A chained decode may always run: it writes only the caches."""
+        return True
+
+    def booked(self, rid_pages: dict[int, int]) -> None:
+        """No pool pages to take: the pool is written by the runner."""
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per layer, keys/values `[rows, heads, dim]` (every row, dead ones too) of

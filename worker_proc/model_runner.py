@@ -194,7 +194,7 @@ class ModelRunner:
         """This step ends by starting the next decode on the helper thread (every
         row knowing where its next position goes)."""
         return self.overlap and self._chain_allowed and len(self.batch) > 0 and \
-            getattr(self.batch, "knows_next", lambda: True)()
+            self.batch.knows_next()
 
     def _step_slots(self, step: Step) -> list[list[int]]:
         """The Step's decode slot of each row of the batch, in row order."""
@@ -269,13 +269,12 @@ class ModelRunner:
         """Decode every row of the batch, lazily; the rows' next input is the result.
         `slots`: each row's slot for its input (None: a chained decode's, not sent
         yet: where the rows' pages put them)."""
-        logits = (self.batch.forward(self.model, slots=slots) if self.batch.page
-                  else self.batch.forward(self.model))
+        logits = self.batch.forward(self.model, slots=slots)
         live = [rid is not None for rid in self.batch.row_rids]
         sampled = self._sample(logits, self.batch.rows, live)
         self.batch.tokens = sampled.tokens
         return _Output(list(self.batch.row_rids), list(self.batch.rows), sampled,
-                       self.batch.newest_kv(), direct=list(getattr(self.batch, "direct", [])))
+                       self.batch.newest_kv(), direct=list(self.batch.direct))
 
     def _sample(self, logits: mx.array, rows: list[RowState], live=None,
                 masks: Future | None = None, probs: bool = False) -> Sampled:
@@ -308,7 +307,7 @@ class ModelRunner:
             # arrays, async_eval returned only once all of it was computed (no tail).
             # Rows that read the pool write it in the decode itself: its own writes
             # (batch.pending_writes), which go with its arrays.
-            if getattr(self.batch, "pool", None) is None:
+            if self.batch.pool is None:
                 mx.async_eval(self.pool.arrays)
             mx.async_eval(_arrays([self.chained]), self.batch.pending_writes(),
                           self._draft_arrays())
@@ -334,7 +333,7 @@ class ModelRunner:
             index = None if pending == launched.rids else \
                 mx.array([position[rid] for rid in pending])
             self.pool.write_layers(launched.new_kv, ids, index)
-        if step.chain_pages and self.batch.page:
+        if step.chain_pages:
             self.batch.booked(dict(zip(step.decode_rids, step.chain_pages)))
         keep = None if launched.rids == running else mx.array([position[rid] for rid in running])
         if self.drafter is not None:   # the draft runs these positions when it next drafts
@@ -440,7 +439,7 @@ class ModelRunner:
         forward did not write it there itself (the scheduler frees the rejected
         ones' after reading the runs)."""
         slots = [s for row in row_slots for s in row]
-        direct = getattr(self.batch, "direct", None) or [0] * len(slots)
+        direct = self.batch.direct
         windows = []
         if self.pool.uses_windows:   # the windowed layers' KV goes to the window pool
             window_of = dict(zip(step.decode_rids, step.decode_window_ids))
