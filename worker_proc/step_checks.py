@@ -19,6 +19,7 @@ def check_decode(step: Step, running: list[int], pool: KVPool) -> list[int]:
         raise ValueError(f"decode rids {sorted(step.decode_rids)} do not match the "
                          f"running requests {sorted(running)}")
     pool.check_slots(step.decode_slot_ids)
+    pool.check_slots([q * pool.page for q in step.chain_pages if q])   # whole pool pages
     pool.check_window_ids(step.decode_window_ids)
     if pool.uses_windows and len(step.decode_window_ids) != len(step.decode_rids):
         raise ValueError("decode_window_ids must name a window id per decoded request")

@@ -197,6 +197,9 @@ def test_slot_ids_outside_the_pool_are_rejected(llama_model):
         d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [127, 128], SamplingParams())]))
     with pytest.raises(ValueError, match="slot id"):
         d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [0, 64], SamplingParams())]))
+    d.step([d.prefill(1, [1, 2])])
+    with pytest.raises(ValueError, match="slot id"):   # a chain page past the pool
+        d.runner.run(Step(9, [1], [66], chain_pages=[2]))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
