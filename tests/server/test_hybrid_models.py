@@ -12,9 +12,14 @@ from support import PROMPTS, Server, encode, pressure_prompts, reference_tokens
 
 MAX_TOKENS = 40
 LONG = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(2)]   # longer than the window
+# three prompts each: 37 to 57 tokens, so every request starts in one 64-slot page and
+# needs a second before it ends
+TRIPLES = [" ".join((PROMPTS * 2)[i:i + 3]) for i in range(len(PROMPTS))]
 ARCHS = ["gemma3_text", "gpt_oss", "cohere2", "qwen3_next", "lfm2", "mamba2", "falcon_h1"]
-# chunks of 5 split the test models' 8-token windows; 192 slots hold a long prompt and
-# its output but not every request's at once, so requests are retracted and resumed
+# chunks of 5 split the test models' 8-token windows; 192 slots (three pages) hold a
+# long prompt and its output, but two requests that each need two pages do not fit
+# together: whichever first crosses into its second page finds none free and nothing
+# finished to evict, so a request is retracted and resumed
 TIGHT = ("--chunked-prefill-size", "5", "--kv-capacity", "192", "--max-prefill-tokens", "64")
 
 
@@ -39,7 +44,7 @@ def test_concurrent_chunked_retracted_requests_match_mlx_lm(arch, overlap, hybri
     args = TIGHT + (() if overlap else ("--disable-overlap",))
     server = Server(path, *args, "--log-level", "warning")
     try:
-        prompts = PROMPTS + LONG
+        prompts = TRIPLES + LONG
         results, stats = asyncio.run(generate_all(server.address, prompts))
         alone, _ = asyncio.run(generate_all(server.address, [LONG[0]]))
     finally:
