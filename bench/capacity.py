@@ -6,13 +6,23 @@ weights_bytes) and reports kv_capacity / ((limit - weights - the activation
 reserve) / bytes per token): 1.0 would be every byte left after the weights and the
 reserve holding KV, once. Deterministic (a split, not a timing): one run each.
 
+With `--chats N`, each server then takes N concurrent requests of `--chat-tokens`
+prompt tokens (random ids: no prefix is shared) and `--max-tokens` output each, and
+the report adds whether they all ran at once (every first token came before the first
+request ended; `started_before_first_end` counts those that had), the retractions,
+and the wall time: whether N such chats fit the pool together.
+
     python -m bench.capacity                      # the default model (SmolLM2-135M)
     python -m bench.capacity --limits 1.6,default --kv-bits 0,8
+    python -m bench.capacity --limits 1.6 --kv-bits 0 --chats 10 --chat-tokens 900
     python -m bench.capacity --model PATH --json out.json
 """
 
 import argparse
+import asyncio
 import json
+import random
+import time
 
 from bench.common import MlxdServer, bench_model, machine_summary
 
@@ -27,7 +37,43 @@ def limit_bytes(limit: str) -> int:
     return memory_limit_bytes(0, float(limit))
 
 
-def measure(model: str, limit: str, bits: int, server_args: list[str]) -> dict:
+async def one_chat(client, ids: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """(time of its first token, time it finished, tokens) of one streamed request."""
+    first, tokens = None, 0
+    async for chunk in client.stream(input_ids=ids, max_tokens=max_tokens, ignore_eos=True):
+        if chunk.error:
+            raise RuntimeError(chunk.error)
+        if chunk.token_ids and first is None:
+            first = time.perf_counter()
+        tokens += len(chunk.token_ids)
+    return first or time.perf_counter(), time.perf_counter(), tokens
+
+
+async def run_chats(address: str, vocab: int, n: int, prompt_tokens: int,
+                    max_tokens: int) -> dict:
+    """N concurrent streamed requests of ids below `vocab` (its upper half: no special
+    tokens). They all ran at once when the last first token came before the first
+    finish; a retracted one would have been set back meanwhile (`retractions`)."""
+    from mlxd.client import AsyncClient
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab // 2, vocab) for _ in range(prompt_tokens)]
+               for _ in range(n)]
+    async with AsyncClient(address, timeout=3600) as client:
+        started = time.perf_counter()
+        runs = await asyncio.gather(*(one_chat(client, ids, max_tokens) for ids in prompts))
+        wall = time.perf_counter() - started
+        stats = await client.stats()
+    assert all(tokens == max_tokens for _, _, tokens in runs), runs
+    last_start, first_end = max(r[0] for r in runs), min(r[1] for r in runs)
+    running_at_once = sum(r[0] < first_end for r in runs)
+    return {"chats": n, "chat_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "all_at_once": last_start < first_end, "started_before_first_end": running_at_once,
+            "retractions": stats["retractions"], "wall_s": round(wall, 1)}
+
+
+def measure(model: str, limit: str, bits: int, server_args: list[str],
+            chats: tuple[int, int, int] | None = None) -> dict:
     from mlxd.client import Client
     from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES
 
@@ -38,6 +84,8 @@ def measure(model: str, limit: str, bits: int, server_args: list[str]) -> dict:
     try:
         with Client(server.address) as client:
             stats = client.stats()
+        ran = asyncio.run(run_chats(server.address, stats["worker"]["vocab_size"], *chats)) \
+            if chats else {}
     finally:
         server.stop()
     worker = stats["worker"]
@@ -46,7 +94,7 @@ def measure(model: str, limit: str, bits: int, server_args: list[str]) -> dict:
     return {"limit": limit, "kv_bits": bits, "kv_capacity": worker["kv_capacity"],
             "bytes_per_token": worker["bytes_per_token"],
             "weights_mib": round(worker["weights_bytes"] / 2**20, 1),
-            "ideal_tokens": ideal, "share": round(worker["kv_capacity"] / ideal, 3)}
+            "ideal_tokens": ideal, "share": round(worker["kv_capacity"] / ideal, 3), **ran}
 
 
 def main() -> None:
@@ -58,10 +106,15 @@ def main() -> None:
                     help="memory limits in GiB, or `default` (--mem-fraction)")
     ap.add_argument("--kv-bits", default="0,8", help="KV formats: 0 (float) or bits")
     ap.add_argument("--server-args", default="", help="extra launch.py flags")
+    ap.add_argument("--chats", type=int, default=0,
+                    help="then this many concurrent requests (0: none)")
+    ap.add_argument("--chat-tokens", type=int, default=900, help="their prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=64, help="their output tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = bench_model(args.model)
-    rows = [measure(model, limit, int(bits), args.server_args.split())
+    chats = (args.chats, args.chat_tokens, args.max_tokens) if args.chats else None
+    rows = [measure(model, limit, int(bits), args.server_args.split(), chats)
             for limit in args.limits.split(",") for bits in args.kv_bits.split(",")]
     out = {"machine": machine_summary(), "model": model, "rows": rows}
     print(json.dumps(out, indent=2))

@@ -10,7 +10,7 @@ import random
 import timeit
 
 from mlxd.protocol import (
-    Decoder, Step, StepResult, StepTiming, TokenBatch, TokenEntry, encode,
+    DecodeRow, Decoder, Step, StepResult, StepTiming, TokenBatch, TokenEntry, encode,
 )
 
 
@@ -20,7 +20,7 @@ def messages(rows: int) -> dict:
     timing = StepTiming(compute_ms=12.5, wait_ms=0.8, idle_ms=0.1, chained_wait_ms=0.3,
                         chained=True, active_memory=2**31, peak_memory=2**32)
     return {
-        "Step": Step(7, rids, [rng.randrange(1, 2**20) for _ in rids]),
+        "Step": Step(7, [DecodeRow(rid, rng.randrange(1, 2**20)) for rid in rids]),
         "StepResult": StepResult(7, rids, [rng.randrange(50000) for _ in rids],
                                  [-rng.random() * 5 for _ in rids], timing=timing),
         "TokenBatch": TokenBatch([TokenEntry(rid, [rng.randrange(50000)], [-rng.random()])

@@ -98,15 +98,15 @@ class Driver:
 
     def step(self, prefills=(), releases=()) -> float:
         """Run one Step; returns its wall time in seconds."""
-        from mlxd.protocol import Step
+        from mlxd.protocol import DecodeRow, Step
 
         self.running = [r for r in self.running if r not in releases]
         decode = [self.new_slots(rid, 1)[0] for rid in self.running]
         import mlx.core as mx
 
         start = time.perf_counter()
-        self.runner.run(Step(next(self.step_ids), list(self.running), decode, list(prefills),
-                             list(releases)))
+        rows = [DecodeRow(rid, slot) for rid, slot in zip(self.running, decode)]
+        self.runner.run(Step(next(self.step_ids), rows, list(prefills), list(releases)))
         # what the step left lazy (the padded layout's join copy) counts in its time
         mx.eval(self.runner.batch.arrays())
         elapsed = time.perf_counter() - start

@@ -12,13 +12,13 @@ from .to_tokenizer import (
     AbortRequest, GenerateRequest, SchedulerReady, Stats, StatsRequest, TokenBatch,
     TokenEntry, Usage,
 )
-from .to_worker import DiskRun, PrefillInput, Spill, Step
+from .to_worker import DecodeRow, DiskRun, PrefillInput, Spill, Step
 
 __all__ = [
-    "MAX_PINS", "Abort", "AbortRequest", "Decoder", "ErrorReply", "GenerateRequest", "GetStats",
-    "EngineUnresponsive", "ModelControl", "ModelLoadFailed", "PARAMS", "Param", "Pin", "DiskRun", "PrefillInput", "Spill", "ProtocolError", "REPETITION_CONTEXT", "Ready",
-    "SamplingParams", "SchedulerReady", "Stats",
-    "StatsReply", "StatsRequest", "Step", "StepResult", "StepTiming", "StreamChunk",
-    "TokenBatch", "TokenEntry", "TokenizedRequest", "Usage", "WorkerError", "WorkerLimits",
-    "WorkerReady", "encode",
+    "MAX_PINS", "PARAMS", "REPETITION_CONTEXT", "Abort", "AbortRequest", "DecodeRow", "Decoder",
+    "DiskRun", "EngineUnresponsive", "ErrorReply", "GenerateRequest", "GetStats", "ModelControl",
+    "ModelLoadFailed", "Param", "Pin", "PrefillInput", "ProtocolError", "Ready",
+    "SamplingParams", "SchedulerReady", "Spill", "Stats", "StatsReply", "StatsRequest", "Step",
+    "StepResult", "StepTiming", "StreamChunk", "TokenBatch", "TokenEntry", "TokenizedRequest",
+    "Usage", "WorkerError", "WorkerLimits", "WorkerReady", "encode",
 ]

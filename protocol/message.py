@@ -10,7 +10,7 @@ run after its fields decoded. `as_dict` is shallow: nested messages stay objects
 import dataclasses
 
 from .codec import ProtocolError
-from .fields import WIRE, Kind, Opt
+from .fields import WIRE, Int, Kind, Opt
 
 
 def message(cls=None, *, rid_in_errors: bool = False):
@@ -62,10 +62,15 @@ def _from_wire(cls, kinds: dict[str, Kind]):
     name, n = cls.__name__, len(kinds)
     env = {"cls": cls, "ProtocolError": ProtocolError}
     values, args = [], []
+    checks = []
     for i, (field, kind) in enumerate(kinds.items()):
         env[f"d{i}"] = _inner(kind).decoder(field)
         values.append(f"v{i},")
-        args.append(_maybe_none(kind, f"v{i}", f"d{i}(v{i})"))
+        if type(kind) is Int:   # inline: most of a per-step record's fields
+            checks.append(f"    if type(v{i}) is not int or {_below(kind, f'v{i}')}: d{i}(v{i})")
+            args.append(f"v{i}")
+        else:
+            args.append(_maybe_none(kind, f"v{i}", f"d{i}(v{i})"))
     lines = [
         "def from_wire(fields):",
         "    if type(fields) is not list:",
@@ -73,11 +78,18 @@ def _from_wire(cls, kinds: dict[str, Kind]):
         f"    if len(fields) != {n}:",
         f"        raise ProtocolError(f'{name}: expected {n} fields, got {{len(fields)}}')",
         f"    {' '.join(values)} = fields" if n else "",
+        *checks,
         f"    msg = cls({', '.join(args)})",
         "    msg.check()" if hasattr(cls, "check") else "",
         "    return msg",
     ]
     return _compile("from_wire", lines, env)
+
+
+def _below(kind: Int, value: str) -> str:
+    """Python for "`value` is below the kind's minimum" ("False" without one): the
+    field's decoder then raises the error it names."""
+    return "False" if kind.minimum is None else f"{value} < {kind.minimum!r}"
 
 
 def _naming_rid(from_wire, field: str, kind: Kind):

@@ -149,7 +149,7 @@ class WorkerLimits:
     # the decode caches' layout (runtime/kv_layout.py): positions per decode page,
     # or 0 for the padded layout; the scheduler counts `decode_cache_tokens` by it
     decode_page: int = wire(Int(minimum=0), default=0)
-    # the worker verifies draft tokens (Step.decode_drafts): it decodes in pages
+    # the worker verifies draft tokens (DecodeRow.draft): it decodes in pages
     verifies_drafts: bool = wire(Bool(), default=False)
     # what one forward of n positions costs next to one, n = 1, 2, ... (measured at
     # startup, worker_proc/verify_cost.py; empty: not measured): drafts are sized by it

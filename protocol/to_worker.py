@@ -94,67 +94,67 @@ class PrefillInput:
 
 
 @message
-class Step:
-    """One scheduler step. The worker first drops `releases`, then decodes
-    `decode_rids` (writing each one's input-token KV to its slot in
-    `decode_slot_ids`), then runs `prefills`.
+class DecodeRow:
+    """One running request's part of a Step: decode its input token, whose KV goes to
+    `slot` (with a window pool, the windowed layers' to window slot `window`).
 
-    Speculative decoding: `decode_drafts[i]` (empty: none; the list itself empty: no
-    row drafts) are tokens proposed to follow row i's input; one forward verifies
-    them, writing their KV at `draft_slot_ids[i]`, and the row's result is a run of
-    the accepted ones and one token more (StepResult.runs). `model_drafts[i]` (the
-    list empty: none) asks the worker's draft model for that many tokens instead:
-    `decode_drafts[i]` is then empty and `draft_slot_ids[i]` holds as many slots.
-    `chain_next`: the worker
-    may start the next decode before the next Step arrives (overlap); the scheduler
-    clears it when it means to send drafts next, which a chained decode cannot
-    take, or when a row's next position starts a page it could not book
-    (`chain_pages`)."""
+    Speculative decoding: `draft` holds tokens proposed to follow the input; one
+    forward verifies them, writing their KV at `draft_slots` (and `draft_windows`),
+    and the row's result is a run of the accepted ones and one token more
+    (StepResult.runs). `model_draft` asks the worker's draft model for that many
+    tokens instead: `draft` is then empty and `draft_slots` holds as many slots.
+
+    Pages: `chain_page` is the pool page the row's next position after this Step's
+    goes to where that position starts a page (0: in its input's page, or not
+    booked), so a chained decode writes it where it belongs."""
+
+    rid: int = wire(Int())
+    slot: int = wire(Int())
+    window: int = wire(Int(minimum=0), default=0)
+    draft: list[int] = wire(List(Int()), default_factory=list)
+    draft_slots: list[int] = wire(List(Int()), default_factory=list)
+    draft_windows: list[int] = wire(List(Int(minimum=0)), default_factory=list)
+    model_draft: int = wire(Int(minimum=0), default=0)
+    chain_page: int = wire(Int(minimum=0), default=0)
+
+    def check(self):
+        if self.model_draft and self.draft:
+            raise ProtocolError(f"request {self.rid}: a row's drafts come from the "
+                                "scheduler or from the worker's draft model, not both")
+        if len(self.draft_slots) != (self.model_draft or len(self.draft)):
+            raise ProtocolError(f"request {self.rid}: its draft and draft_slots differ "
+                                "in length")
+        if self.draft_windows and len(self.draft_windows) != len(self.draft_slots):
+            raise ProtocolError(f"request {self.rid}: draft_windows must align with "
+                                "draft_slots")
+
+    @property
+    def drafts(self) -> bool:
+        return bool(self.draft or self.model_draft)
+
+
+@message
+class Step:
+    """One scheduler step. The worker first drops `releases`, then decodes the
+    `decodes` (one record per running request, DecodeRow), then runs `prefills`.
+
+    `chain_next`: the worker may start the next decode before the next Step arrives
+    (overlap); the scheduler clears it when it means to send drafts next, which a
+    chained decode cannot take, or when a row's next position starts a page it
+    could not book (DecodeRow.chain_page)."""
 
     TAG = 51
     step_id: int = wire(Int())
-    decode_rids: list[int] = wire(List(Int()), default_factory=list)
-    decode_slot_ids: list[int] = wire(List(Int()), default_factory=list)
+    decodes: list[DecodeRow] = wire(List(Struct(DecodeRow)), default_factory=list)
     prefills: list[PrefillInput] = wire(List(Struct(PrefillInput)), default_factory=list)
     releases: list[int] = wire(List(Int()), default_factory=list)
-    # with a window pool: each decode row's window slot for its input token
-    decode_window_ids: list[int] = wire(List(Int(minimum=0)), default_factory=list)
-    decode_drafts: list[list[int]] = wire(List(List(Int())), default_factory=list)
-    draft_slot_ids: list[list[int]] = wire(List(List(Int())), default_factory=list)
-    chain_next: bool = wire(Bool(), default=True)
-    # with a window pool: the window slot of each draft token (as draft_slot_ids)
-    draft_window_ids: list[list[int]] = wire(List(List(Int(minimum=0))), default_factory=list)
-    model_drafts: list[int] = wire(List(Int(minimum=0)), default_factory=list)
     spills: list[Spill] = wire(List(Struct(Spill)), default_factory=list)   # disk tier
-    # pages: the pool page each decode row's next position after this step's goes
-    # to where that position starts a page (0: in its input's page, or not booked;
-    # the list empty: none), so a chained decode writes it where it belongs
-    chain_pages: list[int] = wire(List(Int(minimum=0)), default_factory=list)
+    chain_next: bool = wire(Bool(), default=True)
 
-    def check(self):
-        if len(self.decode_rids) != len(self.decode_slot_ids):
-            raise ProtocolError("decode_rids and decode_slot_ids differ in length")
-        if self.chain_pages and len(self.chain_pages) != len(self.decode_rids):
-            raise ProtocolError("decode_rids and chain_pages differ in length")
-        if self.decode_window_ids and len(self.decode_window_ids) != len(self.decode_rids):
-            raise ProtocolError("decode_rids and decode_window_ids differ in length")
-        if self.decode_drafts or self.draft_slot_ids:
-            if not (len(self.decode_drafts) == len(self.draft_slot_ids) == len(self.decode_rids)):
-                raise ProtocolError("decode_drafts and draft_slot_ids must align with "
-                                    "decode_rids")
-            wanted = self.model_drafts or [len(d) for d in self.decode_drafts]
-            if len(wanted) != len(self.decode_rids) or \
-                    wanted != [len(s) for s in self.draft_slot_ids]:
-                raise ProtocolError("each row's draft and draft slots differ in length")
-            if self.model_drafts and any(self.decode_drafts):
-                raise ProtocolError("a Step's drafts come from the scheduler or from the "
-                                    "worker's draft model, not both")
-        elif self.model_drafts:
-            raise ProtocolError("model_drafts without decode_drafts and draft_slot_ids")
-        if self.draft_window_ids and [len(w) for w in self.draft_window_ids] != \
-                [len(s) for s in self.draft_slot_ids]:
-            raise ProtocolError("draft_window_ids must align with draft_slot_ids")
+    @property
+    def decode_rids(self) -> list[int]:
+        return [row.rid for row in self.decodes]
 
     @property
     def has_drafts(self) -> bool:
-        return any(self.decode_drafts) or any(self.model_drafts)
+        return any(row.drafts for row in self.decodes)

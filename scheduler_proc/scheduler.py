@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from mlxd.protocol import (
-    REPETITION_CONTEXT, PrefillInput, Step, StepResult, TokenEntry, TokenizedRequest,
-    WorkerError,
+    REPETITION_CONTEXT, DecodeRow, PrefillInput, Step, StepResult, TokenEntry,
+    TokenizedRequest, WorkerError,
 )
 from mlxd.runtime.flags import ServerFlags
 from mlxd.runtime.kv_layout import batch_tokens, decode_cache_budget, row_width
@@ -263,10 +263,12 @@ class Scheduler:
     def schedule(self) -> Step | None:
         """The next Step, or None when there is nothing to send."""
         decoding = self._make_room_for_decode()
-        decode_slots = self.kv.extend_each(decoding)
-        decode_windows = [r.window_ids[-1] for r in decoding] if self.kv.window else []
+        rows = [DecodeRow(r.rid, slot) for r, slot in zip(decoding, self.kv.extend_each(decoding))]
+        if self.kv.window:
+            for row, req in zip(rows, decoding):
+                row.window = req.window_ids[-1]
         proposals = self.spec.proposals(decoding)
-        drafts, draft_slots, draft_windows = self._book_drafts(decoding, proposals)
+        self._book_drafts(decoding, rows, proposals)
         prefills = self._schedule_prefills(decoding)
         spills = self.kv.disk.take_spills() if self.kv.disk is not None else []
         if not (decoding or prefills or self._releases or spills):
@@ -275,39 +277,40 @@ class Scheduler:
         self._step_id += 1
         # a row with a proposal now likely has one next step: keep that Step unchained
         chain_next = not any(proposals)
-        chain_pages = []
         if chain_next and self.limits.worker_overlaps and self.limits.decode_page and decoding:
-            chain_pages = self.kv.book_next_pages(decoding)   # pages the chain writes in
-            chain_next, chain_pages = chain_pages is not None, chain_pages or []
+            pages = self.kv.book_next_pages(decoding)   # pages the chain writes in
+            chain_next = pages is not None
+            for row, page in zip(rows, pages or []):
+                row.chain_page = page
         self._chained = chain_next and self.limits.worker_overlaps
-        model_drafts = []
-        if drafts and self.spec.by_model:   # the worker's draft model fills them
-            model_drafts, drafts = [len(d) for d in drafts], [[] for _ in drafts]
-        return Step(self._step_id, [r.rid for r in decoding], decode_slots, prefills, releases,
-                    decode_windows, drafts, draft_slots, chain_next, draft_windows, model_drafts,
-                    spills, chain_pages)
+        return Step(self._step_id, rows, prefills, releases, spills, chain_next)
 
-    def _book_drafts(self, rows: list[Request], proposals: list[list[int]]) -> tuple:
-        """The Step's drafts, their slots and (with a window pool) their window slots:
-        none after a Step the worker may have chained on, none that would take slots
-        not free now (drafts evict no cached prefix) or stretch the decode caches past
-        their budget."""
+    def _book_drafts(self, reqs: list[Request], rows: list[DecodeRow],
+                     proposals: list[list[int]]) -> None:
+        """The rows' drafts, their slots and (with a window pool) their window slots
+        (the worker's draft model fills the drafts with `spec.by_model`): none after
+        a Step the worker may have chained on, none that would take slots not free
+        now (drafts evict no cached prefix) or stretch the decode caches past their
+        budget."""
         total = sum(len(p) for p in proposals)
-        room = sum(self.kv.extend_room(r, len(p)) for r, p in zip(rows, proposals) if p)
+        room = sum(self.kv.extend_room(r, len(p)) for r, p in zip(reqs, proposals) if p)
         if self._chained or not total or room > self.kv.allocator.num_free or (
                 self.kv.window and total > self.kv.windows.num_free):
-            return [], [], []
-        lengths = [len(r.slot_ids) + len(p) for r, p in zip(rows, proposals)]
+            return
+        lengths = [len(r.slot_ids) + len(p) for r, p in zip(reqs, proposals)]
         if not self._width_fits_lengths(lengths):
-            return [], [], []
-        slots, windows = [], []
-        for req, draft in zip(rows, proposals):
-            slots.append(self.kv.extend(req, len(draft)) if draft else [])
+            return
+        for req, row, draft in zip(reqs, rows, proposals):
+            if not draft:
+                continue
+            row.draft_slots = self.kv.extend(req, len(draft))
             if self.kv.window:
-                windows.append(req.window_ids[len(req.window_ids) - len(draft):])
-            if draft:
-                self.spec.sending(req, draft)
-        return proposals, slots, windows
+                row.draft_windows = req.window_ids[len(req.window_ids) - len(draft):]
+            if self.spec.by_model:   # the worker's draft model fills them
+                row.model_draft = len(draft)
+            else:
+                row.draft = draft
+            self.spec.sending(req, draft)
 
     def take_outputs(self) -> list[TokenEntry]:
         out, self._outbox = self._outbox, []

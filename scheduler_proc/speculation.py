@@ -1,6 +1,6 @@
 """Speculative decoding, the scheduler's side: which rows draft, what, and how far.
 
-A decoding row may send draft tokens with its input (Step.decode_drafts): the worker
+A decoding row may send draft tokens with its input (DecodeRow.draft): the worker
 verifies them in one forward and returns a run of the accepted ones and one token
 more. The scheduler proposes the drafts (n-gram drafts: the continuation of the
 row's longest recent n-gram match in its own prompt and output, `ngram.NgramIndex`),
@@ -197,7 +197,7 @@ class Speculation:
 
     @property
     def by_model(self) -> bool:
-        """The drafts are the worker's draft model's (Step.model_drafts)."""
+        """The drafts are the worker's draft model's (DecodeRow.model_draft)."""
         return self.config.method == "draft"
 
     def proposals(self, rows: list[Request]) -> list[list[int]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import zmq
 
 from mlxd.launcher import HTTP_PREFIX, READY_PREFIX, read_ready_addresses
-from mlxd.protocol import Decoder, ErrorReply, StreamChunk
+from mlxd.protocol import DecodeRow, Decoder, ErrorReply, StreamChunk
 from mlxd.protocol import encode as encode_message
 from mlxd.runtime.keys import connect_with_curve, server_key_for
 
@@ -354,7 +354,7 @@ class PageBooker:
 
     def book_next(self, rid: int) -> int:
         """The page a chained decode writes the request's next position in, where that
-        position starts one (the scheduler's `chain_pages`; 0: none)."""
+        position starts one (the scheduler's `DecodeRow.chain_page`; 0: none)."""
         n, own = self.length[rid], self.own[rid]
         if self.page == 1 or n % self.page or n // self.page in own:
             return 0
@@ -365,3 +365,11 @@ class PageBooker:
         """A released request starts over when it comes back (its pages stay taken)."""
         self.length.pop(rid, None)
         self.own.pop(rid, None)
+
+
+def decode_rows(rids, slots, windows=(), chain_pages=()) -> list[DecodeRow]:
+    """A Step's decode records from a driver's per-row lists (`windows`,
+    `chain_pages`: empty, none)."""
+    return [DecodeRow(rid, slot, window=windows[i] if windows else 0,
+                      chain_page=chain_pages[i] if chain_pages else 0)
+            for i, (rid, slot) in enumerate(zip(rids, slots, strict=True))]

@@ -84,7 +84,7 @@ class DecodeRows(Protocol):
         """Every row's next position has a place: a chained decode may run."""
 
     def booked(self, rid_pages: dict[int, int]) -> None:
-        """The pool pages (`Step.chain_pages`) rows' next positions start."""
+        """The pool pages (`DecodeRow.chain_page`) rows' next positions start."""
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per KV layer, keys/values `[rows, heads, dim]` the last forward wrote."""

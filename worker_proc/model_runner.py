@@ -1,9 +1,9 @@
 """ModelRunner: executes Steps on the model. MLX only; no sockets.
 
 The scheduler's slot ids are the only way KV reaches the pool: prefill KV is
-written at `new_slot_ids`, each decode step's input-token KV at
-`decode_slot_ids` (with a window pool, the windowed layers' at `new_window_ids`
-and `decode_window_ids`). The runner never derives a slot id on its own.
+written at `new_slot_ids`, each decode step's input-token KV at its row's
+`DecodeRow.slot` (with a window pool, the windowed layers' at `new_window_ids`
+and `DecodeRow.window`). The runner never derives a slot id on its own.
 """
 
 import copy
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from mlxd.protocol import PrefillInput, Step, StepResult, StepTiming
+from mlxd.protocol import DecodeRow, PrefillInput, Step, StepResult, StepTiming
 
 from . import batch_cache, thinking
 from .background import BackgroundJob
@@ -169,7 +169,7 @@ class ModelRunner:
         outputs = []
         if step.has_drafts:
             outputs.append(self._verify(step))
-        elif step.decode_rids:   # the chained decode if there is one; its released rows drop
+        elif step.decodes:   # the chained decode if there is one; its released rows drop
             launched = self.chained or self._launch_decode(self._step_slots(step))
             self.chained = None
             outputs.append(self._commit_decode(launched, step))
@@ -198,9 +198,7 @@ class ModelRunner:
 
     def _step_slots(self, step: Step) -> list[list[int]]:
         """The Step's decode slot of each row of the batch, in row order."""
-        check_decode(step, self.batch.rids, self.pool)
-        slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
-        return [[slot_of[rid]] for rid in self.batch.row_rids if rid is not None]
+        return [[row.slot] for row in check_decode(step, self.batch.rids, self.pool)]
 
     def _draft_arrays(self) -> list:
         """The draft model's writes (its pool's and its batch's), evaluated with the
@@ -315,29 +313,27 @@ class ModelRunner:
     def _commit_decode(self, launched: _Output, step: Step) -> _Output:
         """Keep the launched decode's rows the Step names (the batch's rows, after its
         releases) and store their new KV at the Step's slots (and window ids)."""
-        running = check_decode(step, self.batch.rids, self.pool)
-        slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
-        window_of = dict(zip(step.decode_rids, step.decode_window_ids))   # empty: no window pool
+        rows = check_decode(step, self.batch.rids, self.pool)
+        running = [row.rid for row in rows]
         position = {rid: i for i, rid in enumerate(launched.rids) if rid is not None}
         direct = launched.direct or [0] * len(launched.rids)
-        for rid in running:   # a chained decode wrote where the rows' pages put them
-            if direct[position[rid]] not in (0, slot_of[rid]):
-                raise SlotMismatch(f"step {step.step_id}: request {rid}'s slot "
-                                   f"{slot_of[rid]} is not where its page puts its input "
-                                   f"({direct[position[rid]]})")
+        for row in rows:   # a chained decode wrote where the rows' pages put them
+            if direct[position[row.rid]] not in (0, row.slot):
+                raise SlotMismatch(f"step {step.step_id}: request {row.rid}'s slot "
+                                   f"{row.slot} is not where its page puts its input "
+                                   f"({direct[position[row.rid]]})")
         # the inputs written to the arena only: their KV to the pool at the Step's slots
-        pending = [rid for rid in running if not direct[position[rid]]]
+        pending = [row for row in rows if not direct[position[row.rid]]]
         if pending:
-            ids = write_ids([slot_of[rid] for rid in pending],
-                            [window_of[rid] for rid in pending if window_of])
-            index = None if pending == launched.rids else \
-                mx.array([position[rid] for rid in pending])
+            ids = write_ids([row.slot for row in pending],
+                            [row.window for row in pending] if self.pool.uses_windows else [])
+            index = None if [row.rid for row in pending] == launched.rids else \
+                mx.array([position[row.rid] for row in pending])
             self.pool.write_layers(launched.new_kv, ids, index)
-        if step.chain_pages:
-            self.batch.booked(dict(zip(step.decode_rids, step.chain_pages)))
+        self.batch.booked({row.rid: row.chain_page for row in rows if row.chain_page})
         keep = None if launched.rids == running else mx.array([position[rid] for rid in running])
         if self.drafter is not None:   # the draft runs these positions when it next drafts
-            self.drafter.decoded(running, [slot_of[rid] for rid in running])
+            self.drafter.decoded(running, [row.slot for row in rows])
         if keep is None:
             return launched
         s = launched.sampled
@@ -364,30 +360,27 @@ class ModelRunner:
             raise ValueError(f"step {step.step_id} carries drafts, but " + (
                 "the decode after the step before was chained (chain_next)"
                 if self.chained is not None else "this worker verifies none"))
-        if step.model_drafts and self.drafter is None:
+        if any(row.model_draft for row in step.decodes) and self.drafter is None:
             raise ValueError(f"step {step.step_id} asks for a draft model's drafts, but "
                              "this worker holds no draft model")
-        running = check_decode(step, self.batch.rids, self.pool)
+        decodes = check_decode(step, self.batch.rids, self.pool)
         check_drafts(step, self.pool, self.vocab_size)
+        running = [d.rid for d in decodes]
         rows = self.batch.rows
-        if step.model_drafts:   # the draft model's, as many as the Step asks of each row
-            count_of = dict(zip(step.decode_rids, step.model_drafts))
-            slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
-            drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
+        if any(d.model_draft for d in decodes):   # the draft model's, as many as asked
             proposal = self.drafter.propose(
-                running, rows, [count_of[rid] for rid in running],
-                [slot_of[rid] for rid in running], [drafts_at[rid] for rid in running])
+                running, rows, [d.model_draft for d in decodes], [d.slot for d in decodes],
+                [d.draft_slots for d in decodes])
             asked = proposal.drafts
         else:
-            proposal, draft_of = None, dict(zip(step.decode_rids, step.decode_drafts))
-            asked = [draft_of[rid] for rid in running]
+            proposal, asked = None, [d.draft for d in decodes]
         drafts = [_draft_for(row, d) for row, d in zip(rows, asked)]
         masks = self.grammars.start_draft_masks(rows, drafts) if self.grammars else None
-        slots = self._verify_slots(step, running, drafts)
+        slots = [[d.slot] + d.draft_slots[:len(draft)] for d, draft in zip(decodes, drafts)]
         logits = self.batch.forward(self.model, drafts, slots)
         positions = [p for row, d in zip(rows, drafts) for p in _positions(row, d)]
         sampled = self._sample(logits, positions, masks=masks, probs=proposal is not None)
-        self._write_verified(step, running, drafts, slots)
+        self._write_verified(decodes, drafts, slots)
         mx.eval(sampled.tokens, sampled.logprobs)
         chosen, starts = sampled.tokens.tolist(), _starts(drafts)
         tokens = [chosen[at:at + _agreed(d, chosen[at:at + len(d) + 1]) + 1]
@@ -426,14 +419,7 @@ class ModelRunner:
             None if s.top_logprobs is None else s.top_logprobs[index]),
             runs=[len(run) for run in tokens])
 
-    @staticmethod
-    def _verify_slots(step: Step, running: list[int], drafts: list[list[int]]) -> list[list[int]]:
-        """Each row's slots of a verify's positions: its input's, then its draft's."""
-        slot_of = dict(zip(step.decode_rids, step.decode_slot_ids))
-        drafts_at = dict(zip(step.decode_rids, step.draft_slot_ids))
-        return [[slot_of[rid]] + drafts_at[rid][:len(d)] for rid, d in zip(running, drafts)]
-
-    def _write_verified(self, step: Step, running: list[int], drafts: list[list[int]],
+    def _write_verified(self, decodes: list[DecodeRow], drafts: list[list[int]],
                         row_slots: list[list[int]]) -> None:
         """Every verified position's KV to the pool, at the Step's slots, where the
         forward did not write it there itself (the scheduler frees the rejected
@@ -442,10 +428,8 @@ class ModelRunner:
         direct = self.batch.direct
         windows = []
         if self.pool.uses_windows:   # the windowed layers' KV goes to the window pool
-            window_of = dict(zip(step.decode_rids, step.decode_window_ids))
-            draft_windows = dict(zip(step.decode_rids, step.draft_window_ids))
-            windows = [w for rid, d in zip(running, drafts)
-                       for w in [window_of[rid]] + draft_windows[rid][:len(d)]]
+            windows = [w for row, d in zip(decodes, drafts)
+                       for w in [row.window] + row.draft_windows[:len(d)]]
         pending = [k for k, d in enumerate(direct) if not d]
         if not pending:
             return

@@ -242,7 +242,7 @@ class PagedDecodeBatch:
     # ---- where new positions go --------------------------------------------
 
     def booked(self, rid_pages: dict[int, int]) -> None:
-        """The pool pages (the Step's `chain_pages`) rows' next positions start: their
+        """The pool pages (the rows' `DecodeRow.chain_page`) next positions start: their
         tables take them, so a chained decode writes there."""
         if self.pool is None:   # the rows' pages are the arena's, taken as they fill
             return

@@ -6,37 +6,38 @@ would corrupt the pool or crash MLX: ids out of range, a decode set that is not 
 running set, a prefix without the window KV or the state it ends at, token ids the
 model cannot embed (MLX does no bounds check on embedding lookups)."""
 
-from mlxd.protocol import PrefillInput, Step
+from mlxd.protocol import DecodeRow, PrefillInput, Step
 
 from .kv_pool import KVPool
 
 
-def check_decode(step: Step, running: list[int], pool: KVPool) -> list[int]:
-    """The running rids (`running`, in row order), once the Step's decode set is
-    theirs and its slot and window ids are the pool's."""
-    if len(set(step.decode_rids)) != len(step.decode_rids) or \
-            set(step.decode_rids) != set(running):
-        raise ValueError(f"decode rids {sorted(step.decode_rids)} do not match the "
+def check_decode(step: Step, running: list[int], pool: KVPool) -> list[DecodeRow]:
+    """The Step's decode rows in the order of `running` (the batch's rows), once
+    they are the running requests' and their slot, page and window ids the pool's."""
+    rids = step.decode_rids
+    if len(set(rids)) != len(rids) or set(rids) != set(running):
+        raise ValueError(f"decode rids {sorted(rids)} do not match the "
                          f"running requests {sorted(running)}")
-    pool.check_slots(step.decode_slot_ids)
-    pool.check_slots([q * pool.page for q in step.chain_pages if q])   # whole pool pages
-    pool.check_window_ids(step.decode_window_ids)
-    if pool.uses_windows and len(step.decode_window_ids) != len(step.decode_rids):
-        raise ValueError("decode_window_ids must name a window id per decoded request")
-    return running
+    rows = step.decodes
+    pool.check_slots([r.slot for r in rows])
+    pool.check_slots([r.chain_page * pool.page for r in rows if r.chain_page])   # whole pages
+    pool.check_window_ids([r.window for r in rows if r.window])
+    if pool.uses_windows and not all(r.window for r in rows):
+        raise ValueError("decode rows must name a window id per decoded request")
+    row_of = {r.rid: r for r in rows}
+    return [row_of[rid] for rid in running]
 
 
 def check_drafts(step: Step, pool: KVPool, vocab_size: int) -> None:
     """Draft tokens the model can embed, at slots (and, with a window pool, window
     slots, one per draft token) the pool holds."""
-    for draft, slots in zip(step.decode_drafts, step.draft_slot_ids):
-        if not _in_range(draft, vocab_size):
+    for row in step.decodes:
+        if not _in_range(row.draft, vocab_size):
             raise ValueError(f"step {step.step_id}: a draft token outside [0, {vocab_size})")
-        pool.check_slots(slots)
-    if pool.uses_windows and len(step.draft_window_ids) != len(step.decode_rids):
-        raise ValueError("draft_window_ids must name the window slots of every draft")
-    for windows in step.draft_window_ids:
-        pool.check_window_ids(windows)
+        pool.check_slots(row.draft_slots)
+        if pool.uses_windows and len(row.draft_windows) != len(row.draft_slots):
+            raise ValueError("draft_windows must name the window slots of every draft")
+        pool.check_window_ids(row.draft_windows)
 
 
 def check_prefills(prefills: list[PrefillInput], running: list[int], pool: KVPool,

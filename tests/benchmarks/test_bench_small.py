@@ -26,12 +26,15 @@ def test_blas_speed_bench_reports_a_rate(llama_model):
 
 def test_capacity_bench_reports_the_pools_share_of_the_memory(llama_model, tmp_path):
     """In pages the pool is the split's one KV term: nearly all the memory left after
-    the weights and the activation reserve holds KV (the ceiling raised out of the way)."""
+    the weights and the activation reserve holds KV (the ceiling raised out of the way);
+    three concurrent requests then run, all of them at once, none retracted."""
     out = subprocess.run([sys.executable, "-m", "bench.capacity", "--model", llama_model,
                           "--limits", "0.6", "--kv-bits", "0", "--json", str(tmp_path / "c.json"),
-                          "--server-args", "--max-running-requests 512"],
+                          "--server-args", "--max-running-requests 512", "--chats", "3",
+                          "--chat-tokens", "40", "--max-tokens", "100"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     (row,) = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert row["kv_bits"] == 0 and row["kv_capacity"] % 64 == 0
     assert 0.9 <= row["share"] <= 1.0, row
+    assert row["chats"] == 3 and row["retractions"] == 0 and row["all_at_once"], row

@@ -29,7 +29,7 @@ import zmq
 
 from mlxd import Client, MlxdError
 from mlxd.protocol import (
-    Decoder, GenerateRequest, PrefillInput, SamplingParams, Step, StepResult, TokenBatch,
+    DecodeRow, Decoder, GenerateRequest, PrefillInput, SamplingParams, Step, StepResult, TokenBatch,
     WorkerError, WorkerReady, encode,
 )
 from mlxd.runtime.keys import KeyPair, read_secret_key
@@ -89,13 +89,13 @@ class TcpWorker(ProcHarness):
         request a fuzzer left), its prefill and a decode in time."""
         assert self.proc.poll() is None, self.log()
         self.settle()
-        self.steps.send(encode(Step(next(self.step_ids), [-12345], [1])))
+        self.steps.send(encode(Step(next(self.step_ids), [DecodeRow(-12345, 1)])))
         assert isinstance(self._recv(self.results, self.decoder, "the reset"), WorkerError)
         rid, ids = 7, [5, 6, 7, 8, 9]
         prefill = PrefillInput(rid, ids, [], [next(self.slots) for _ in ids], SamplingParams())
         started = time.monotonic()
         for step in (Step(next(self.step_ids), prefills=[prefill]),
-                     Step(next(self.step_ids), [rid], [next(self.slots)]),
+                     Step(next(self.step_ids), [DecodeRow(rid, next(self.slots))]),
                      Step(next(self.step_ids), releases=[rid])):
             self.steps.send(encode(step))
             reply = self._recv(self.results, self.decoder, f"step {step.step_id}")
@@ -148,7 +148,7 @@ def test_peers_without_the_key_are_never_read(worker):
     stranger.connect(worker.address)
     try:
         try:
-            stranger.send(encode(Step(10**9, [12345], [1])), zmq.NOBLOCK)
+            stranger.send(encode(Step(10**9, [DecodeRow(12345, 1)])), zmq.NOBLOCK)
         except zmq.Again:   # never admitted: nothing to send to
             pass
         assert wait_until(lambda: worker.lines("refused a connection to the Step socket"), 15)

@@ -40,8 +40,8 @@ def example_wire(cls) -> list:
         fields["runs"] = [1, 1]
     if "run" in fields and "slot_ids" in fields:   # a spill's run is as long as its tokens
         fields["run"][2] = 2
-    if "model_drafts" in fields:   # drafts come from the worker's draft model: none sent
-        fields["model_drafts"], fields["decode_drafts"] = [2, 2], [[], []]
+    if "model_draft" in fields:   # a DecodeRow's drafts come from the worker's draft
+        fields["model_draft"], fields["draft"] = 2, []   # model (two, as its slots): none sent
     return list(fields.values())
 
 

@@ -9,7 +9,7 @@ import pytest
 from mlxd import protocol
 from mlxd.protocol import (
     Abort, AbortRequest, Decoder, ErrorReply, GenerateRequest, GetStats, ModelControl,
-    EngineUnresponsive, ModelLoadFailed, Pin, PrefillInput,
+    DecodeRow, EngineUnresponsive, ModelLoadFailed, Pin, PrefillInput,
     ProtocolError, Ready, SamplingParams, SchedulerReady, Stats, StatsReply, StatsRequest,
     Step, StepResult, StepTiming, StreamChunk, TokenBatch, TokenEntry, TokenizedRequest,
     Usage, WorkerError, WorkerLimits, WorkerReady, encode,
@@ -79,16 +79,18 @@ SAMPLES = [
     TokenBatch([], cache_stored=[2**63 - 1], disk_reset=True, disk_stored=[5, 2**40],
                disk_removed=[7]),
     Step(1),
-    Step(7, decode_rids=[1, 2], decode_slot_ids=[30, 31], prefills=[PREFILL],
+    Step(7, decodes=[DecodeRow(1, 30), DecodeRow(2, 31)], prefills=[PREFILL],
          releases=[4, 5]),
     Step(8, prefills=[PREFILL, RESUMED, PrefillInput(5, [1], [7], [8], SamplingParams())]),
-    Step(9, decode_rids=[1], decode_slot_ids=[30], decode_window_ids=[3],
+    Step(9, decodes=[DecodeRow(1, 30, window=3)],
          prefills=[PrefillInput(5, [1, 2], [7], [8, 9], SamplingParams(),
                                 prefix_window_ids=[4], new_window_ids=[0, 5])]),
     StepResult(1, [], [], []),
     StepResult(3, [1, 2], [5, 6, 7, 8], [-0.25, -1.0, -0.5, -3.5], runs=[3, 1]),
-    Step(10, decode_rids=[1, 2], decode_slot_ids=[30, 31], decode_drafts=[[5, 6], []],
-         draft_slot_ids=[[32, 33], []], chain_next=False),
+    Step(10, decodes=[DecodeRow(1, 30, draft=[5, 6], draft_slots=[32, 33]), DecodeRow(2, 31)],
+         chain_next=False),
+    Step(11, decodes=[DecodeRow(1, 30, window=3, draft_slots=[32, 33], draft_windows=[4, 5],
+                                model_draft=2, chain_page=7), DecodeRow(2, 31, chain_page=0)]),
     StepResult(2, [1, 2], [5, 6], [-0.25, -3.5], top_logprobs=[None, [[6, 5], [-3.5, -4.0]]],
                timing=StepTiming(compute_ms=1.5)),
     StepResult(3, [4], [5], [-0.5], timing=TIMING),
@@ -125,7 +127,7 @@ def test_decoder_with_all_classes_round_trips_everything():
 
 
 NESTED = [SAMPLING, SamplingParams(), PREFILL, RESUMED, ENTRY, LIMITS, TIMING, StepTiming(),
-          Usage(0, 0, 0)]
+          Usage(0, 0, 0), DecodeRow(1, 30), DecodeRow(1, 30, 3, [5], [32], [4], 0, 9)]
 
 
 @pytest.mark.parametrize("nested", NESTED, ids=ids(NESTED))
@@ -160,7 +162,7 @@ def test_empty_decoder_rejects_everything():
 @pytest.mark.parametrize("frame", [
     b"", b"\xc1", b"\x92", b"\xdc\xff\xff", b"\xd9\x05ab", b"\xa2\xff\xfe",
     encode(Abort(1)) + b"\x00",            # trailing bytes after a valid frame
-    encode(Step(1, [1], [2]))[:-1],        # truncated frame
+    encode(Step(1, [DecodeRow(1, 2)]))[:-1],   # truncated frame
 ], ids=["empty", "never-used-byte", "short-array", "truncated-array16", "truncated-str",
         "invalid-utf8", "extra-data", "truncated-frame"])
 def test_garbage_bytes(frame):
@@ -239,6 +241,17 @@ def good_sampling():
 def good_prefill():
     return [3, [5, 6], [], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0, [], [],
             [], 0, 0, 0]
+
+
+def good_row():
+    """One DecodeRow's fields: rid, slot, window, draft, draft_slots, draft_windows,
+    model_draft, chain_page."""
+    return [1, 2, 0, [], [], [], 0, 0]
+
+
+def good_step(decodes=(), prefills=(), chain_next=True) -> list:
+    """A Step's fields: step_id, decodes, prefills, releases, spills, chain_next."""
+    return [1, list(decodes), list(prefills), [], [], chain_next]
 
 
 def good_entry():
@@ -352,35 +365,52 @@ WRONG_TYPES = [
     (TokenBatch, good_batch(), 1, 0),
     (TokenBatch, good_batch(), 2, [1.5]),
     (TokenBatch, good_batch(), 3, ["x"]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 0, "1"),
-    # chain_pages: page ids (>= 0), one per decode row
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], [0]], 12, [-1]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], [0]], 12, ["3"]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], [0]], 12, 3),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], [0]], 12, [1, 2]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 0, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 1, [True]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 1, "1"),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 2, [2.0]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [None]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [good_prefill()[:6]]),        # the old 6-field form
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [good_prefill() + [0]]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 0, "3")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 1, "ab")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 2, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 3, [10, "11"])]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 4, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 5, 1)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 5, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, -1)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, 1.0)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, True)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, None)]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, "2")]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 3, [replace(good_prefill(), 6, [2])]),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 4, None),
-    (Step, [1, [1], [2], [], [], [], [], [], True, [], [], [], []], 4, [1.0]),
+    (Step, good_step([good_row()]), 0, "1"),
+    # a row's chain_page: one page id (>= 0) per decode row
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, -1)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, "3")]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, [3])]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, [1, 2])]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, None)]),
+    (Step, good_step([good_row()]), 0, None),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 0, True)]),
+    (Step, good_step([good_row()]), 1, "1"),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 1, 2.0)]),
+    (Step, good_step([good_row()]), 2, None),
+    (Step, good_step([good_row()]), 2, [None]),
+    (Step, good_step([good_row()]), 2, [good_prefill()[:6]]),        # the old 6-field form
+    (Step, good_step([good_row()]), 2, [good_prefill() + [0]]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 0, "3")]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 1, "ab")]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 2, None)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 3, [10, "11"])]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 4, None)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 5, 1)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 5, None)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 6, -1)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 6, 1.0)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 6, True)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 6, None)]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 6, "2")]),
+    (Step, good_step([good_row()]), 2, [replace(good_prefill(), 6, [2])]),
+    (Step, good_step([good_row()]), 3, None),
+    (Step, good_step([good_row()]), 3, [1.0]),
+    # a DecodeRow's other fields, and rows of the wrong shape
+    (Step, good_step([good_row()]), 1, [good_row()[:7]]),
+    (Step, good_step([good_row()]), 1, [good_row() + [0]]),
+    (Step, good_step([good_row()]), 1, [None]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 1, None)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 2, -1)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 2, [3])]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 3, [1.5])]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 3, 5)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 4, None)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 5, [-1])]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, -1)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, True)]),
+    (Step, good_step([good_row()]), 4, None),
+    (Step, good_step([good_row()]), 5, None),
+    (Step, good_step([good_row()]), 5, 1),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 0, 1.0),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 1, "1"),
     (StepResult, [1, [1], [2], [-0.5], None, good_timing(), [], [], []], 1, [None]),
@@ -404,7 +434,7 @@ SAMPLING_FIELD_BAD = [(0, "0.5"), (0, None), (0, True), (1, None), (1, [1.0]), (
                       (4, True), (5, 1.0), (5, None), (5, True), (12, 7), (12, ["g"])]
 WRONG_TYPES += [(TokenizedRequest, [1, [1], good_sampling(), 4, [], [], [], 0], 2,
                  replace(good_sampling(), i, v)) for i, v in SAMPLING_FIELD_BAD]
-WRONG_TYPES += [(Step, [1, [], [], [good_prefill()], [], [], [], [], True, [], [], [], []], 3,
+WRONG_TYPES += [(Step, good_step(prefills=[good_prefill()]), 2,
                  [replace(good_prefill(), 4, replace(good_sampling(), i, v))])
                 for i, v in SAMPLING_FIELD_BAD]
 # the worker's step timing: figures of the wrong type are refused, not left out
@@ -452,38 +482,59 @@ def test_misaligned_step_result(fields):
         decode_as(StepResult, [StepResult.TAG, *fields])
 
 
+def wire_row(rid, slot, window=0, draft=(), slots=(), windows=(), model_draft=0, page=0):
+    """A DecodeRow's wire fields."""
+    return [rid, slot, window, list(draft), list(slots), list(windows), model_draft, page]
+
+
 @pytest.mark.parametrize("drafts,slots", [
-    ([[5]], [[]]), ([[5], []], [[9], []]), ([[5, 6]], [[9]]), ([], [[9]]),
+    ([5], []),            # a draft without its slot
+    ([5], [9, 10]),       # more slots than drafts
+    ([5, 6], [9]),        # fewer slots than drafts
+    ([], [9]),            # slots without drafts
 ])
-def test_drafts_must_align_with_their_slots_and_rows(drafts, slots):
-    """(and draft window ids with the slots: test_draft_window_ids_align_with_slots)"""
+def test_drafts_must_align_with_their_slots(drafts, slots):
+    """Each row's draft and draft_slots, one for one (and draft window ids with the
+    slots: test_draft_window_ids_align_with_slots). Rows can no longer disagree with
+    one another in count: each row carries its own."""
     with pytest.raises(ProtocolError, match="draft"):
-        decode_as(Step, [Step.TAG, 1, [1], [2], [], [], [], drafts, slots, False, [], [], [], []])
+        decode_as(Step, [Step.TAG, *good_step([wire_row(1, 2, draft=drafts, slots=slots)],
+                                              chain_next=False)])
 
 
-@pytest.mark.parametrize("drafts,slots,counts", [
-    ([[], []], [[9], []], [2, 0]),        # a count without as many slots
-    ([[], []], [[9, 10], []], [2]),       # a count per row
-    ([[5], []], [[9], []], [1, 0]),       # drafts from both sides
-    ([], [], [1, 0]),                     # counts without slots
+@pytest.mark.parametrize("rows", [
+    [wire_row(1, 2, slots=[9], model_draft=2), wire_row(2, 3)],   # a count without as many slots
+    [wire_row(1, 2, slots=[9, 10], model_draft=2),
+     wire_row(2, 3, model_draft=1)],                               # each row's count its slots
+    [wire_row(1, 2, draft=[5], slots=[9], model_draft=1),
+     wire_row(2, 3)],                                              # drafts from both sides
+    [wire_row(1, 2, model_draft=1), wire_row(2, 3)],               # a count without slots
 ])
-def test_model_drafts_align_with_their_slots_and_rows(drafts, slots, counts):
+def test_model_drafts_align_with_their_slots(rows):
     with pytest.raises(ProtocolError, match="draft"):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [], drafts, slots, False, [],
-                         counts, [], []])
+        decode_as(Step, [Step.TAG, *good_step(rows, chain_next=False)])
 
 
 def test_model_drafts_with_their_slots_are_accepted():
-    step = decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [], [[], []],
-                            [[9, 10], []], False, [], [2, 0], [], []])
-    assert step.has_drafts and step.model_drafts == [2, 0]
+    step = decode_as(Step, [Step.TAG, *good_step(
+        [wire_row(1, 2, slots=[9, 10], model_draft=2), wire_row(2, 3)], chain_next=False)])
+    assert step.has_drafts and [row.model_draft for row in step.decodes] == [2, 0]
+    assert [row.drafts for row in step.decodes] == [True, False]
+    assert step.decode_rids == [1, 2]
 
 
-@pytest.mark.parametrize("windows", [[[4]], [[4, 5, 6], []], [[], [6]]])
+@pytest.mark.parametrize("windows", [[[4], []], [[4, 5, 6], []], [[], [6]]])
 def test_draft_window_ids_align_with_slots(windows):
-    with pytest.raises(ProtocolError, match="draft_window_ids"):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [2, 3], [], [], [1, 1], [[5, 6], []],
-                         [[9, 10], []], False, windows, [], [], []])
+    rows = [wire_row(1, 2, 1, [5, 6], [9, 10], windows[0]), wire_row(2, 3, 1, [], [], windows[1])]
+    with pytest.raises(ProtocolError, match="draft_windows"):
+        decode_as(Step, [Step.TAG, *good_step(rows, chain_next=False)])
+
+
+def test_draft_window_ids_with_their_slots_are_accepted():
+    rows = [wire_row(1, 2, 1, [5, 6], [9, 10], [4, 5]), wire_row(2, 3, 1)]
+    step = decode_as(Step, [Step.TAG, *good_step(rows, chain_next=False)])
+    assert [row.draft_windows for row in step.decodes] == [[4, 5], []]
+    assert step.has_drafts and step.to_wire()[1] == rows
 
 
 def test_aligned_step_result_with_top_logprobs_is_accepted():
@@ -499,7 +550,7 @@ def test_prefill_lengths_must_match(input_ids, new_slot_ids):
     prefill = [3, input_ids, [], new_slot_ids, good_sampling(), True, 0, [], [], [], 0, 0, 0,
                [], [], [], 0, 0, 0]
     with pytest.raises(ProtocolError, match="equal length"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
+        decode_as(Step, [Step.TAG, *good_step(prefills=[prefill])])
 
 
 @pytest.mark.parametrize("prefix_windows,new_windows", [
@@ -509,18 +560,24 @@ def test_prefill_window_ids_must_match_slot_ids(prefix_windows, new_windows):
     prefill = [3, [5, 6], [9], [10, 11], good_sampling(), True, 0, [], [], [], 0, 0, 0,
                prefix_windows, new_windows, [], 0, 0, 0]
     with pytest.raises(ProtocolError, match="window ids"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
+        decode_as(Step, [Step.TAG, *good_step(prefills=[prefill])])
 
 
-def test_decode_window_ids_must_match_rows():
-    with pytest.raises(ProtocolError, match="decode_window_ids"):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [5, 6], [], [], [7], [], [], True, [], [], [], []])
+def test_a_decode_rows_window_is_one_window_id():
+    """(Each row carries its own window id, so rows and window ids can no longer
+    differ in count; what is left to check is each row's: one id, >= 0.)"""
+    step = decode_as(Step, [Step.TAG, *good_step([wire_row(1, 5, 7), wire_row(2, 6)])])
+    assert [row.window for row in step.decodes] == [7, 0]
+    with pytest.raises(ProtocolError, match="window"):
+        decode_as(Step, [Step.TAG, *good_step([wire_row(1, 5, 7), wire_row(2, 6, -1)])])
+    with pytest.raises(ProtocolError, match="window"):
+        decode_as(Step, [Step.TAG, *good_step([wire_row(1, 5, [7]), wire_row(2, 6)])])
 
 
 @pytest.mark.parametrize("num_generated", [0, 1, 7, 2**31, 2**63 - 1])
 def test_prefill_num_generated_in_range_is_accepted(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
+    step = decode_as(Step, [Step.TAG, *good_step(prefills=[prefill])])
     assert step.prefills[0].num_generated == num_generated
     assert step.prefills[0].to_wire() == prefill
 
@@ -536,14 +593,22 @@ def test_prefill_num_generated_defaults_to_zero_followed_by_the_sampling_context
 def test_prefill_negative_num_generated_is_rejected(num_generated):
     prefill = replace(good_prefill(), 6, num_generated)
     with pytest.raises(ProtocolError, match="num_generated"):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
+        decode_as(Step, [Step.TAG, *good_step(prefills=[prefill])])
 
 
-def test_step_decode_rids_and_slots_must_match():
+def test_step_decode_rows_need_a_rid_and_a_slot():
+    """(Rids and slots are one record per row now, so they cannot differ in count;
+    a row missing its slot or its rid is what remains to refuse.)"""
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [1, 2], [10], [], [], [], [], [], True, [], [], [], []])
+        decode_as(Step, [Step.TAG, *good_step([wire_row(1, 10), wire_row(2, 11)[:1]])])
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [], [10], [], [], [], [], [], True, [], [], [], []])
+        decode_as(Step, [Step.TAG, *good_step([wire_row(1, 10)[1:]])])
+    with pytest.raises(ProtocolError):
+        decode_as(Step, [Step.TAG, *good_step([wire_row(1, None)])])
+    with pytest.raises(ProtocolError):
+        decode_as(Step, [Step.TAG, *good_step([wire_row(None, 10)])])
+    step = decode_as(Step, [Step.TAG, *good_step([wire_row(1, 10), wire_row(2, 11)])])
+    assert step.decode_rids == [1, 2] and [row.slot for row in step.decodes] == [10, 11]
 
 
 def test_unknown_finish_reason():
@@ -564,7 +629,7 @@ def test_out_of_range_sampling_params(index, value):
                   [30, 1, [1], replace(good_sampling(), index, value), 4, [], []])
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
     with pytest.raises(ProtocolError):
-        decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
+        decode_as(Step, [Step.TAG, *good_step(prefills=[prefill])])
 
 
 @pytest.mark.parametrize("index,value", [
@@ -576,7 +641,7 @@ def test_in_range_sampling_params_are_accepted(index, value):
                     [30, 1, [1], replace(good_sampling(), index, value), 4, [], [], [], 0])
     assert msg.sampling.to_wire()[index] == value
     prefill = replace(good_prefill(), 4, replace(good_sampling(), index, value))
-    step = decode_as(Step, [Step.TAG, 1, [], [], [prefill], [], [], [], [], True, [], [], [], []])
+    step = decode_as(Step, [Step.TAG, *good_step(prefills=[prefill])])
     assert step.prefills[0].sampling.to_wire()[index] == value
 
 

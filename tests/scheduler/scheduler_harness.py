@@ -2,7 +2,7 @@
 
 The Harness checks every Step twice:
   * against the scheduler's books, right after `schedule()`: slots handed out as
-    new_slot_ids / decode_slot_ids were free (held by no running request and not in the
+    new_slot_ids / decode rows' slots were free (held by no running request and not in the
     radix tree), prefix_slot_ids are cached in the tree (or, without the tree, a chunked
     request's own earlier chunks), budgets and bounds hold;
   * as the worker would run it, in `answer()`: releases name rids the worker holds, the
@@ -133,9 +133,11 @@ class Harness:
         self.batch.clear()                         # the worker drops every request's state
         self.ctx.clear()
         self.hashes.clear()
-        for slot in step.decode_slot_ids + [s for p in step.prefills for s in p.new_slot_ids]:
+        for slot in [row.slot for row in step.decodes] + \
+                [s for p in step.prefills for s in p.new_slot_ids]:
             self.pool[slot] = ("half-written",)
-        for slot in step.decode_window_ids + [w for p in step.prefills for w in p.new_window_ids]:
+        for slot in [row.window for row in step.decodes if row.window] + \
+                [w for p in step.prefills for w in p.new_window_ids]:
             self.wpool[slot] = ("half-written",)
         self._after()
 
@@ -200,7 +202,8 @@ class Harness:
     def _check_books(self, step: Step, before: dict[int, set[int]]):
         s, running = self.s, self.s.running
         assert step.step_id == len(self.steps) + 1
-        assert len(step.decode_rids) == len(step.decode_slot_ids)
+        for row in step.decodes:   # each row keeps its wire rules (draft vs draft slots)
+            row.check()
         assert len(set(step.decode_rids)) == len(step.decode_rids)
         for rid in before:
             if rid not in running and rid in (r.rid for r in s.waiting):
@@ -211,10 +214,10 @@ class Harness:
         assert len(running) <= s.limits.max_running_requests
         tree = self.tree_slots
         private = {slot: r.rid for r in running.values() for slot in r.slot_ids[r.prefix_len:]}
-        handed = list(step.decode_slot_ids)
-        for rid, slot in zip(step.decode_rids, step.decode_slot_ids):
-            req = running[rid]
-            assert not req.prefilling and req.slot_ids[-1] == slot
+        handed = [row.slot for row in step.decodes]
+        for row in step.decodes:
+            req = running[row.rid]
+            assert not req.prefilling and req.slot_ids[-1] == row.slot
         total = 0
         for p in step.prefills:
             req = running[p.rid]
@@ -252,13 +255,12 @@ class Harness:
     def _check_window_books(self, step: Step, before: dict[int, set[int]]):
         kv, running = self.s.kv, self.s.running
         if not kv.window:
-            assert not step.decode_window_ids
+            assert all(row.window == 0 for row in step.decodes)
             assert all(not p.prefix_window_ids and not p.new_window_ids for p in step.prefills)
             return
-        assert len(step.decode_window_ids) == len(step.decode_rids)
-        handed = list(step.decode_window_ids)
-        for rid, w in zip(step.decode_rids, step.decode_window_ids):
-            assert w and running[rid].window_ids[-1] == w
+        handed = [row.window for row in step.decodes]
+        for row in step.decodes:
+            assert row.window and running[row.rid].window_ids[-1] == row.window
         for p in step.prefills:
             req = running[p.rid]
             assert len(p.prefix_window_ids) == len(p.prefix_slot_ids)
@@ -292,10 +294,10 @@ class Harness:
             # chunked request, or it was aborted while this step was in flight
             assert self.s.chunking is self.s.running.get(rid) or rid not in self.s.running
         rids, tokens = [], []
-        windows = step.decode_window_ids or [0] * len(step.decode_rids)
-        for rid, slot, window in zip(step.decode_rids, step.decode_slot_ids, windows):
-            self._write(rid, [self.batch[rid]], [slot])
-            self._write_window(rid, [window])
+        for row in step.decodes:
+            rid = row.rid
+            self._write(rid, [self.batch[rid]], [row.slot])
+            self._write_window(rid, [row.window])
             rids.append(rid)
             tokens.append(self.token_fn(rid, len(self.ctx[rid])))
         for p in step.prefills:

@@ -169,7 +169,7 @@ def test_a_request_using_the_whole_kv_cache():
     h.add(make_request(1, n=4, max_new=21))      # 4 + 20 decodes == capacity
     h.run_until_idle()
     assert len(h.output(1)) == 21 and h.final[1].finish_reason == "length"
-    assert max(len(s.decode_slot_ids) for s in h.steps) == 1
+    assert max(len(s.decodes) for s in h.steps) == 1
     assert h.s.kv.allocator.num_free == 0 and h.s.kv.tree.evictable_size == 24
     h.assert_idle()
 

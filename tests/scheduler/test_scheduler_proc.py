@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from mlxd.protocol import (
-    Abort, Decoder, GetStats, Ready, SamplingParams, SchedulerReady, Stats, Step, StepResult,
+    Abort, DecodeRow, Decoder, GetStats, Ready, SamplingParams, SchedulerReady, Stats, Step, StepResult,
     StepTiming, TokenBatch, TokenEntry, TokenizedRequest, Usage, WorkerError, WorkerLimits,
     WorkerReady, encode,
 )
@@ -200,9 +200,9 @@ def check_step_slots(h: Harness, steps: list[Step]) -> None:
         for p in s.prefills:
             check_slots(h, p.new_slot_ids, held)
             by_rid.setdefault(p.rid, []).extend(p.new_slot_ids)
-        check_slots(h, s.decode_slot_ids, held)
-        for rid, slot in zip(s.decode_rids, s.decode_slot_ids):
-            by_rid.setdefault(rid, []).append(slot)
+        check_slots(h, [row.slot for row in s.decodes], held)
+        for row in s.decodes:
+            by_rid.setdefault(row.rid, []).append(row.slot)
 
 
 def check_slots(h: Harness, slots: list[int], used: set[int]) -> None:
@@ -261,7 +261,7 @@ def test_request_prefill_decode_and_length_stop(sched):
     used: set[int] = set()
 
     s1 = sched.step()
-    assert s1.decode_rids == [] and s1.decode_slot_ids == [] and s1.releases == []
+    assert s1.decode_rids == [] and s1.decodes == [] and s1.releases == []
     [p] = s1.prefills
     assert p.rid == 1 and p.input_ids == [5, 6, 7] and p.prefix_slot_ids == []
     assert p.sampling == sampling and p.needs_logits
@@ -279,7 +279,7 @@ def test_request_prefill_decode_and_length_stop(sched):
         assert step.step_id > last_step
         last_step = step.step_id
         assert step.decode_rids == [1] and not step.prefills and not step.releases
-        check_slots(sched, step.decode_slot_ids, used)
+        check_slots(sched, [row.slot for row in step.decodes], used)
         sched.answer(step, {1: token})
         [entry] = sched.batch().entries
         assert entry.rid == 1 and entry.token_ids == [token]
@@ -324,7 +324,7 @@ def test_two_requests_share_decode_steps(sched):
     shared = [s for s in out["steps"] if sorted(s.decode_rids) == [1, 2]]
     assert len(shared) >= 2, [s.decode_rids for s in out["steps"]]
     for s in shared:
-        assert len(s.decode_slot_ids) == 2
+        assert len({row.slot for row in s.decodes}) == 2   # a slot each
     # one TokenBatch per answered step, and it carried every request of that step
     assert len(out["batches"]) == len(out["steps"])
     assert any(len(b.entries) == 2 for b in out["batches"])
@@ -682,7 +682,7 @@ BAD_REQUEST_FRAMES = [
     msgpack.packb([31]),
     msgpack.packb([31, "1"]),
     msgpack.packb([31, 1, 2]),
-    encode(Step(1, [1], [1])),                                  # right codec, wrong socket
+    encode(Step(1, [DecodeRow(1, 1)])),                         # right codec, wrong socket
     encode(StepResult(1, [1], [2], [0.0])),
     encode(Ready("tokenizer", "tcp://127.0.0.1:1")),
     encode(WorkerReady(worker_limits())),

@@ -42,8 +42,8 @@ def answer(s: Scheduler, step: Step, accept: dict | None = None,
     `accept[rid]`) and the block's next token after them, or `runs[rid]` as given;
     each prefill that needs logits one token. Fed to the scheduler."""
     rids, tokens, lengths = [], [], []
-    drafts = step.decode_drafts or [[] for _ in step.decode_rids]
-    for rid, draft in zip(step.decode_rids, drafts):
+    for row in step.decodes:
+        rid, draft = row.rid, row.draft
         if runs and rid in runs:
             run = runs[rid]
         elif rid not in s.running:   # aborted while the step ran
@@ -104,20 +104,20 @@ def test_drafts_book_one_slot_per_token_and_rejected_ones_go_back(accepted):
     add(s, 1)
     step = until_drafting(s)
     req = s.running[1]
-    draft = step.decode_drafts[0]
+    draft = step.decodes[0].draft
     assert len(draft) == 4 and accepted <= len(draft)
     assert draft == [follow(req.all_ids + draft[:j]) for j in range(len(draft))]
-    assert len(step.draft_slot_ids[0]) == len(draft)
+    assert len(step.decodes[0].draft_slots) == len(draft)
     assert len(req.slot_ids) == len(req.all_ids) + len(draft)   # input's slot + the draft's
-    assert not set(step.draft_slot_ids[0]) & set(step.decode_slot_ids)
+    assert not set(step.decodes[0].draft_slots) & {row.slot for row in step.decodes}
     free_before = s.kv.allocator.num_unheld
     answer(s, step, accept={1: accepted})
     assert len(req.output_ids) >= accepted + 1
     assert len(req.slot_ids) == len(req.all_ids) - 1
     assert s.kv.allocator.num_unheld == free_before + len(draft) - accepted
-    assert set(step.draft_slot_ids[0][accepted:]).isdisjoint(req.slot_ids)
+    assert set(step.decodes[0].draft_slots[accepted:]).isdisjoint(req.slot_ids)
     if accepted:   # the accepted tokens keep their slots; the run's last has none yet
-        assert req.slot_ids[-accepted:] == step.draft_slot_ids[0][:accepted]
+        assert req.slot_ids[-accepted:] == step.decodes[0].draft_slots[:accepted]
     assert_whole(s)
 
 
@@ -127,7 +127,7 @@ def test_abort_while_a_draft_step_is_in_flight_frees_its_slots():
     add(s, 2, prompt=[300 + i for i in range(20)])
     step = until_drafting(s)
     assert 1 in step.decode_rids
-    drafted = [slots for slots in step.draft_slot_ids if slots]
+    drafted = [row.draft_slots for row in step.decodes if row.draft_slots]
     free = s.kv.allocator.num_unheld
     held = len(s.running[1].slot_ids) - s.running[1].prefix_len
     s.abort(1)
@@ -152,7 +152,7 @@ def test_a_stop_token_inside_a_run_ends_the_row_there(at):
     add(s, 1, stop=(EOS, stop))
     step = until_drafting(s)
     s.take_outputs()
-    draft = step.decode_drafts[0]
+    draft = step.decodes[0].draft
     assert draft == BLOCK[1:5]
     before = len(s.running[1].output_ids)
     answer(s, step)
@@ -175,7 +175,7 @@ def test_max_new_tokens_caps_the_draft_and_ends_the_run():
     while (step := s.schedule()) is not None:
         if step.decode_rids:
             req = s.running[1]
-            seen.append(len(step.decode_drafts[0]) if step.decode_drafts else 0)
+            seen.append(len(step.decodes[0].draft))
             assert seen[-1] <= req.max_new_tokens - len(req.output_ids) - 1
         answer(s, step)
     assert any(seen)
@@ -232,7 +232,7 @@ def test_no_drafts_right_after_a_chained_step(overlaps):
         steps.append(step)
         rid_runs = None
         if step.decode_rids:
-            draft = step.decode_drafts[0] if step.decode_drafts else []
+            draft = step.decodes[0].draft
             rid_runs = {1: draft + [next(scripted)]} if not draft else None
         if step.prefills:
             result = StepResult(step.step_id, [1], [next(scripted)], [0.0])
@@ -257,7 +257,7 @@ def test_no_drafts_above_max_batch_rows():
     while (step := s.schedule()) is not None:
         if len(step.decode_rids) > 2:
             wide += 1
-            assert not step.has_drafts and step.draft_slot_ids == []
+            assert not step.has_drafts and not any(row.draft_slots for row in step.decodes)
             assert step.chain_next
         answer(s, step)
     assert wide > 0
@@ -276,7 +276,7 @@ def test_no_drafts_when_free_slots_are_short():
     step = s.schedule()
     assert step.decode_rids == [1, 2]
     assert s.kv.allocator.num_free == 16
-    assert not step.has_drafts and step.draft_slot_ids == []
+    assert not step.has_drafts and not any(row.draft_slots for row in step.decodes)
     answer(s, step)
     assert s.stats()["speculative"]["verifies"] == 0
     assert_whole(s)
@@ -288,7 +288,7 @@ def test_no_drafts_without_speculation_or_a_verifying_worker(spec, verifies):
     s = make(spec=spec, verifies=verifies)
     add(s, 1, max_new=20)
     while (step := s.schedule()) is not None:
-        assert not step.has_drafts and step.draft_slot_ids == []
+        assert not step.has_drafts and not any(row.draft_slots for row in step.decodes)
         answer(s, step)
     assert s.stats()["speculative"] == {"method": "off", "verifies": 0, "draft_tokens": 0,
                                         "accepted_tokens": 0}
@@ -299,7 +299,7 @@ def test_thinking_rows_never_draft():
     add(s, 1, max_new=20, sampling=SamplingParams(thinking_budget=8))
     add(s, 2, max_new=20)
     while (step := s.schedule()) is not None:
-        for rid, draft in zip(step.decode_rids, step.decode_drafts):
+        for rid, draft in ((row.rid, row.draft) for row in step.decodes):
             assert rid != 1 or not draft
         answer(s, step)
     assert s.stats()["speculative"]["verifies"] > 0   # the free row did draft
@@ -312,8 +312,7 @@ def test_constrained_rows_draft():
     add(s, 1, max_new=20, sampling=SamplingParams(grammar="start: /[a-z]+/"))
     drafted = 0
     while (step := s.schedule()) is not None:
-        drafted += sum(len(d) for rid, d in zip(step.decode_rids, step.decode_drafts)
-                       if rid == 1)
+        drafted += sum(len(row.draft) for row in step.decodes if row.rid == 1)
         answer(s, step)
     assert drafted > 0
 
@@ -327,7 +326,7 @@ def test_usage_and_stats_counters_add_up():
     sent, verifies, k = 0, 0, 0
     finals = {}
     while (step := s.schedule()) is not None:
-        for draft in step.decode_drafts:
+        for draft in (row.draft for row in step.decodes):
             sent += len(draft)
             verifies += bool(draft)
         # accept a varying share of each draft
@@ -357,7 +356,7 @@ def drafts_of(s: Scheduler, accept: int | None = None, steps: int = 12) -> list[
         step = s.schedule()
         if step is None:
             break
-        lengths.append(sum(len(d) for d in step.decode_drafts))
+        lengths.append(sum(len(row.draft) for row in step.decodes))
         answer(s, step, None if accept is None else {r: accept for r in step.decode_rids})
         s.take_outputs()
         s.check_integrity()

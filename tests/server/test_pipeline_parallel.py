@@ -190,7 +190,7 @@ def push_as_stranger(address: str, key_file: Path) -> None:
 
     import zmq
 
-    from mlxd.protocol import Step, encode
+    from mlxd.protocol import DecodeRow, Step, encode
     from mlxd.runtime.keys import read_secret_key
 
     ctx = zmq.Context()
@@ -200,7 +200,7 @@ def push_as_stranger(address: str, key_file: Path) -> None:
     sock.curve_serverkey = read_secret_key(key_file).public
     sock.connect(address)
     try:
-        sock.send(encode(Step(step_id=10**9, decode_rids=[12345], decode_slot_ids=[1])),
+        sock.send(encode(Step(step_id=10**9, decodes=[DecodeRow(12345, 1)])),
                   zmq.NOBLOCK)
     except zmq.Again:   # never admitted: nothing to send to
         pass

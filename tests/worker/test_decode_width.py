@@ -22,6 +22,7 @@ from mlxd.worker_proc.kv_pool import KVGeometry, KVPool
 from mlxd.worker_proc.decode_pages import scaled_dot_product_attention
 from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, ARENA_PAGES, kv_budget
 from mlxd.worker_proc.model_runner import runner_for
+from support import decode_rows
 
 GEOMETRY = KVGeometry(num_layers=2, n_kv_heads=2, k_head_dim=4, v_head_dim=4,
                       dtype=mx.float32)
@@ -77,8 +78,9 @@ class Driver:
         chain_pages = [self._book_next(rid) for rid in self.running] if self.page else []
         prefills = [self._prefill(rid, new, prefix) for rid, (new, prefix) in joins.items()]
         self.prefills += prefills
-        self.runner.run(Step(next(self.step_ids), list(self.running), decode_slots,
-                             prefills, list(releases), chain_pages=chain_pages))
+        self.runner.run(Step(next(self.step_ids),
+                             decode_rows(self.running, decode_slots, chain_pages=chain_pages),
+                             prefills, list(releases)))
         self.running += list(joins)
         self.runner.close()   # the chained decode, if any, has written its position
         self._check(joined=bool(joins))

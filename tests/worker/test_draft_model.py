@@ -14,7 +14,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxd.model_store.tiny import TinySpec, build_tiny_model, training_corpus
-from mlxd.protocol import SamplingParams, Step
+from mlxd.protocol import DecodeRow, SamplingParams, Step
 from mlxd.scheduler_proc.speculation import SpecConfig
 from mlxd.worker_proc.decode import UnsupportedModel
 from mlxd.worker_proc.draft_model import check_draft, same_vocabulary
@@ -65,7 +65,7 @@ def test_greedy_rows_match_mlx_lm_whatever_the_draft(draft, overlap, llama_model
         assert c["accepted_tokens"] == c["draft_tokens"], c
     if draft == "near":
         assert c["accepted_tokens"] > c["draft_tokens"] // 2, c
-    assert all(not d for step in e.steps for d in step.decode_drafts)   # the worker drafts
+    assert all(not row.draft for step in e.steps for row in step.decodes)   # the worker drafts
     assert_matches_mlx_lm(llama_model, e, requests)
     assert e.final[3].usage.cached_tokens > 0
     e.assert_idle_and_whole()
@@ -147,8 +147,7 @@ def test_a_worker_without_a_draft_model_refuses_its_drafts(llama_model):
     e.add(0, repeated(0), 10)
     e.step()
     with pytest.raises(ValueError, match="draft model"):
-        e.runner.run(Step(99, [0], [300], decode_drafts=[[]], draft_slot_ids=[[301]],
-                          model_drafts=[1]))
+        e.runner.run(Step(99, [DecodeRow(0, 300, draft_slots=[301], model_draft=1)]))
 
 
 def test_draft_models_that_cannot_serve_are_refused(llama_model, hybrid_model, tmp_path):

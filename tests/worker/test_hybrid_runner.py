@@ -100,9 +100,9 @@ def test_a_prefix_without_its_state_is_refused(arch, hybrid_model):
     ids = encode(hybrid_model(arch), LONG)
     d.step([d.prefill(0, ids[:5], needs_logits=False, state_slot=1)])
     with pytest.raises(ValueError, match="state"):
-        d.runner.run(Step(9, [], [], [d.prefill(0, ids[5:], d.slot_ids[0][:5])]))
+        d.runner.run(Step(9, prefills=[d.prefill(0, ids[5:], d.slot_ids[0][:5])]))
     with pytest.raises(ValueError, match="state slot"):
-        d.runner.run(Step(10, [], [], [d.prefill(1, ids, state_slot=17)]))
+        d.runner.run(Step(10, prefills=[d.prefill(1, ids, state_slot=17)]))
 
 
 @pytest.mark.parametrize("arch", RECURRENT)

@@ -7,9 +7,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.protocol import REPETITION_CONTEXT, PrefillInput, SamplingParams, Step
+from mlxd.protocol import REPETITION_CONTEXT, DecodeRow, PrefillInput, SamplingParams, Step
 from penalty_reference import reference_penalised_tokens
-from support import PROMPTS, PageBooker, encode, load_reference, reference_tokens
+from support import PROMPTS, PageBooker, decode_rows, encode, load_reference, reference_tokens
 from mlxd.runtime.kv_layout import DECODE_PAGE
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry, runner_for
@@ -48,9 +48,8 @@ class Driver:
             self.book.forget(rid)
         decode_slots = [self.new_slots(rid, 1)[0] for rid in self.running]
         chain_pages = [self.book.book_next(rid) for rid in self.running] if self.page > 1 else []
-        result = self.runner.run(Step(next(self.step_id), list(self.running), decode_slots,
-                                      list(prefills), list(releases),
-                                      self.window_ids(decode_slots), chain_pages=chain_pages))
+        rows = decode_rows(self.running, decode_slots, self.window_ids(decode_slots), chain_pages)
+        result = self.runner.run(Step(next(self.step_id), rows, list(prefills), list(releases)))
         for rid, tok, lp in zip(result.rids, result.tokens, result.logprobs):
             self.out.setdefault(rid, []).append((tok, lp))
         self.running += [p.rid for p in prefills if p.needs_logits]
@@ -188,18 +187,18 @@ def test_mismatched_decode_set_is_rejected(llama_model):
     d = Driver(llama_model)
     d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
     with pytest.raises(ValueError, match="do not match"):
-        d.runner.run(Step(99, [1, 2], [500, 501]))
+        d.runner.run(Step(99, decode_rows([1, 2], [500, 501])))
 
 
 def test_slot_ids_outside_the_pool_are_rejected(llama_model):
     d = Driver(llama_model, capacity=64)   # one page: slots 64..127 (page 0 is padding)
     with pytest.raises(ValueError, match="slot id"):
-        d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [127, 128], SamplingParams())]))
+        d.runner.run(Step(1, prefills=[PrefillInput(1, [1, 2], [], [127, 128], SamplingParams())]))
     with pytest.raises(ValueError, match="slot id"):
-        d.runner.run(Step(1, [], [], [PrefillInput(1, [1, 2], [], [0, 64], SamplingParams())]))
+        d.runner.run(Step(1, prefills=[PrefillInput(1, [1, 2], [], [0, 64], SamplingParams())]))
     d.step([d.prefill(1, [1, 2])])
     with pytest.raises(ValueError, match="slot id"):   # a chain page past the pool
-        d.runner.run(Step(9, [1], [66], chain_pages=[2]))
+        d.runner.run(Step(9, [DecodeRow(1, 66, chain_page=2)]))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])

@@ -8,10 +8,11 @@ refuses drafts it cannot take. Prompts repeat a block of random ids, so the n-gr
 drafter finds matches and the random-weight models accept some of them."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from mlxd.protocol import ProtocolError, SamplingParams, Step, TokenizedRequest
+from mlxd.protocol import DecodeRow, ProtocolError, SamplingParams, Step, TokenizedRequest
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.scheduler_proc.speculation import SpecConfig
 from mlxd.runtime.kv_layout import DECODE_PAGE
@@ -367,8 +368,8 @@ def test_max_tokens_inside_a_run_ends_the_row_there(llama_model):
         assert e.final[rid].finish_reason == "length"
         assert e.final[rid].usage.completion_tokens == end + 1
     for step, left in zip(e.steps, e.budgets):   # no run past a row's budget
-        for rid, draft in zip(step.decode_rids, step.decode_drafts):
-            assert len(draft) + 1 <= left[rid]
+        for row in step.decodes:
+            assert len(row.draft) + 1 <= left[row.rid]
     e.assert_idle_and_whole()
 
 
@@ -395,7 +396,7 @@ def test_recurrent_models_verify_drafts_exactly(arch, overlap, hybrid_model):
         assert_matches_mlx_lm(path, e, requests)
         return
     partial = [n for res, step in zip(e.results, e.steps) if step.has_drafts
-               for n, d in zip(res.runs, step.decode_drafts) if n < 1 + len(d)]
+               for n, row in zip(res.runs, step.decodes) if n < 1 + len(row.draft)]
     # some verify dropped positions: its states were replayed (with overlap a row's
     # first decode is chained, without a draft: these prompts then draft only where
     # the model goes on copying them, as qwen3_next and falcon_h1 do)
@@ -466,12 +467,11 @@ def test_drafts_after_a_chained_step_are_refused(llama_model):
     e.add(0, repeated(0), 40)
     step = drafting_step(e)
     # the Step before chained the next decode; one with drafts now cannot take it
-    chained = Step(step.step_id, step.decode_rids, step.decode_slot_ids,
+    chained = Step(step.step_id, [DecodeRow(r.rid, r.slot) for r in step.decodes],
                    chain_next=True)
     e.runner.run(chained)
     assert e.runner.chain_started
-    bad = Step(step.step_id + 1, step.decode_rids, [s + 1 for s in step.decode_slot_ids],
-               decode_drafts=step.decode_drafts, draft_slot_ids=step.draft_slot_ids)
+    bad = Step(step.step_id + 1, [replace(r, slot=r.slot + 1) for r in step.decodes])
     with pytest.raises(ValueError, match="chained"):
         e.runner.run(bad)
     assert_serves_after_reset(e, llama_model)
@@ -481,10 +481,10 @@ def test_a_draft_token_outside_the_vocabulary_is_refused(llama_model):
     e = Engine(llama_model)
     e.add(0, repeated(0), 40)
     step = drafting_step(e)
-    drafts = [d[:-1] + [e.runner.vocab_size] if d else d for d in step.decode_drafts]
+    rows = [replace(r, draft=r.draft[:-1] + [e.runner.vocab_size]) if r.draft else r
+            for r in step.decodes]
     with pytest.raises(ValueError, match="draft token"):
-        e.runner.run(Step(step.step_id, step.decode_rids, step.decode_slot_ids,
-                          decode_drafts=drafts, draft_slot_ids=step.draft_slot_ids))
+        e.runner.run(Step(step.step_id, rows))
     assert_serves_after_reset(e, llama_model)
 
 
@@ -496,19 +496,20 @@ def test_drafts_to_a_padded_layout_worker_are_refused(llama_model):
         e.step()
     step = e.scheduler.schedule()
     assert not step.has_drafts
-    rid, slot = step.decode_rids[0], step.decode_slot_ids[0]
+    rid, slot = step.decodes[0].rid, step.decodes[0].slot
     with pytest.raises(ValueError, match="verifies none"):
-        e.runner.run(Step(step.step_id, [rid], [slot], decode_drafts=[[5, 6]],
-                          draft_slot_ids=[[slot + 1000, slot + 1001]]))
+        e.runner.run(Step(step.step_id, [DecodeRow(rid, slot, draft=[5, 6],
+                                                   draft_slots=[slot + 1000, slot + 1001])]))
     assert_serves_after_reset(e, llama_model)
 
 
-def test_misaligned_drafts_fail_the_step_check():
-    with pytest.raises(ProtocolError):
-        Step(1, [1, 2], [10, 11], decode_drafts=[[5]], draft_slot_ids=[[12]]).check()
-    with pytest.raises(ProtocolError):
-        Step(1, [1], [10], decode_drafts=[[5, 6]], draft_slot_ids=[[12]]).check()
-    Step(1, [1, 2], [10, 11], decode_drafts=[[5], []], draft_slot_ids=[[12], []]).check()
+def test_misaligned_drafts_fail_the_row_check():
+    with pytest.raises(ProtocolError, match="draft_slots"):
+        DecodeRow(1, 10, draft=[5], draft_slots=[]).check()
+    with pytest.raises(ProtocolError, match="draft_slots"):
+        DecodeRow(1, 10, draft=[5, 6], draft_slots=[12]).check()
+    DecodeRow(1, 10, draft=[5], draft_slots=[12]).check()
+    DecodeRow(2, 11).check()
 
 
 # ---- constrained rows ------------------------------------------------------------
@@ -542,8 +543,7 @@ def test_constrained_rows_draft_and_give_the_tokens_of_speculation_off(kind, ove
         outs.append(e)
     off, on = outs
     assert_speculated(on)
-    drafted = {rid for step in on.steps
-               for rid, draft in zip(step.decode_rids, step.decode_drafts) if draft}
+    drafted = {r.rid for step in on.steps for r in step.decodes if r.draft}
     assert {1, 3} <= drafted   # the constrained rows drafted
     for rid in rows:
         assert on.tokens(rid) == off.tokens(rid), rid

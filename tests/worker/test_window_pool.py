@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 import test_hybrid_runner
-from mlxd.protocol import PrefillInput, Step
+from mlxd.protocol import DecodeRow, PrefillInput, Step
 from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry
 from support import PROMPTS, encode, load_reference
@@ -174,7 +174,7 @@ def gemma_driver(hybrid_model):
 
 
 def run_prefill(d: Driver, p: PrefillInput) -> None:
-    d.runner.run(Step(1000 + p.rid, [], [], [p]))
+    d.runner.run(Step(1000 + p.rid, prefills=[p]))
 
 
 def test_window_ids_outside_the_window_pool_are_refused(gemma_driver):
@@ -213,12 +213,12 @@ def test_a_prefix_without_its_window_kv_is_refused(gemma_driver):
 
 def test_decode_window_ids_are_checked(gemma_driver):
     d = gemma_driver
-    for rid, windows, match in ((0, [], "a window id per decoded request"),
-                                (1, [40], "window id outside")):
+    for rid, window, match in ((0, 0, "a window id per decoded request"),
+                               (1, 40, "window id outside")):
         d.running = []
         d.step([d.prefill(rid, [1, 2, 3])])
         with pytest.raises(ValueError, match=match):
-            d.runner.run(Step(500 + rid, [rid], d.new_slots(rid, 1), [], [], windows))
+            d.runner.run(Step(500 + rid, [DecodeRow(rid, d.new_slots(rid, 1)[0], window)]))
         d.runner.reset()   # as the worker does after a failed step
 
 
@@ -232,4 +232,4 @@ def test_window_ids_sent_without_a_window_pool_are_refused(hybrid_model, llama_m
             run_prefill(d, p)
         d.step([d.prefill(2, [1, 2, 3])])
         with pytest.raises(ValueError, match="without a window pool"):
-            d.runner.run(Step(77, [2], d.new_slots(2, 1), [], [], [1]))
+            d.runner.run(Step(77, [DecodeRow(2, d.new_slots(2, 1)[0], window=1)]))

@@ -15,12 +15,14 @@ import pytest
 import zmq
 
 from mlxd.protocol import (
-    Decoder, PrefillInput, Ready, SamplingParams, Step, StepResult, WorkerError, WorkerReady,
-    encode,
+    DecodeRow, Decoder, PrefillInput, Ready, SamplingParams, Step, StepResult, WorkerError,
+    WorkerReady, encode,
 )
 from mlxd.runtime.kv_layout import DECODE_PAGE
 from proc_support import ProcHarness
-from support import PROMPTS, PageBooker, encode as encode_prompt, load_reference, reference_tokens
+from support import (
+    PROMPTS, PageBooker, decode_rows, encode as encode_prompt, load_reference, reference_tokens,
+)
 
 KV_CAPACITY = 4096
 READY_TIMEOUT = 60.0
@@ -85,7 +87,7 @@ class WorkerProc(ProcHarness):
         while self.results.poll(50):
             self.results.recv()
         step_id = next(self.step_ids)
-        self.steps.send(encode(Step(step_id, [-12345], [1])))
+        self.steps.send(encode(Step(step_id, [DecodeRow(-12345, 1)])))
         while True:
             reply = self.recv(what="the reset reply")
             if reply.step_id == step_id:
@@ -116,9 +118,10 @@ class Driver:
         decode_slots = [self.book.slots(rid, 1)[0] for rid in self.running]
         for rid, slot in zip(self.running, decode_slots):
             self.decode_slots.setdefault(rid, []).append(slot)
-        step = Step(next(self.w.step_ids), list(self.running), decode_slots, list(prefills),
-                    list(releases),
-                    chain_pages=[self.book.book_next(rid) for rid in self.running])
+        step = Step(next(self.w.step_ids), decode_rows(
+            self.running, decode_slots,
+            chain_pages=[self.book.book_next(rid) for rid in self.running]),
+            list(prefills), list(releases))
         result = self.w.send(step)
         if not isinstance(result, StepResult):
             self.w.fail(f"step {step} failed: {result}")
@@ -345,12 +348,12 @@ BAD_DECODES = {
 def test_mismatched_decode_rids_get_worker_error(driver, llama_model, case):
     _two_running(driver, llama_model)
     rids, slots = BAD_DECODES[case](driver)
-    step = Step(next(driver.w.step_ids), rids, slots)
+    step = Step(next(driver.w.step_ids), decode_rows(rids, slots))
     reply = driver.w.send(step)
     assert isinstance(reply, WorkerError), reply
     assert reply.message
     # the worker dropped every request: decoding the old ones fails too
-    reply = driver.w.send(Step(next(driver.w.step_ids), [1, 2], driver.w.new_slots(2)))
+    reply = driver.w.send(Step(next(driver.w.step_ids), decode_rows([1, 2], driver.w.new_slots(2))))
     assert isinstance(reply, WorkerError), reply
     serve_fresh_request(driver.w, llama_model)
 
@@ -361,7 +364,7 @@ def test_prefill_of_a_running_rid_gets_worker_error(driver, llama_model, case):
     or the batch holds two rows for it and both write KV to the one slot sent for it."""
     if case == "already running":
         driver.step(prefills=[driver.prefill(1, prompt_ids(llama_model, 0))])
-        step = Step(next(driver.w.step_ids), [1], driver.w.new_slots(1),
+        step = Step(next(driver.w.step_ids), decode_rows([1], driver.w.new_slots(1)),
                     [driver.prefill(1, prompt_ids(llama_model, 1))])
     else:
         step = Step(next(driver.w.step_ids), prefills=[
@@ -374,7 +377,7 @@ def test_prefill_of_a_running_rid_gets_worker_error(driver, llama_model, case):
 
 
 def test_decode_with_nothing_running_gets_worker_error(worker, llama_model):
-    reply = worker.send(Step(next(worker.step_ids), [5], worker.new_slots(1)))
+    reply = worker.send(Step(next(worker.step_ids), decode_rows([5], worker.new_slots(1))))
     assert isinstance(reply, WorkerError), reply
     serve_fresh_request(worker, llama_model)
 
@@ -397,11 +400,11 @@ def test_out_of_range_slot_ids_get_worker_error(driver, llama_model, case):
     driver.step(prefills=[driver.prefill(1, prompt_ids(llama_model, 0))])
     bad = BAD_SLOTS[case](driver.w, ids)
     if "decode" in bad:
-        step = Step(next(driver.w.step_ids), [1], bad["decode"])
+        step = Step(next(driver.w.step_ids), decode_rows([1], bad["decode"]))
     else:
         prefill = PrefillInput(2, ids, bad.get("prefix", []),
                                bad.get("new") or driver.w.new_slots(len(ids)), GREEDY)
-        step = Step(next(driver.w.step_ids), [1], driver.w.new_slots(1), [prefill])
+        step = Step(next(driver.w.step_ids), decode_rows([1], driver.w.new_slots(1)), [prefill])
     reply = driver.w.send(step)
     assert isinstance(reply, WorkerError), reply
     assert driver.w.proc.poll() is None
@@ -483,9 +486,9 @@ def test_a_sliding_window_model_gets_a_window_pool(hybrid_model, tmp_path, extra
         assert limits.kv_pool_bytes == (KV_CAPACITY + 1 + window_capacity + 1) * layer
         ids = encode_prompt(path, PROMPTS[1])
         prefill = PrefillInput(1, ids, [], w.new_slots(len(ids)), GREEDY)
-        assert isinstance(w.send(Step(next(w.step_ids), [], [], [prefill])), WorkerError)
+        assert isinstance(w.send(Step(next(w.step_ids), prefills=[prefill])), WorkerError)
         held = min(8, len(ids))
         prefill.new_window_ids = [0] * (len(ids) - held) + list(range(1, held + 1))
-        reply = w.send(Step(next(w.step_ids), [], [], [prefill]))
+        reply = w.send(Step(next(w.step_ids), prefills=[prefill]))
         assert isinstance(reply, StepResult), reply
         assert reply.tokens == [reference_tokens(path, ids, 1)[0][0]]
