@@ -73,6 +73,15 @@ class _Output:
     direct: list[int] | None = None
 
 
+@dataclass
+class ChainedDecode:
+    """The next decode of the batch, started before its Step arrives (overlap) and
+    handed from one step to the next: built at the end of a step when no row needs
+    that step's token to build it (`output`), else built on the helper thread."""
+
+    output: _Output | None = None
+
+
 def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: int = 0,
                preallocate_pages: bool = False, float_tail: int = 0, tail_slack: int = 8,
                **options) -> "ModelRunner":
@@ -88,10 +97,11 @@ def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: i
 
 
 class ModelRunner:
-    """Runs Steps. With `overlap`, every step ends by starting the next decode of
-    the whole batch on a helper thread, chained on this step's tokens (`chained`);
-    it computes while the result travels to the scheduler and the next Step comes
-    back. That Step then commits the work for the rows it keeps.
+    """Runs Steps. With `overlap`, every step the Step allows ends by starting the
+    next decode of the whole batch on a helper thread, chained on this step's tokens
+    (`chained`, a ChainedDecode); it computes while the result travels to the
+    scheduler and the next Step comes back. That Step then commits the work for the
+    rows it keeps.
 
     Per-step timing (ms): `wait_ms` from the previous result to this Step,
     `idle_ms` the part of it with no work in flight, `chained_wait_ms` spent
@@ -112,7 +122,7 @@ class ModelRunner:
         self.prefill_step_size = prefill_step_size
         self.overlap = overlap
         self.batch = batch
-        self.chained: _Output | None = None   # a launched, uncommitted decode of the batch
+        self.chained: ChainedDecode | None = None   # started for the next Step
         self.vocab_size = vocab_size
         self._rng = rng or random.Random()
         # Both threads put their work on this one stream; they never use it at once.
@@ -121,8 +131,6 @@ class ModelRunner:
         self._returned_at: float | None = None   # when the last result was handed back
         self._outputs_at = 0.0   # when the last step's outputs were evaluated
         self._new_grammars: dict[int, RowGrammar] = {}   # the step's prefills' (checked)
-        self._chain_allowed = True   # the Step's chain_next
-        self._chains = False   # this step ends by starting the next decode
         self.disk: DiskIO | None = None   # the disk tier (--kv-disk), set after start
 
     @property
@@ -136,18 +144,18 @@ class ModelRunner:
         """Execute `step` (received at `arrived_at`, a perf_counter() time)."""
         start = time.perf_counter()
         arrived_at = start if arrived_at is None else arrived_at
-        chained = self.chain_started
+        chained, self.chained = self.chained, None
         busy_until = self._background.wait() if chained else 0.0
-        timing = StepTiming(chained=chained)
+        timing = StepTiming(chained=chained is not None)
         timing.wait_ms, timing.idle_ms = self._wait_timing(arrived_at, busy_until)
         with mx.stream(self.stream):
-            result, following = self._execute(step)
+            result, self.chained = self._execute(step, chained.output if chained else None)
             timing.active_memory = mx.get_active_memory()
             timing.peak_memory = mx.get_peak_memory()
         timing.chained_wait_ms = (self._outputs_at - start) * 1e3 if chained else 0.0
-        if self._chains:   # step k+1, chained on step k
-            self.chained = following
-            self._background.start(self._dispatch_chained)
+        if self.chained is not None:   # step k+1, chained on step k
+            next_decode = self.chained
+            self._background.start(lambda: self._dispatch_chained(next_decode))
         # A wait for the next Step is a round trip only while requests run.
         self._returned_at = time.perf_counter() if len(self.batch) else None
         timing.compute_ms = (time.perf_counter() - arrived_at) * 1e3
@@ -156,44 +164,42 @@ class ModelRunner:
             result.disk_gone, result.disk_missed = self.disk.take_news()
         return result
 
-    def _execute(self, step: Step) -> tuple[StepResult, _Output | None]:
-        """The step's result, and the next decode of the batch when it was built
-        ahead (while the step's last tasks computed)."""
+    def _execute(self, step: Step, chained: _Output | None
+                 ) -> tuple[StepResult, ChainedDecode | None]:
+        """The step's result (`chained`: the decode started for it, if any), and the
+        next decode when this step chains one (already built when it could be built
+        while the step's last tasks computed)."""
         self.batch.remove(set(step.releases))
         if self.drafter is not None:
             self.drafter.remove(set(step.releases))
         if self.disk is not None:   # before any pool write of this Step
             self.disk.spill(step.spills)
             self.disk.start_reads(step.prefills)
-        self._chain_allowed = step.chain_next
         outputs = []
         if step.has_drafts:
-            outputs.append(self._verify(step))
+            outputs.append(self._verify(step, chained))
         elif step.decodes:   # the chained decode if there is one; its released rows drop
-            launched = self.chained or self._launch_decode(self._step_slots(step))
-            self.chained = None
+            launched = chained or self._launch_decode(self._step_slots(step))
             outputs.append(self._commit_decode(launched, step))
         elif len(self.batch):
             raise ValueError(f"step {step.step_id} decodes nothing but "
                              f"{len(self.batch)} requests are running")
-        else:
-            self.chained = None
-        self._chains = self._chains_next   # decided before anything moves the rows on
-        if outputs and not step.prefills and self._builds_ahead:
+        # decided before anything moves the rows on
+        if outputs and not step.prefills and self._chains(step) and self._builds_ahead:
             following = self._launch_decode()
-            return self._finalize(step.step_id, outputs, writes=False), following
+            return self._finalize(step.step_id, outputs, writes=False), ChainedDecode(following)
         if outputs and step.prefills:
             self.batch.before_joins(_arrays(outputs) + self._draft_arrays())
         outputs += self._prefill(step.prefills)
         # the chained decode, when there is one, completes the pool writes
-        self._chains = self._chains_next   # the joined rows included
-        return self._finalize(step.step_id, outputs, pool_writes=not self._chains), None
+        chains = self._chains(step)   # the joined rows included
+        result = self._finalize(step.step_id, outputs, pool_writes=not chains)
+        return result, ChainedDecode() if chains else None
 
-    @property
-    def _chains_next(self) -> bool:
-        """This step ends by starting the next decode on the helper thread (every
-        row knowing where its next position goes)."""
-        return self.overlap and self._chain_allowed and len(self.batch) > 0 and \
+    def _chains(self, step: Step) -> bool:
+        """This step ends by starting the next decode on the helper thread: overlap
+        is on, the Step allows it, and every row knows where its next position goes."""
+        return self.overlap and step.chain_next and len(self.batch) > 0 and \
             self.batch.knows_next()
 
     def _step_slots(self, step: Step) -> list[list[int]]:
@@ -213,15 +219,10 @@ class ModelRunner:
         return self.batch.page > 0
 
     @property
-    def chain_started(self) -> bool:
-        """A chained decode was started for the next Step (it may have finished)."""
-        return self._background.running
-
-    @property
     def _builds_ahead(self) -> bool:
-        """The next decode's graph can be built before this step's tokens are read:
-        it chains, and no row's grammar or thinking budget needs this step's token."""
-        return self._chains and not any(
+        """A chained decode's graph can be built before this step's tokens are read:
+        no row's grammar or thinking budget needs this step's token."""
+        return not any(
             r.grammar is not None or (r.thinking is not None and r.thinking.live)
             for r in self.batch.rows)
 
@@ -232,7 +233,6 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.clear()
         self.chained = None
-        self._chains = False
         self._returned_at = None
         self._new_grammars = {}
         if self.disk is not None:
@@ -293,21 +293,21 @@ class ModelRunner:
             mask = thinking.force(mask, forced, logits.shape[-1])
         return sample(logits, rows, mask, probs=probs)
 
-    def _dispatch_chained(self) -> None:
+    def _dispatch_chained(self, chained: ChainedDecode) -> None:
         """On the helper thread: queue the next decode of the batch (built now unless
         it was built ahead) with the step's pending pool writes. The job ends when
         the CPU backend's `async_eval` returns, as the last tasks are queued: the
         next Step's commit and the decode after it are built while those compute."""
         with mx.stream(self.stream):
-            if self.chained is None:
-                self.chained = self._launch_decode()
+            if chained.output is None:
+                chained.output = self._launch_decode()
             # the pool writes in a call of their own: in one call with the decode's
             # arrays, async_eval returned only once all of it was computed (no tail).
             # Rows that read the pool write it in the decode itself: its own writes
             # (batch.pending_writes), which go with its arrays.
             if self.batch.pool is None:
                 mx.async_eval(self.pool.arrays)
-            mx.async_eval(_arrays([self.chained]), self.batch.pending_writes(),
+            mx.async_eval(_arrays([chained.output]), self.batch.pending_writes(),
                           self._draft_arrays())
 
     def _commit_decode(self, launched: _Output, step: Step) -> _Output:
@@ -345,7 +345,7 @@ class ModelRunner:
 
     # ---- verify -----------------------------------------------------------
 
-    def _verify(self, step: Step) -> _Output:
+    def _verify(self, step: Step, chained: _Output | None) -> _Output:
         """Decode every row with its draft in one forward and keep, per row, the draft
         tokens the model's own choices agree with and its choice after them.
 
@@ -356,10 +356,10 @@ class ModelRunner:
         not. A constrained row's positions are masked as its matcher would be
         after the draft tokens before each, its draft cut at the first token the
         grammar refuses; rows under a thinking budget verify no draft."""
-        if self.chained is not None or not self.verifies_drafts:
+        if chained is not None or not self.verifies_drafts:
             raise ValueError(f"step {step.step_id} carries drafts, but " + (
                 "the decode after the step before was chained (chain_next)"
-                if self.chained is not None else "this worker verifies none"))
+                if chained is not None else "this worker verifies none"))
         if any(row.model_draft for row in step.decodes) and self.drafter is None:
             raise ValueError(f"step {step.step_id} asks for a draft model's drafts, but "
                              "this worker holds no draft model")

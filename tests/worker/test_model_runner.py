@@ -268,12 +268,13 @@ def test_overlap_chains_the_next_decode(llama_model):
     d = Driver(llama_model)
     d.runner.overlap = True
     first = d.step([d.prefill(1, encode(llama_model, PROMPTS[0]))])
-    assert d.runner.chain_started and not first.timing.chained
+    assert d.runner.chained is not None and not first.timing.chained
     result = d.step()
     assert result.timing.chained is True and result.timing.chained_wait_ms >= 0
-    assert d.runner.chain_started
+    assert d.runner.chained is not None
     d.step(releases=[1])
-    assert d.runner.chained is None and len(d.runner.batch) == 0 and not d.runner.chain_started
+    assert d.runner.chained is None and len(d.runner.batch) == 0
+    assert not d.runner._background.running
 
 
 def test_a_failed_chained_decode_fails_the_next_step_and_reset_recovers(llama_model):
@@ -285,7 +286,8 @@ def test_a_failed_chained_decode_fails_the_next_step_and_reset_recovers(llama_mo
     with pytest.raises(ZeroDivisionError):
         d.step()
     d.runner.reset()
-    assert len(d.runner.batch) == 0 and not d.runner.chain_started
+    assert len(d.runner.batch) == 0 and d.runner.chained is None
+    assert not d.runner._background.running
     d.running = []
     d.step([d.prefill(2, encode(llama_model, PROMPTS[1]))])
     for _ in range(MAX_TOKENS - 1):

@@ -470,7 +470,7 @@ def test_drafts_after_a_chained_step_are_refused(llama_model):
     chained = Step(step.step_id, [DecodeRow(r.rid, r.slot) for r in step.decodes],
                    chain_next=True)
     e.runner.run(chained)
-    assert e.runner.chain_started
+    assert e.runner.chained is not None
     bad = Step(step.step_id + 1, [replace(r, slot=r.slot + 1) for r in step.decodes])
     with pytest.raises(ValueError, match="chained"):
         e.runner.run(bad)
