@@ -13,6 +13,8 @@ SDK. Reports time to first token (p50, p90) and output throughput per setting.
     python -m bench.prefix --restart       # the disk tier (--kv-disk): TTFT of a 4k-token
                                            # prompt cold, from memory, and from disk after
                                            # a restart (the default model, SmolLM2-135M)
+    python -m bench.prefix --half-cached   # TTFT of a 4k-token prompt cold and with its
+                                           # first half cached (the default model)
 """
 
 import argparse
@@ -114,6 +116,38 @@ def restart_run(model: str, prompt: list[int], warm: list[int], args) -> dict:
             "memory_cached": hit.get("cached_tokens", 0), "disk_cached": read["disk_tokens"]}
 
 
+async def _half_cached(address: str, cold: list[int], prompt: list[int],
+                       warm: list[int]) -> dict:
+    """TTFT of `cold` (nothing cached) and of `prompt` after its first half ran as a
+    request of its own (cached), on one server."""
+    from mlxd.client import AsyncClient
+
+    cold_s, _ = await _ttft(address, cold, warm)
+    async with AsyncClient(address, timeout=900) as c:
+        await c.generate(input_ids=prompt[:len(prompt) // 2], max_tokens=2, ignore_eos=True)
+    half_s, usage = await _ttft(address, prompt, warm)
+    return {"cold_s": cold_s, "half_cached_s": half_s, "cached": usage.get("cached_tokens", 0)}
+
+
+def half_cached_main(args) -> None:
+    model = bench_model(args.model or "smollm2")
+    vocab = tokenizer_vocab(model)
+    server = MlxdServer(model, *args.server_args.split())
+    try:
+        runs = [asyncio.run(_half_cached(
+            server.address, random_prompts(1, args.restart_len, vocab, seed=200 + k)[0],
+            random_prompts(1, args.restart_len, vocab, seed=300 + k)[0],
+            random_prompts(1, 8, vocab, seed=99)[0])) for k in range(args.repeats)]
+    finally:
+        server.stop()
+    report = {"machine": machine_summary(), "model": model, "prompt": args.restart_len,
+              **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def restart_main(args) -> None:
     model = bench_model(args.model or "smollm2")
     vocab = tokenizer_vocab(model)
@@ -151,10 +185,15 @@ def main() -> None:
                     help="a tiny test model of this architecture (model_store.tiny.HYBRID_EXTRA)")
     ap.add_argument("--restart", action="store_true",
                     help="the disk tier: TTFT cold, from memory, from disk after a restart")
-    ap.add_argument("--restart-len", type=int, default=4000)
+    ap.add_argument("--restart-len", type=int, default=4000,
+                    help="the prompt of --restart and --half-cached")
+    ap.add_argument("--half-cached", action="store_true",
+                    help="TTFT of a prompt cold and with its first half cached")
     args = ap.parse_args()
     if args.restart:
         return restart_main(args)
+    if args.half_cached:
+        return half_cached_main(args)
     model = hybrid_model(args.hybrid) if args.hybrid else bench_model(args.model)
     vocab = tokenizer_vocab(model)
     system = random_prompts(1, args.shared, vocab, seed=1)[0]

@@ -20,6 +20,11 @@ from support import Server, load_reference, reference_tokens, wait_until
 
 SMALL = TinySpec(arch="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  intermediate_size=128, vocab_size=384, seed=5)
+# a llama of a 32k context: a request of it can run for a minute, so it is still
+# running when an unload comes (at 2k the tiny model could finish it first)
+LONG_CONTEXT = TinySpec(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=256, vocab_size=512, seed=0,
+                        max_position_embeddings=32768)
 MAX_TOKENS = 12
 KEY = "sekrit"
 
@@ -223,13 +228,14 @@ def test_admin_endpoints_load_and_unload_behind_the_api_key(one_at_a_time, small
 
 
 def test_a_running_request_of_an_unloaded_model_ends_with_an_error_past_the_grace(
-        tmp_path, llama_model, small_model):
-    server = serve(tmp_path, [{"name": "llama", "model": llama_model},
+        tmp_path, small_model):
+    long_model = str(build_tiny_model(tmp_path / "long", LONG_CONTEXT))
+    server = serve(tmp_path, [{"name": "llama", "model": long_model},
                               {"name": "small", "model": small_model}],
-                   "--unload-grace-seconds", "0")
+                   "--unload-grace-seconds", "0", "--kv-capacity", "32768")
     try:
         with Client(server.address, timeout=120) as c:
-            stream = c.stream(input_ids=prompt_ids(llama_model, "long"), max_tokens=1500,
+            stream = c.stream(input_ids=prompt_ids(long_model, "long"), max_tokens=30000,
                               ignore_eos=True, model="llama")
             chunks = iter(stream)
             next(chunks)   # it runs
