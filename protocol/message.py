@@ -66,8 +66,11 @@ def _from_wire(cls, kinds: dict[str, Kind]):
     for i, (field, kind) in enumerate(kinds.items()):
         env[f"d{i}"] = _inner(kind).decoder(field)
         values.append(f"v{i},")
-        if type(kind) is Int:   # inline: most of a per-step record's fields
-            checks.append(f"    if type(v{i}) is not int or {_below(kind, f'v{i}')}: d{i}(v{i})")
+        if type(kind) is Int:   # checked inline (most of a per-step record's fields); the
+            bad = f"type(v{i}) is not int"   # decoder raises the error it names
+            if kind.minimum is not None:
+                bad += f" or v{i} < {kind.minimum!r}"
+            checks.append(f"    if {bad}: d{i}(v{i})")
             args.append(f"v{i}")
         else:
             args.append(_maybe_none(kind, f"v{i}", f"d{i}(v{i})"))
@@ -84,12 +87,6 @@ def _from_wire(cls, kinds: dict[str, Kind]):
         "    return msg",
     ]
     return _compile("from_wire", lines, env)
-
-
-def _below(kind: Int, value: str) -> str:
-    """Python for "`value` is below the kind's minimum" ("False" without one): the
-    field's decoder then raises the error it names."""
-    return "False" if kind.minimum is None else f"{value} < {kind.minimum!r}"
 
 
 def _naming_rid(from_wire, field: str, kind: Kind):

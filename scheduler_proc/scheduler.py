@@ -263,10 +263,8 @@ class Scheduler:
     def schedule(self) -> Step | None:
         """The next Step, or None when there is nothing to send."""
         decoding = self._make_room_for_decode()
-        rows = [DecodeRow(r.rid, slot) for r, slot in zip(decoding, self.kv.extend_each(decoding))]
-        if self.kv.window:
-            for row, req in zip(rows, decoding):
-                row.window = req.window_ids[-1]
+        rows = [DecodeRow(r.rid, slot, window=r.window_ids[-1] if self.kv.window else 0)
+                for r, slot in zip(decoding, self.kv.extend_each(decoding))]
         proposals = self.spec.proposals(decoding)
         self._book_drafts(decoding, rows, proposals)
         prefills = self._schedule_prefills(decoding)

@@ -360,14 +360,15 @@ class ModelRunner:
             raise ValueError(f"step {step.step_id} carries drafts, but " + (
                 "the decode after the step before was chained (chain_next)"
                 if chained is not None else "this worker verifies none"))
-        if any(row.model_draft for row in step.decodes) and self.drafter is None:
+        by_model = any(row.model_draft for row in step.decodes)
+        if by_model and self.drafter is None:
             raise ValueError(f"step {step.step_id} asks for a draft model's drafts, but "
                              "this worker holds no draft model")
         decodes = check_decode(step, self.batch.rids, self.pool)
         check_drafts(step, self.pool, self.vocab_size)
         running = [d.rid for d in decodes]
         rows = self.batch.rows
-        if any(d.model_draft for d in decodes):   # the draft model's, as many as asked
+        if by_model:   # the draft model's, as many as the Step asks of each row
             proposal = self.drafter.propose(
                 running, rows, [d.model_draft for d in decodes], [d.slot for d in decodes],
                 [d.draft_slots for d in decodes])

@@ -243,10 +243,14 @@ def good_prefill():
             [], 0, 0, 0]
 
 
-def good_row():
-    """One DecodeRow's fields: rid, slot, window, draft, draft_slots, draft_windows,
+def wire_row(rid, slot, window=0, draft=(), slots=(), windows=(), model_draft=0, page=0):
+    """A DecodeRow's wire fields: rid, slot, window, draft, draft_slots, draft_windows,
     model_draft, chain_page."""
-    return [1, 2, 0, [], [], [], 0, 0]
+    return [rid, slot, window, list(draft), list(slots), list(windows), model_draft, page]
+
+
+def good_row():
+    return wire_row(1, 2)
 
 
 def good_step(decodes=(), prefills=(), chain_next=True) -> list:
@@ -480,11 +484,6 @@ def test_wrong_field_types(cls, good, index, bad):
 def test_misaligned_step_result(fields):
     with pytest.raises(ProtocolError, match="aligned"):
         decode_as(StepResult, [StepResult.TAG, *fields])
-
-
-def wire_row(rid, slot, window=0, draft=(), slots=(), windows=(), model_draft=0, page=0):
-    """A DecodeRow's wire fields."""
-    return [rid, slot, window, list(draft), list(slots), list(windows), model_draft, page]
 
 
 @pytest.mark.parametrize("drafts,slots", [
