@@ -22,9 +22,8 @@ import argparse
 import asyncio
 import json
 import random
-import time
 
-from bench.common import MlxdServer, bench_model, machine_summary
+from bench.common import MlxdServer, bench_model, machine_summary, now, timed_stream
 
 
 def limit_bytes(limit: str) -> int:
@@ -35,18 +34,6 @@ def limit_bytes(limit: str) -> int:
     if limit == "default":
         return memory_limit_bytes(ServerFlags().mem_fraction, 0)
     return memory_limit_bytes(0, float(limit))
-
-
-async def one_chat(client, ids: list[int], max_tokens: int) -> tuple[float, float, int]:
-    """(time of its first token, time it finished, tokens) of one streamed request."""
-    first, tokens = None, 0
-    async for chunk in client.stream(input_ids=ids, max_tokens=max_tokens, ignore_eos=True):
-        if chunk.error:
-            raise RuntimeError(chunk.error)
-        if chunk.token_ids and first is None:
-            first = time.perf_counter()
-        tokens += len(chunk.token_ids)
-    return first or time.perf_counter(), time.perf_counter(), tokens
 
 
 async def run_chats(address: str, vocab: int, n: int, prompt_tokens: int,
@@ -60,11 +47,11 @@ async def run_chats(address: str, vocab: int, n: int, prompt_tokens: int,
     prompts = [[rng.randrange(vocab // 2, vocab) for _ in range(prompt_tokens)]
                for _ in range(n)]
     async with AsyncClient(address, timeout=3600) as client:
-        started = time.perf_counter()
-        runs = await asyncio.gather(*(one_chat(client, ids, max_tokens) for ids in prompts))
-        wall = time.perf_counter() - started
+        started = now()
+        runs = await asyncio.gather(*(timed_stream(client, ids, max_tokens) for ids in prompts))
+        wall = now() - started
         stats = await client.stats()
-    assert all(tokens == max_tokens for _, _, tokens in runs), runs
+    assert all(tokens == max_tokens for _, _, tokens, _ in runs), runs
     last_start, first_end = max(r[0] for r in runs), min(r[1] for r in runs)
     running_at_once = sum(r[0] < first_end for r in runs)
     return {"chats": n, "chat_tokens": prompt_tokens, "max_tokens": max_tokens,

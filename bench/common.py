@@ -129,3 +129,18 @@ def machine_summary() -> str:
 
 def now() -> float:
     return time.perf_counter()
+
+
+async def timed_stream(client, ids: list[int], max_tokens: int) -> tuple:
+    """One streamed request of `ids` (ignore_eos) through the async SDK: (when its
+    first token came, when it ended, its tokens, its last usage), times by now();
+    an error chunk raises."""
+    first, tokens, usage = None, 0, {}
+    async for chunk in client.stream(input_ids=ids, max_tokens=max_tokens, ignore_eos=True):
+        if chunk.error:
+            raise RuntimeError(chunk.error)
+        if chunk.token_ids and first is None:
+            first = now()
+        tokens += len(chunk.token_ids)
+        usage = chunk.usage or usage
+    return first, now(), tokens, usage

@@ -24,7 +24,9 @@ import shutil
 import statistics
 import tempfile
 
-from bench.common import MlxdServer, bench_model, machine_summary, now, random_prompts, tokenizer_vocab
+from bench.common import (
+    MlxdServer, bench_model, machine_summary, now, random_prompts, timed_stream, tokenizer_vocab,
+)
 
 
 async def _drive(address: str, prompts, gen_len: int) -> dict:
@@ -35,12 +37,8 @@ async def _drive(address: str, prompts, gen_len: int) -> dict:
         start = now()
 
         async def one(ids):
-            first, tokens = None, 0
-            async for chunk in c.stream(input_ids=ids, max_tokens=gen_len, ignore_eos=True):
-                if chunk.token_ids and first is None:
-                    first = now() - start
-                tokens += len(chunk.token_ids)
-            return first, tokens
+            first, _, tokens, _ = await timed_stream(c, ids, gen_len)
+            return first - start, tokens
 
         results = await asyncio.gather(*(one(p) for p in prompts))
         elapsed = now() - start
@@ -83,12 +81,9 @@ async def _ttft(address: str, prompt: list[int], warm: list[int]) -> tuple[float
 
     async with AsyncClient(address, timeout=900) as c:
         await c.generate(input_ids=warm, max_tokens=2, ignore_eos=True)
-        start, first, usage = now(), None, {}
-        async for chunk in c.stream(input_ids=prompt, max_tokens=2, ignore_eos=True):
-            if chunk.token_ids and first is None:
-                first = now() - start
-            usage = chunk.usage or usage
-    return first, usage
+        start = now()
+        first, _, _, usage = await timed_stream(c, prompt, 2)
+    return first - start, usage
 
 
 def restart_run(model: str, prompt: list[int], warm: list[int], args) -> dict:

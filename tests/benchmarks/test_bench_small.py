@@ -1,5 +1,5 @@
-"""bench/codec.py, bench/blas_speed.py and bench/capacity.py: quick runs print their
-figures."""
+"""bench/codec.py, bench/blas_speed.py, bench/capacity.py and bench/prefix.py
+--half-cached: quick runs print their figures."""
 
 import json
 import subprocess
@@ -38,3 +38,15 @@ def test_capacity_bench_reports_the_pools_share_of_the_memory(llama_model, tmp_p
     assert row["kv_bits"] == 0 and row["kv_capacity"] % 64 == 0
     assert 0.9 <= row["share"] <= 1.0, row
     assert row["chats"] == 3 and row["retractions"] == 0 and row["all_at_once"], row
+
+
+def test_half_cached_prefix_bench_reports_both_ttfts(llama_model, tmp_path):
+    """bench/prefix.py --half-cached: the second prompt's first half is served from the
+    cache (cached_tokens), both first-token times are measured."""
+    out = subprocess.run([sys.executable, "-m", "bench.prefix", "--model", llama_model,
+                          "--half-cached", "--restart-len", "200",
+                          "--json", str(tmp_path / "p.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert report["cached"] == 100 and report["cold_s"] > 0 and report["half_cached_s"] > 0
