@@ -4,9 +4,10 @@ tokens; the verify (model_runner) checks them as it checks n-gram drafts.
 
 - **Its KV sits at the same pool slots** as the model's, in a pool of its own
   (`DraftModel.pool`, sized with the model's: the memory split counts both per
-  token). So the scheduler books it without knowing it exists: a prefix hit, a
-  retraction and resume, a chunked prefill read and write the draft's KV at the
-  slots they read and write the model's, and the worker never derives a slot id.
+  token), and its rows read that pool in place, as the model's rows read theirs
+  (paged_batch.py). So the scheduler books it without knowing it exists: a prefix
+  hit, a retraction and resume, a chunked prefill read and write the draft's KV at
+  the slots they read and write the model's, and the worker never derives a slot id.
 - **It runs only in drafting steps.** Its batch (`DraftModel.batch`) holds the
   model's rows in their order; the positions the model decodes between drafting
   steps wait per row (`lag`: each token and the slot sent for it), so a draft that
@@ -32,7 +33,7 @@ tokens; the verify (model_runner) checks them as it checks n-gram drafts.
 import mlx.core as mx
 
 from .decode import JoinGroup, UnsupportedModel
-from .kv_pool import KVGeometry, KVPool, write_ids
+from .kv_pool import KVGeometry, KVPool
 from .paged_batch import PagedDecodeBatch
 from .prefill import GroupPrefill
 from . import batch_cache
@@ -59,21 +60,19 @@ def same_vocabulary(tokenizer, draft_tokenizer) -> bool:
     return tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
-def drafter_for(model, capacity: int, most_pages: int, preallocate: bool = False,
+def drafter_for(model, capacity: int, arena_pages: int, preallocate: bool = False,
                 geometry: KVGeometry | None = None) -> "DraftModel":
     """A DraftModel of `model` decoding in pages (UnsupportedModel where its attention
-    cannot), its pool of `capacity` slots, its page arena growing to `most_pages`.
-    `geometry`: the model's, when probed already."""
+    cannot), its pool of `capacity` slots read in place, beside an arena of
+    `arena_pages` (as the model's). `geometry`: the model's, when probed already."""
     from .decode import decode_page_for, decode_rows
     from .model_runner import probe_geometry
 
     geometry = geometry or probe_geometry(model)
     page = decode_page_for(model, geometry, "paged")
-    # its rows hold their KV in their own pages: the draft's pool lacks the positions
-    # it has not run yet (`lag`)
-    # its pool is laid out as the model's, in pages: the scheduler's slot ids
-    return DraftModel(model, KVPool(geometry, capacity, page=page),
-                      decode_rows(geometry, page, most_pages, preallocate))
+    pool = KVPool(geometry, capacity, page=page)
+    return DraftModel(model, pool, decode_rows(geometry, page, arena_pages, preallocate,
+                                               pool=pool))
 
 
 class DraftModel:
@@ -144,12 +143,13 @@ class DraftModel:
         draft's distribution there. The first forward runs each row's lagging
         positions and its input (at `slots[i]`) and picks its first draft token;
         then one forward per further token, the last for the KV of the last. Every
-        position's KV goes to the pool (a draft token's at `draft_slots[i]`)."""
+        position's KV goes to the pool in the forward that computes it (a draft
+        token's at `draft_slots[i]`)."""
         most = max(counts)
         self._before = list(self.batch.lengths)
         runs = [[t for t, _ in self.lag.get(rid, [])] + [self.inputs[rid]] for rid in rids]
-        self._store([[s for _, s in self.lag.pop(rid, [])] + [slot]
-                     for rid, slot in zip(rids, slots)], self._catch_up(runs))
+        self._catch_up(runs, [[s for _, s in self.lag.pop(rid, [])] + [slot]
+                              for rid, slot in zip(rids, slots)])
         self._caught_up = [len(run) - 1 for run in runs]
         logits = self._last_logits
         picks, dists = [], []
@@ -158,39 +158,26 @@ class DraftModel:
             picks.append(tokens)
             dists.append(probs)
             self.batch.tokens = tokens
-            logits = self.batch.forward(self.model)
-            self._store([d[j:j + 1] for d in draft_slots], self.batch.newest_kv())
+            # a row past its own count computes a scratch position (no slot: the sink)
+            logits = self.batch.forward(self.model, slots=[d[j:j + 1] for d in draft_slots])
         mx.eval(picks)
         chosen = [p.tolist() for p in picks]
         return Proposal([[chosen[j][i] for j in range(n)] for i, n in enumerate(counts)], dists)
 
-    def _catch_up(self, runs: list[list[int]]) -> list[tuple[mx.array, mx.array]]:
+    def _catch_up(self, runs: list[list[int]], slots: list[list[int]]) -> None:
         """One forward of every row's `runs[i]` (its lagging tokens, then its input)
-        at its next positions; keeps each row's last logits (`_last_logits`) and
-        returns the KV of every position, rows in turn."""
+        at its next positions (their KV at `slots[i]`); keeps each row's last logits
+        (`_last_logits`)."""
         self.batch.tokens = mx.array([run[0] for run in runs], dtype=mx.int32)
         if max(len(run) for run in runs) == 1:
-            self._last_logits = self.batch.forward(self.model)
-        else:
-            logits = self.batch.forward(self.model, [run[1:] for run in runs])
-            ends, at = [], 0
-            for run in runs:
-                at += len(run)
-                ends.append(at - 1)
-            self._last_logits = logits[mx.array(ends)]
-        return self.batch.newest_kv()
-
-    def _store(self, slots: list[list[int]], kv: list[tuple[mx.array, mx.array]]) -> None:
-        """KV `[positions, heads, dim]` per layer, one position per row or each row's
-        positions in turn (as many as its slots, then): row i's at `slots[i]`; a
-        one-position forward's rows without a slot are left out."""
-        flat = [s for row in slots for s in row]
-        if not flat:
+            self._last_logits = self.batch.forward(self.model, slots=slots)
             return
-        index = None
-        if len(flat) != kv[0][0].shape[0]:   # one position per row, some without a slot
-            index = mx.array([i for i, row in enumerate(slots) if row])
-        self.pool.write_layers(kv, write_ids(flat, []), index)
+        logits = self.batch.forward(self.model, [run[1:] for run in runs], slots)
+        ends, at = [], 0
+        for run in runs:
+            at += len(run)
+            ends.append(at - 1)
+        self._last_logits = logits[mx.array(ends)]
 
     def accept(self, kept: list[int], tokens: mx.array) -> None:
         """After the verify: row i keeps its lagging positions and the first
@@ -201,7 +188,7 @@ class DraftModel:
 
     def arrays(self) -> list:
         """What a step evaluates to complete the draft's writes."""
-        return [self.pool.arrays, self.batch.pending_writes()]
+        return self.batch.pending_writes()
 
 
 class Proposal:

@@ -12,7 +12,7 @@ own) is copied into a page of the arena instead (at join, from the prefill cache
 and the positions the row decodes in it are written there and, by the runner, to
 their pool slots. Table entries: > 0 a pool page, < 0 an arena page (its negation).
 
-Without a pool (a draft model's batch, and the startup probe): every window in
+Without a pool (the startup probe, and tests of the arena): every window in
 the arena, as the rows' own copy (entries > 0: arena pages).
 
 Each forward builds the caches the model sees (a `PagedLayerCache` per KV leaf, the
@@ -261,7 +261,8 @@ class PagedDecodeBatch:
     def _extend_tables(self, queries: list[int], slots: list[list[int]] | None) -> None:
         """Pages for each row's next `queries[i]` positions: in the arena without a
         pool; with one, the pool page the Step's slot for a position starting a
-        window names (its offset checked), or, with no slot, the page booked for it."""
+        window names (its offset checked), or, with no slots, the page booked for it.
+        A window of scratch positions only (past a row's slots) takes entry 0."""
         page = self.arena.page
         for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
             short = -(-(n + q) // page) - len(table)
@@ -273,7 +274,10 @@ class PagedDecodeBatch:
             for w in range(len(table), len(table) + short):
                 p = w * page   # the window's first position; the row's next ones reach it
                 at = p - n
-                s = slots[i][at] if slots is not None and 0 <= at < len(slots[i]) else 0
+                if slots is not None and at >= len(slots[i]):
+                    table.append(0)
+                    continue
+                s = slots[i][at] if slots is not None else 0
                 if not s:
                     raise SlotMismatch(f"row {self.row_rids[i]}: no page for position {p}")
                 if s % page:
@@ -285,8 +289,9 @@ class PagedDecodeBatch:
                  slots: list[list[int]] | None) -> tuple[np.ndarray, np.ndarray]:
         """Per row and query slot `[rows, width]`: where each new position goes, as a
         row of the pool (> 0, the pool page's) or of the arena (< 0, negated; 0 for
-        padding: the arena's page 0). A Step's slot for a position in a pool page
-        must be that position's slot there."""
+        padding and scratch positions: the arena's page 0). A Step's slot for a
+        position in a pool page must be that position's slot there. With `slots`, a
+        row's positions past its slots are scratch (a draft row past its count)."""
         page = self.arena.page
         pool_at = np.zeros((len(self.tables), width), dtype=np.int64)
         arena_at = np.zeros((len(self.tables), width), dtype=np.int64)
@@ -294,13 +299,16 @@ class PagedDecodeBatch:
             at = n + np.arange(q)
             entries = np.asarray(table, dtype=np.int64)[at // page]
             if self.pool is not None:
+                if slots is not None:
+                    entries[len(slots[i]):] = 0
                 rows = entries * page + at % page
                 in_pool = entries > 0
                 pool_at[i, :q] = np.where(in_pool, rows, 0)
                 arena_at[i, :q] = np.where(in_pool, 0, -entries * page + at % page)
                 if slots is not None and in_pool.any():
                     want = np.asarray(slots[i][:q], dtype=np.int64)
-                    if (want[in_pool] != rows[in_pool]).any():
+                    named = in_pool[:len(want)]   # (scratch positions have no slot)
+                    if (want[named] != rows[:len(want)][named]).any():
                         raise SlotMismatch(f"row {self.row_rids[i]}: slots {want.tolist()} "
                                            f"are not its pages' {rows.tolist()}")
             else:
@@ -319,7 +327,9 @@ class PagedDecodeBatch:
         With `drafts` (one list per row, maybe empty), row i's input is its next
         token then `drafts[i]`, at consecutive positions (`slots[i]`: their slots),
         all attended causally in one forward (a verify): logits `[sum(1 +
-        len(d)), V]`, each row's positions in turn. The rows' lengths count every
+        len(d)), V]`, each row's positions in turn. A row's positions past its
+        `slots[i]` are scratch (a draft model's row that has drafted what it was
+        asked): written to the arena's page 0, read by nothing. The rows' lengths count every
         position until `accept` says how many of them hold KV to keep. Recurrent
         states see only each row's own positions (the padding of shorter drafts is
         masked out of them), and a verify's states count all of them: `replay`

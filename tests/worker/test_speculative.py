@@ -47,7 +47,7 @@ class Engine:
         drafter = None
         if draft is not None:   # the draft model of `--speculative draft`
             from mlxd.worker_proc.draft_model import drafter_for
-            drafter = drafter_for(load_reference(draft)[0], kv_capacity, kv_capacity // 64 + 1)
+            drafter = drafter_for(load_reference(draft)[0], kv_capacity, 8)
         self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows,
                                                  page=DECODE_PAGE),
                                  decode_layout=decode_layout, overlap=overlap, drafter=drafter)
@@ -93,6 +93,12 @@ class Engine:
             if entry.finish_reason:
                 self.final[entry.rid] = entry
         self.scheduler.check_integrity()
+        # rows read their KV where it is (the model's, where its batch reads the pool;
+        # the draft model's in its own pool)
+        if getattr(self.runner.batch, "pool", None) is not None:
+            assert self.runner.batch.cache_tokens == 0, "a row holds a copy of its KV"
+        if self.runner.drafter is not None:
+            assert self.runner.drafter.batch.cache_tokens == 0, "a draft row holds a copy"
         return True
 
     def run(self, arrivals: dict | None = None, max_steps: int = 5000) -> None:
