@@ -121,7 +121,8 @@ class WorkerLimits:
     scheduler books KV against it, the tokenizer checks prompts against it."""
 
     kv_capacity: int = wire(Int(minimum=1))          # KV pool slots
-    decode_cache_tokens: int = wire(Int(minimum=1))  # tokens the decode caches may span
+    # tokens the padded layout's decode caches may span (0 in pages: rows read the pool)
+    decode_cache_tokens: int = wire(Int(minimum=0))
     max_context: int = wire(Int(minimum=1))
     vocab_size: int = wire(Int(minimum=1))           # token ids the model embeds: [0, vocab_size)
     bytes_per_token: int = wire(Int(minimum=0))      # KV of one token, all layers (0: no KV layer)

@@ -238,10 +238,9 @@ class ServerFlags:
         "batch caches, every row as wide as the longest, beside the pool), or `auto` "
         "(paged where the model's attention allows)", (WORKER,))
     preallocate_decode_pages: bool = flag(
-        False, "allocate the decode's page arenas at their whole budget at startup "
-        "instead of growing them as rows need pages: the draft model's (`--speculative "
-        "draft`: its rows' own pages) and the model's small one (its rows read the KV "
-        "pool in place)", (WORKER,))
+        False, "allocate the float tails' rings (`--kv-bits` with `--kv-float-tail`) for "
+        "every running request at startup instead of as requests join (the decode "
+        "reads the KV pool in place: nothing else is allocated for it)", (WORKER,))
     disable_overlap: bool = flag(
         False, "compute each decode step only when its Step arrives (by default the "
         "worker computes the next decode, chained on the current one's tokens, while "

@@ -1,9 +1,9 @@
 """The decode batch: the one interface the ModelRunner speaks to the running rows, its
 two layouts, and the choice between them, made once at startup.
 
-- pages (`paged_batch.PagedDecodeBatch`): each row's KV in its own pages of a page
-  arena, attended in place (`decode_pages`); the default where the model's attention
-  goes through mlx_lm's `scaled_dot_product_attention`;
+- pages (`paged_batch.PagedDecodeBatch`): each row's KV in the KV pool's pages the
+  scheduler booked, attended in place (`decode_pages`); the default where the
+  model's attention goes through mlx_lm's `scaled_dot_product_attention`;
 - padded (`decode_batch.DecodeBatch`): mlx_lm's batch caches, every row as wide as
   the longest.
 
@@ -20,14 +20,6 @@ from mlxd.runtime.kv_layout import DECODE_PAGE
 from .batch_cache import LayerCache
 from .kv_pool import KVGeometry
 from .sampling import RowState
-
-# The page arena's first size: an eighth of its most, at least FIRST_PAGES; it doubles
-# when rows need more (a growth faults in and copies the arena within a step: ~1.5 s
-# per GiB on a 2-core CPU, so a few large growths rather than many small ones).
-FIRST_PAGES, FIRST_SHARE = 64, 8
-# Beside a pool the rows read in place, the arena holds only windows whose slots are
-# not at their page's offsets (none the scheduler books): it starts small.
-FIRST_POOL_PAGES = 8
 
 
 class UnsupportedModel(ValueError):
@@ -52,7 +44,7 @@ class DecodeRows(Protocol):
     for a released row not yet dropped (padded); `rids` are the live ones."""
 
     page: int                       # positions per page; 0: the padded layout
-    pool: object                    # the KVPool its rows read in place (None: their own copy)
+    pool: object                    # the KVPool its rows read in place (None: padded)
     direct: list[int]               # the last forward's new positions: the pool slot each
                                     # was written at by the forward (0: the runner writes it)
     row_rids: list[int | None]
@@ -61,9 +53,6 @@ class DecodeRows(Protocol):
 
     @property
     def rids(self) -> list[int]: ...
-
-    @property
-    def cache_tokens(self) -> int: ...
 
     def __len__(self) -> int: ...
 
@@ -101,7 +90,8 @@ def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
     (UnsupportedModel if the model's attention does not go through the hook),
     "padded", or "auto" (pages where the hook reaches every attention layer; a model
     without KV layers has nothing to page). Probes the model once (a 2-row decode)."""
-    from .decode_pages import PageArena, install_hook
+    from .decode_pages import install_hook
+    from .kv_pool import KVPool
     from .paged_batch import paged_decode_reaches
 
     if layout not in ("auto", "paged", "padded"):
@@ -109,9 +99,9 @@ def decode_page_for(model, geometry: KVGeometry, layout: str = "auto") -> int:
     if layout == "padded" or not geometry.num_layers:
         return 0
     install_hook(model)
-    g = geometry
-    probe = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 2)
-    if paged_decode_reaches(model, g.cache_layout, probe):
+    g = replace(geometry, k_bits=0, v_bits=0)
+    probe = KVPool(g, 2 * DECODE_PAGE, page=DECODE_PAGE)
+    if paged_decode_reaches(model, g.cache_layout, arena_for(g, DECODE_PAGE), probe):
         return DECODE_PAGE
     if layout == "paged":
         raise UnsupportedModel("mlxd cannot decode this model in pages: its attention does "
@@ -132,34 +122,29 @@ def float_tail_bytes(geometry: KVGeometry, page: int, float_tail: int, max_rows:
     return (max_rows + 1) * tail_ring(float_tail, slack) * float_kv.bytes_per_token
 
 
-def first_pages(most: int) -> int:
-    """The page arena's first size for a budget of `most` pages."""
-    return min(most, max(FIRST_PAGES, most // FIRST_SHARE))
-
-
-def decode_rows(geometry: KVGeometry, page: int, most_pages: int,
-                preallocate: bool = False, pool=None, float_tail: int = 0,
-                max_rows: int = 0, tail_slack: int = 0) -> DecodeRows:
-    """The decode batch of the layout `decode_page_for` chose (`page`; 0: padded). In
-    pages, rows read `pool` (a KVPool) in place where its pages are `page`
-    positions and it has no window pool, and hold in an arena only the windows
-    that are not one pool page (without such a pool: every window, their own
-    copy); the arena grows to `most_pages`, from `first_pages(most_pages)` or,
-    with `preallocate`, all of it at once. Quantized pages keep each row's newest
-    `float_tail` positions in float too, for up to `max_rows` rows and verifies of
-    up to `tail_slack` drafts (memory: `float_tail_bytes`)."""
-    from .decode_batch import DecodeBatch
+def arena_for(geometry: KVGeometry, page: int, float_tail: int = 0, max_rows: int = 0,
+              tail_slack: int = 0, all_rings: bool = False):
+    """The arena beside a paged batch's pool: its page 0 (padding and scratch
+    positions) and, where the geometry's KV is quantized, the rows' float tails."""
     from .decode_pages import PageArena
-    from .paged_batch import PagedDecodeBatch
 
     g = geometry
+    return PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 0, page,
+                     k_bits=g.k_bits, v_bits=g.v_bits, group=g.kv_group, float_tail=float_tail,
+                     max_rows=max_rows, tail_slack=tail_slack, all_rings=all_rings)
+
+
+def decode_rows(geometry: KVGeometry, page: int, pool=None, all_rings: bool = False,
+                float_tail: int = 0, max_rows: int = 0, tail_slack: int = 0) -> DecodeRows:
+    """The decode batch of the layout `decode_page_for` chose (`page`; 0: padded). In
+    pages, rows read `pool` (a KVPool of pages of `page` positions, with no window
+    pool) in place. Quantized pages keep each row's newest `float_tail` positions in
+    float too, for up to `max_rows` rows (rings for all of them at once with
+    `all_rings`) and verifies of up to `tail_slack` drafts (memory: `float_tail_bytes`)."""
+    from .decode_batch import DecodeBatch
+    from .paged_batch import PagedDecodeBatch
+
     if not page:
-        return DecodeBatch(g.layout)
-    reads_pool = pool is not None and pool.page == page and not pool.uses_windows
-    first = first_pages(most_pages) if not reads_pool else min(most_pages, FIRST_POOL_PAGES)
-    arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype,
-                      most_pages if preallocate else first, page,
-                      max_pages=most_pages, k_bits=g.k_bits, v_bits=g.v_bits,
-                      group=g.kv_group, float_tail=float_tail, max_rows=max_rows,
-                      tail_slack=tail_slack)
-    return PagedDecodeBatch(g.cache_layout, arena, pool if reads_pool else None)
+        return DecodeBatch(geometry.layout)
+    arena = arena_for(geometry, page, float_tail, max_rows, tail_slack, all_rings)
+    return PagedDecodeBatch(geometry.cache_layout, arena, pool)

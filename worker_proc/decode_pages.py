@@ -89,11 +89,13 @@ class PageArena:
     def __init__(self, num_leaves: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  pages: int, page: int = DECODE_PAGE, max_pages: int = 0,
                  k_bits: int = 0, v_bits: int = 0, group: int = GROUP,
-                 float_tail: int = 0, max_rows: int = 0, tail_slack: int = 8):
+                 float_tail: int = 0, max_rows: int = 0, tail_slack: int = 8,
+                 all_rings: bool = False):
         """`k_bits`/`v_bits`: pages hold keys/values in MLX affine groups of `group`
         (0: float). `float_tail` (with either quantized): each row's newest positions
         are attended from a float ring too (`tail`; `tail_ring(float_tail,
-        tail_slack)` positions each), for up to `max_rows` rows (0: no limit)."""
+        tail_slack)` positions each), for up to `max_rows` rows (0: no limit), rings
+        for all of them allocated at once with `all_rings`."""
         self.num_leaves, self.heads, self.page = num_leaves, heads, page
         self.k_dim, self.v_dim, self.dtype = k_dim, v_dim, dtype
         self.k_format = KVFormat.of(dtype, k_bits, k_dim, group)
@@ -101,9 +103,7 @@ class PageArena:
         quantized = self.k_format.quantized or self.v_format.quantized
         # the float tail: a ring (`tail_ring` positions) per row, one page of `tail` each
         self.tail_keep = float_tail if quantized else 0
-        # rings for every row at once where the pages are allocated whole at once
-        rings = max_rows if max_rows and max_pages and pages >= max_pages else \
-            min(max_rows or FIRST_RINGS, FIRST_RINGS)
+        rings = max_rows if max_rows and all_rings else min(max_rows or FIRST_RINGS, FIRST_RINGS)
         self.tail = PageArena(num_leaves, heads, k_dim, v_dim, dtype, rings,
                               tail_ring(float_tail, tail_slack),
                               max_pages=max_rows) if self.tail_keep else None
@@ -116,7 +116,7 @@ class PageArena:
                                              for _ in range(num_leaves)]
         self._free: list[int] = []
         self._holders: dict[int, int] = {}   # page -> rows holding it
-        self._grow(max(1, pages))
+        self._grow(pages)
 
     @property
     def num_free(self) -> int:

@@ -60,19 +60,17 @@ def same_vocabulary(tokenizer, draft_tokenizer) -> bool:
     return tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
-def drafter_for(model, capacity: int, arena_pages: int, preallocate: bool = False,
-                geometry: KVGeometry | None = None) -> "DraftModel":
+def drafter_for(model, capacity: int, geometry: KVGeometry | None = None) -> "DraftModel":
     """A DraftModel of `model` decoding in pages (UnsupportedModel where its attention
-    cannot), its pool of `capacity` slots read in place, beside an arena of
-    `arena_pages` (as the model's). `geometry`: the model's, when probed already."""
+    cannot), its pool of `capacity` slots read in place. `geometry`: the model's,
+    when probed already."""
     from .decode import decode_page_for, decode_rows
     from .model_runner import probe_geometry
 
     geometry = geometry or probe_geometry(model)
     page = decode_page_for(model, geometry, "paged")
     pool = KVPool(geometry, capacity, page=page)
-    return DraftModel(model, pool, decode_rows(geometry, page, arena_pages, preallocate,
-                                               pool=pool))
+    return DraftModel(model, pool, decode_rows(geometry, page, pool))
 
 
 class DraftModel:

@@ -84,9 +84,7 @@ def build_runner(cfg: WorkerConfig):
     from .grammar import Grammars
     from .kv_pool import KVPool
     from .loading import is_quantized, load_for_serving
-    from .memory import (
-        arena_tokens, buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split,
-    )
+    from .memory import buffer_cache_bytes, kv_budget, memory_limit_bytes, window_split
     from .model_runner import ModelRunner, probe_geometry, probe_vocab_size
     from .verify_cost import measure_draft_cost, measure_verify_costs
     from .group import agree, form_group, layer_kinds, load_sharded, local_stage
@@ -116,17 +114,15 @@ def build_runner(cfg: WorkerConfig):
     windows = None if page else window_split(geometry, max_context, flags.max_prefill_tokens,
                                              flags.window_capacity)
     pool_token_bytes = geometry.bytes_per_token - (windows.bytes_per_token if windows else 0)
-    draft_arena = 0
     if draft is not None:   # the draft's KV sits at the same slots, in its own pool
-        pool_token_bytes += draft[1].bytes_per_token   # (and an arena as the model's)
-        draft_arena = arena_tokens(page) * draft[1].bytes_per_token
+        pool_token_bytes += draft[1].bytes_per_token
     # --kv-disk: spills wait for the writer in memory, up to this many bytes
     disk_queue = min(256 << 20, max(32 << 20, limit // 16)) if flags.kv_disk else 0
     # the float tail's rings have room for the longest verify
     slack = flags.spec_max_draft if flags.speculative != "off" else 0
     tail_bytes = float_tail_bytes(geometry, page, flags.kv_float_tail,
                                   flags.max_running_requests, slack)
-    budget = kv_budget(limit, weights_bytes + state_bytes + disk_queue + tail_bytes + draft_arena,
+    budget = kv_budget(limit, weights_bytes + state_bytes + disk_queue + tail_bytes,
                        max(1, pool_token_bytes),
                        flags.max_running_requests,
                        ceiling=flags.max_running_requests * max_context,
@@ -137,8 +133,7 @@ def build_runner(cfg: WorkerConfig):
                   budget.window_capacity, page=page or 1)
     cache_bytes = buffer_cache_bytes(page, budget.decode_cache_tokens, geometry.bytes_per_token)
     mx.set_cache_limit(cache_bytes)
-    batch = decode_rows(geometry, page, -(-budget.decode_cache_tokens // page) if page else 0,
-                        flags.preallocate_decode_pages, pool=pool,
+    batch = decode_rows(geometry, page, pool, flags.preallocate_decode_pages,
                         float_tail=flags.kv_float_tail, max_rows=flags.max_running_requests,
                         tail_slack=slack)
     drafter = None
@@ -146,8 +141,7 @@ def build_runner(cfg: WorkerConfig):
         if not page:
             raise UnsupportedModel("--draft-model needs the paged decode layout, which "
                                    "this model or --decode-layout does not take")
-        drafter = drafter_for(draft[0], budget.capacity, -(-budget.decode_cache_tokens // page),
-                              flags.preallocate_decode_pages, geometry=draft[1])
+        drafter = drafter_for(draft[0], budget.capacity, geometry=draft[1])
     runner = ModelRunner(model, pool, batch, vocab_size, cfg.prefill_step_size,
                          overlap=not flags.disable_overlap,
                          grammars=Grammars.for_model(tokenizer, vocab_size), drafter=drafter)

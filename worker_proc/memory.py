@@ -1,10 +1,8 @@
 """KV capacity from a memory limit, counting the pool, the window pool and the live
 decode caches.
 
-In pages the pool is the one KV store: running rows read it in place; beside it
-the decode keeps a small arena (`ARENA_PAGES`) for a window whose slots are not at
-their page's offsets, which the scheduler's pages never send. The padded layout's
-caches hold every running row's KV again, twice while a join copies them."""
+In pages the pool is the one KV store: running rows read it in place. The padded
+layout's caches hold every running row's KV again, twice while a join copies them."""
 
 import os
 from dataclasses import dataclass
@@ -15,10 +13,6 @@ from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget
 
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
-# The paged decode's arena: windows whose slots are not at their page's offsets
-# (none the scheduler books; decode.FIRST_POOL_PAGES, doubling if ever needed).
-ARENA_PAGES = 8
-
 
 def machine_memory_bytes() -> int:
     try:
@@ -39,7 +33,8 @@ def memory_limit_bytes(mem_fraction: float, mem_limit_gb: float) -> int:
 @dataclass(frozen=True)
 class KVBudget:
     capacity: int             # tokens in the slot pool
-    decode_cache_tokens: int  # tokens the decode caches may span (kv_layout's rule)
+    decode_cache_tokens: int  # tokens the padded decode caches may span (kv_layout's
+                              # rule; 0 in pages)
     window_capacity: int = 0  # window pool slots (0: no window pool)
 
 
@@ -76,8 +71,7 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
               max_running: int, ceiling: int, capacity: int = 0,
               windows: WindowSplit | None = None, page: int = 0) -> KVBudget:
     """Split memory between the pool (C tokens) and the decode caches. In pages
-    (`page` > 0) the pool is the one KV term, beside the arena (`arena_tokens`, the
-    budget's `decode_cache_tokens`). Padded (`page` 0): D tokens,
+    (`page` > 0) the pool is the one KV term. Padded (`page` 0): D tokens,
     kv_layout.decode_cache_budget(C), held `decode_cache_copies` times (twice while
     a join copies them): C + 2D fits. An explicit `capacity` sizes only the pool.
     With `windows` (padded only), `bytes_per_token` counts the global layers only
@@ -97,20 +91,14 @@ def kv_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
     return KVBudget(int(pool), decode_cache_budget(int(pool), max_running))
 
 
-def arena_tokens(page: int) -> int:
-    """Positions of the paged decode's arena (see the module)."""
-    return ARENA_PAGES * page
-
-
 def _paged_budget(limit_bytes: int, weights_bytes: int, bytes_per_token: int,
                   max_running: int, ceiling: int, capacity: int, page: int) -> KVBudget:
-    """One KV term: the pool C (whole pages, at most `ceiling`), beside the arena."""
-    arena = arena_tokens(page)
+    """One KV term: the pool C (whole pages, at most `ceiling`)."""
     if not capacity:
         tokens = (limit_bytes - weights_bytes - ACTIVATION_RESERVE_BYTES) // bytes_per_token
-        capacity = min(tokens - arena, ceiling)
+        capacity = min(tokens, ceiling)
         _check_room(capacity, limit_bytes, weights_bytes)
-    return KVBudget(max(page, capacity // page * page), arena)
+    return KVBudget(max(page, capacity // page * page), 0)
 
 
 def buffer_cache_bytes(page: int, decode_cache_tokens: int, bytes_per_token: int) -> int:
@@ -118,7 +106,7 @@ def buffer_cache_bytes(page: int, decode_cache_tokens: int, bytes_per_token: int
     costs a page fault per 4 KiB (a 64-row padded join took ~1.5 s on the CPU backend,
     whose cache limit starts at 0). Padded: joins and releases replace the decode
     caches' buffers, whose second copy the split already counts; that is the room.
-    Pages: the arena stays put; prefill's buffers come from the activation reserve."""
+    Pages: no decode cache; prefill's buffers come from the activation reserve."""
     if page:
         return ACTIVATION_RESERVE_BYTES
     return decode_cache_tokens * bytes_per_token

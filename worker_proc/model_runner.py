@@ -82,17 +82,14 @@ class ChainedDecode:
     output: _Output | None = None
 
 
-def runner_for(model, pool: KVPool, decode_layout: str = "auto", decode_pages: int = 0,
-               preallocate_pages: bool = False, float_tail: int = 0, tail_slack: int = 8,
-               **options) -> "ModelRunner":
+def runner_for(model, pool: KVPool, decode_layout: str = "auto", float_tail: int = 0,
+               tail_slack: int = 8, **options) -> "ModelRunner":
     """A ModelRunner for `model`, its decode layout chosen (`decode_page_for`) and the
-    model probed here, once. `decode_pages`: the most the page arena grows to (0: the
-    pool's capacity); `float_tail`: quantized pages' (decode_rows); `options`:
+    model probed here, once. `float_tail`: quantized pages' (decode_rows); `options`:
     ModelRunner's."""
     page = decode_page_for(model, pool.geometry, decode_layout)
-    most = decode_pages or (-(-pool.capacity // page) + 1 if page else 0)
-    batch = decode_rows(pool.geometry, page, most, preallocate_pages, pool=pool,
-                        float_tail=float_tail, tail_slack=tail_slack)
+    batch = decode_rows(pool.geometry, page, pool, float_tail=float_tail,
+                        tail_slack=tail_slack)
     return ModelRunner(model, pool, batch, probe_vocab_size(model), **options)
 
 
@@ -322,7 +319,7 @@ class ModelRunner:
                 raise SlotMismatch(f"step {step.step_id}: request {row.rid}'s slot "
                                    f"{row.slot} is not where its page puts its input "
                                    f"({direct[position[row.rid]]})")
-        # the inputs written to the arena only: their KV to the pool at the Step's slots
+        # the inputs the forward did not write to the pool (the padded layout's): to it
         pending = [row for row in rows if not direct[position[row.rid]]]
         if pending:
             ids = write_ids([row.slot for row in pending],

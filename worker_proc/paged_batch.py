@@ -1,23 +1,21 @@
 """The running requests' decode state in pages (decode_pages): one page table per
-row, recurrent states (hybrid models) one row each.
+row over the KV pool, recurrent states (hybrid models) one row each.
 
-With the pool (`pool`, the default for the model): a row's KV is where the prefill
-and the decode steps wrote it, the pool's pages (kv_pool.py; the scheduler books
-whole pages, position p at offset p mod the page size). A row's table names, per
-window of `page` positions, the pool page that holds them, so a join copies
-nothing and a prefix several rows start from is read once per row where the tree
-keeps it. A window whose positions are not one pool page (a cached prefix that
-ends inside a page: its positions in the prefix's page, the rest in the row's
-own) is copied into a page of the arena instead (at join, from the prefill cache),
-and the positions the row decodes in it are written there and, by the runner, to
-their pool slots. Table entries: > 0 a pool page, < 0 an arena page (its negation).
-
-Without a pool (the startup probe, and tests of the arena): every window in
-the arena, as the rows' own copy (entries > 0: arena pages).
+A row's KV is where the prefill and the decode steps wrote it, the pool's pages
+(kv_pool.py; the scheduler books whole pages, position p at offset p mod the page
+size). A row's table names, per window of `page` positions, the pool page that
+holds them, so a join copies nothing and a prefix several rows start from is read
+once per row where the tree keeps it. A window whose positions are in two pages (a
+cached prefix that ends inside a page: its positions in the prefix's page, the rest
+in the row's own) is completed in the row's own page (the prefix's positions copied
+there, as stored); slots not at their page's offsets are refused (`SlotMismatch`).
+Nothing else holds KV: the arena beside the pool (decode_pages.PageArena) has only
+its page 0, where padding and scratch positions are written and nothing reads, and,
+with quantized pages, the rows' float tails.
 
 Each forward builds the caches the model sees (a `PagedLayerCache` per KV leaf, the
 persistent state caches) from the tables: where each new position is written and
-the (row, page) pairs each window size reads in each store.
+the (row, page) pairs each window size reads.
 """
 
 import mlx.core as mx
@@ -38,11 +36,13 @@ class SlotMismatch(ValueError):
 
 
 class PagedDecodeBatch:
-    """Rows in order; `row_rids` never holds a released row (release is free).
-    `pool`: rows read the pool's pages in place (see the module)."""
+    """Rows in order; `row_rids` never holds a released row (release is free). Rows
+    read `pool`'s pages in place (see the module); `arena` has their float tails."""
 
-    def __init__(self, layout: CacheLayout, arena: PageArena, pool: KVPool | None = None):
-        assert pool is None or (pool.page == arena.page and not pool.uses_windows)
+    def __init__(self, layout: CacheLayout, arena: PageArena, pool: KVPool):
+        if pool.page != arena.page or pool.uses_windows:
+            raise ValueError("the paged decode reads a pool of pages of "
+                             f"{arena.page} positions with no window pool")
         self.layout, self.arena, self.pool = layout, arena, pool
         self.row_rids: list[int] = []
         self.rows: list[RowState] = []
@@ -60,7 +60,7 @@ class PagedDecodeBatch:
         self._positions: mx.array | None = None   # a verify's real positions of [B * L]
         self._verified = None   # a verify's (inputs, states before it), with states
         # the last forward's new positions (rows' in turn): the pool slot each was
-        # written at by the forward itself (0: written to the arena only)
+        # written at by the forward itself (0: a scratch position)
         self.direct: list[int] = []
 
     @property
@@ -74,25 +74,10 @@ class PagedDecodeBatch:
     def __len__(self) -> int:
         return len(self.row_rids)
 
-    @property
-    def cache_tokens(self) -> int:
-        """Tokens the rows' arena pages span (their own copies)."""
-        return sum(1 for t in self.tables for e in t if self._in_arena(e)) * self.arena.page
-
-    def _in_arena(self, entry: int) -> bool:
-        return entry < 0 if self.pool is not None else entry > 0
-
-    def _arena_page(self, entry: int) -> int:
-        return -entry if self.pool is not None else entry
-
-    def _arena_entry(self, page: int) -> int:
-        return -page if self.pool is not None else page
-
     # ---- rows joining and leaving ------------------------------------------
 
     def add(self, groups: list[JoinGroup]) -> None:
-        """Every joining row's table (its windows' pool pages; the rest copied into
-        the arena); append the rows."""
+        """Every joining row's table (its windows' pool pages); append the rows."""
         tokens = [] if self.tokens is None else [self.tokens]
         for group in groups:
             self._write_group(group)
@@ -107,15 +92,11 @@ class PagedDecodeBatch:
         lefts, end = batch_cache.row_extents(kv[0])
         lengths = [end - left for left in lefts]
         slots = group.slots or [None] * len(lengths)
-        tables, fresh, copies = [], [], ([], [])
-        for n, row_slots in zip(lengths, slots):
-            table, todo = self._table(n, row_slots, copies)
-            tables.append(table)
-            fresh.append(todo)
+        copies = ([], [])
+        tables = [self._table(rid, n, row_slots, copies)
+                  for rid, n, row_slots in zip(group.rids, lengths, slots)]
         if copies[0]:
             self._copy_in_pool(*copies)
-        if end:
-            self._write_pages(kv, tables, fresh, lefts, end)
         if self.arena.tail is not None:
             rings = self.arena.tail.allocate(len(lengths))
             self._write_rings(kv, rings, lengths, lefts)
@@ -130,50 +111,34 @@ class PagedDecodeBatch:
             else:
                 self.states[i] = [mx.concatenate([a, b]) for a, b in zip(self.states[i], arrays)]
 
-    def _table(self, n: int, slots: list[int] | None,
-               copies: tuple[list[int], list[int]]) -> tuple[list[int], list[int]]:
+    def _table(self, rid: int, n: int, slots: list[int] | None,
+               copies: tuple[list[int], list[int]]) -> list[int]:
         """The table of a row joining with `n` positions held at pool `slots`: each
         window whose positions are one pool page (position p at offset p mod page)
         reads that page. A window whose positions are in two (a cached prefix ends
         inside a page: the prefix's positions in its page, the row's own in the page
         the row took for the window) reads the row's page, the prefix's positions
         copied into it (`copies`: from, to; the scheduler leaves a page's slots before
-        its taker's first position loose, for its taker alone). Any other window
-        gets an arena page. Returns (table, indices of the arena pages to write)."""
+        its taker's first position loose, for its taker alone)."""
+        if not n:
+            return []
+        if slots is None or len(slots) != n:
+            raise SlotMismatch(f"row {rid} joins with {n} positions but "
+                               f"{0 if slots is None else len(slots)} slots")
         page = self.arena.page
-        windows = -(-n // page)
-        table = [0] * windows
-        assert slots is None or len(slots) == n, "a joining row's slots are its positions'"
-        if self.pool is not None and slots is not None and n:
-            held = np.asarray(slots, np.int64)
-            table = _pool_windows(held, page)
-            for j in [j for j, e in enumerate(table) if not e]:
-                table[j] = _copy_into_own_page(held, j, page, copies)
-        todo = [j for j, e in enumerate(table) if not e]
-        for j, p in zip(todo, self.arena.allocate(len(todo))):
-            table[j] = self._arena_entry(p)
-        return table, todo
+        held = np.asarray(slots, np.int64)
+        table = _pool_windows(held, page)
+        for j in [j for j, e in enumerate(table) if not e]:
+            table[j] = _copy_into_own_page(held, j, page, copies)
+        if not all(table):
+            raise SlotMismatch(f"row {rid}: slots {slots} are not at their pages' offsets")
+        return table
 
     def _copy_in_pool(self, sources: list[int], targets: list[int]) -> None:
         """Copy these pool slots' KV (as stored) to those, in every KV layer."""
         src, dst = mx.array(sources, mx.int32), mx.array(targets, mx.int32)
         for layer in range(len(self.pool.keys)):
             self.pool.write_raw(layer, dst, self.pool.read_raw(layer, src))
-
-    def _write_pages(self, kv: list, tables: list[list[int]], fresh: list[list[int]],
-                     lefts: list[int], end: int) -> None:
-        """Every row's positions of every KV leaf into its fresh arena pages: per run
-        of consecutive page ids, one slice of the prefill cache into one slice of
-        the arena (columns past the row's end are padding, masked out)."""
-        page = self.arena.page
-        for r, (table, todo, left) in enumerate(zip(tables, fresh, lefts)):
-            arena_table = [self._arena_page(e) for e in table]
-            for j, first, n in _runs(arena_table, todo):
-                start = left + j * page
-                stop = min(start + n * page, end)
-                for leaf, cache in enumerate(kv):
-                    k, v = batch_cache.row_columns(cache, r, start, stop)   # [heads, m, dim]
-                    self.arena.write_run(leaf, first, k, v)
 
     def _write_rings(self, kv: list, rings: list[int], lengths: list[int],
                      lefts: list[int]) -> None:
@@ -193,31 +158,21 @@ class PagedDecodeBatch:
                                       v.reshape(-1, v.shape[-1]))
 
     def check_integrity(self) -> None:
-        """The arena's pages are those the tables hold there; each row holds a ring
-        of the float tail of its own."""
-        self.arena.check_integrity([[self._arena_page(e) for e in t if self._in_arena(e)]
-                                    for t in self.tables])
+        """Each row holds a ring of the float tail of its own."""
         if self.arena.tail is not None:
             self.arena.tail.check_integrity([[r] for r in self.rings])
 
-    def _let_go(self, entries: list[int]) -> None:
-        """A row lets go of these table entries (its arena pages go back; its pool
-        pages are the scheduler's)."""
-        self.arena.free([self._arena_page(e) for e in entries if self._in_arena(e)])
-
     def remove(self, rids: set[int]) -> None:
-        """Drop released rows: their arena pages go back, the rest stay where they are."""
+        """Drop released rows (their rings go back; their pages are the scheduler's)."""
         if not rids.intersection(self.row_rids):
             return
         keep = [i for i, rid in enumerate(self.row_rids) if rid not in rids]
         if not keep:
             self.clear()
             return
-        for i, rid in enumerate(self.row_rids):
-            if rid in rids:
-                self._let_go(self.tables[i])
-                if self.rings:
-                    self.arena.tail.free([self.rings[i]])
+        if self.rings:
+            self.arena.tail.free([self.rings[i] for i, rid in enumerate(self.row_rids)
+                                  if rid in rids])
         self.row_rids = [self.row_rids[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.tables = [self.tables[i] for i in keep]
@@ -230,8 +185,8 @@ class PagedDecodeBatch:
         self.states = [[a[index] for a in leaf] for leaf in self.states]
 
     def clear(self) -> None:
-        """No rows: every arena page free (also after a step that failed midway
-        through a join or a growth, whose pages no table names)."""
+        """No rows: every ring free (also after a step that failed midway through a
+        join or a growth, whose rings no row names)."""
         self.arena.reset()
         self.row_rids, self.rows, self.tables, self.lengths = [], [], [], []
         self.rings, self.reached = [], []
@@ -244,8 +199,6 @@ class PagedDecodeBatch:
     def booked(self, rid_pages: dict[int, int]) -> None:
         """The pool pages (the rows' `DecodeRow.chain_page`) next positions start: their
         tables take them, so a chained decode writes there."""
-        if self.pool is None:   # the rows' pages are the arena's, taken as they fill
-            return
         page = self.arena.page
         for i, rid in enumerate(self.row_rids):
             q = rid_pages.get(rid, 0)
@@ -255,21 +208,17 @@ class PagedDecodeBatch:
     def knows_next(self) -> bool:
         """Every row's next position has its page (a chained decode may run)."""
         page = self.arena.page
-        return self.pool is None or all(n // page < len(t)
-                                        for t, n in zip(self.tables, self.lengths))
+        return all(n // page < len(t) for t, n in zip(self.tables, self.lengths))
 
     def _extend_tables(self, queries: list[int], slots: list[list[int]] | None) -> None:
-        """Pages for each row's next `queries[i]` positions: in the arena without a
-        pool; with one, the pool page the Step's slot for a position starting a
-        window names (its offset checked), or, with no slots, the page booked for it.
-        A window of scratch positions only (past a row's slots) takes entry 0."""
+        """Pages for each row's next `queries[i]` positions: the pool page the Step's
+        slot for a position starting a window names (its offset checked), or, with
+        no slots, the page booked for it. A window of scratch positions only (past a
+        row's slots) takes entry 0."""
         page = self.arena.page
         for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
             short = -(-(n + q) // page) - len(table)
             if short <= 0:
-                continue
-            if self.pool is None:
-                table += self.arena.allocate(short)
                 continue
             for w in range(len(table), len(table) + short):
                 p = w * page   # the window's first position; the row's next ones reach it
@@ -287,32 +236,24 @@ class PagedDecodeBatch:
 
     def _targets(self, queries: list[int], width: int,
                  slots: list[list[int]] | None) -> tuple[np.ndarray, np.ndarray]:
-        """Per row and query slot `[rows, width]`: where each new position goes, as a
-        row of the pool (> 0, the pool page's) or of the arena (< 0, negated; 0 for
-        padding and scratch positions: the arena's page 0). A Step's slot for a
-        position in a pool page must be that position's slot there. With `slots`, a
-        row's positions past its slots are scratch (a draft row past its count)."""
+        """Per row and query slot `[rows, width]`: the pool row each new position is
+        written at (0: none), and the arena's page 0 row of the rest (padding, and
+        scratch positions: with `slots`, a row's positions past its slots, as a draft
+        row's past its count). A Step's slot must be its position's in the row's page."""
         page = self.arena.page
         pool_at = np.zeros((len(self.tables), width), dtype=np.int64)
         arena_at = np.zeros((len(self.tables), width), dtype=np.int64)
         for i, (table, n, q) in enumerate(zip(self.tables, self.lengths, queries)):
             at = n + np.arange(q)
             entries = np.asarray(table, dtype=np.int64)[at // page]
-            if self.pool is not None:
-                if slots is not None:
-                    entries[len(slots[i]):] = 0
-                rows = entries * page + at % page
-                in_pool = entries > 0
-                pool_at[i, :q] = np.where(in_pool, rows, 0)
-                arena_at[i, :q] = np.where(in_pool, 0, -entries * page + at % page)
-                if slots is not None and in_pool.any():
-                    want = np.asarray(slots[i][:q], dtype=np.int64)
-                    named = in_pool[:len(want)]   # (scratch positions have no slot)
-                    if (want[named] != rows[:len(want)][named]).any():
-                        raise SlotMismatch(f"row {self.row_rids[i]}: slots {want.tolist()} "
-                                           f"are not its pages' {rows.tolist()}")
-            else:
-                arena_at[i, :q] = entries * page + at % page
+            named = q if slots is None else min(q, len(slots[i]))
+            entries[named:] = 0
+            rows = entries * page + at % page
+            pool_at[i, :q] = np.where(entries > 0, rows, 0)
+            arena_at[i, :q] = np.where(entries > 0, 0, at % page)
+            if slots is not None and (np.asarray(slots[i][:named]) != rows[:named]).any():
+                raise SlotMismatch(f"row {self.row_rids[i]}: slots {slots[i][:named]} are "
+                                   f"not its pages' {rows[:named].tolist()}")
         return pool_at, arena_at
 
     # ---- decode ----------------------------------------------------------
@@ -320,9 +261,8 @@ class PagedDecodeBatch:
     def forward(self, model, drafts: list[list[int]] | None = None,
                 slots: list[list[int]] | None = None) -> mx.array:
         """Logits `[rows, V]` for the next token of every row (lazy). Each row's
-        input goes at its next position: in the pool, at the slot `slots[i][0]` the
-        Step names (None: a chained decode, at the slot its page puts it), or, in a
-        window the row holds in the arena, there (the runner writes the pool).
+        input goes at its next position in the pool, at the slot `slots[i][0]` the
+        Step names (None: a chained decode, at the slot its page puts it).
 
         With `drafts` (one list per row, maybe empty), row i's input is its next
         token then `drafts[i]`, at consecutive positions (`slots[i]`: their slots),
@@ -367,24 +307,16 @@ class PagedDecodeBatch:
         several = queries if width > 1 else None
         ring_rows, lows = self._tail_step(after, queries, width)
         windows = set(self.layout.windows)
-        pairs, pool_pairs = {}, {}
-        if self.pool is None or any(e < 0 for t in self.tables for e in t):
-            arena_tables = [[self._arena_page(e) if self._in_arena(e) else 0 for e in t]
-                            for t in self.tables]
-            pairs = {w: step_pairs(arena_tables, after, self.arena, w, several, lows)
-                     for w in windows}
-        if self.pool is not None:
-            pool_tables = [[e if e > 0 else 0 for e in t] for t in self.tables]
-            pool_pairs = {w: step_pairs(pool_tables, after, self.pool, w, several, lows)
-                          for w in windows}
+        pairs = {w: step_pairs(self.tables, after, self.pool, w, several, lows)
+                 for w in windows}
         spans = {w: self._span(after, w, queries[0]) for w in windows}
         tails = {}
         if lows is not None:
             tail_at = (writes.heads, ring_rows)
             tails = {w: (tail_at, tail_pairs(self.rings, after, lows, self.arena.tail, w,
                                              several)) for w in windows}
-        self._leaves = [PagedLayerCache(self.arena, i, offset, writes, pairs.get(w), spans[w],
-                                        tails.get(w), self.pool, pool_pairs.get(w))
+        self._leaves = [PagedLayerCache(self.arena, i, offset, writes, None, spans[w],
+                                        tails.get(w), self.pool, pairs[w])
                         for i, w in enumerate(self.layout.windows)]
         caches, state_caches = batch_cache.assemble(self.layout, self._leaves, self.states,
                                                     queries if width > 1 else None)
@@ -439,7 +371,7 @@ class PagedDecodeBatch:
     def accept(self, kept: list[int], tokens: mx.array, held: list[int] | None = None) -> None:
         """After a verify: row i keeps the KV of its first `kept[i]` new positions
         (its input and the accepted draft tokens) and its next input is `tokens[i]`;
-        windows past what it holds now leave its table (arena pages go back). `held`:
+        windows past what it holds now leave its table. `held`:
         the rows' lengths before the positions counted (default: before the last
         forward)."""
         page = self.arena.page
@@ -448,26 +380,21 @@ class PagedDecodeBatch:
             table = self.tables[i]
             spare = len(table) - -(-(n + k) // page)
             if spare > 0:   # windows of this step's rejected positions
-                self._let_go(table[-spare:])
                 del table[-spare:]
         self.tokens = tokens
 
     def _span(self, lengths: list[int], window: int, queries: int = 1):
-        """A lone row whose pages are one run in one store: the positions its
-        `queries` newest positions attend (from the window start of the first, for a
-        windowed layer) as (first row, count, in the pool), attended as one slice."""
+        """A lone row whose pages are one run: the positions its `queries` newest
+        positions attend (from the window start of the first, for a windowed layer)
+        as (first pool row, count, True), attended as one slice."""
         if len(self.tables) != 1:
             return None
         table = self.tables[0]
-        in_pool = self.pool is not None and all(e > 0 for e in table)
-        if not in_pool and not all(self._in_arena(e) for e in table):
-            return None
-        pages = table if in_pool else [self._arena_page(e) for e in table]
-        if len(_runs(pages)) != 1:
+        if not all(table) or len(_runs(table)) != 1:
             return None
         n = lengths[0]
         low = max(0, n - (queries - 1) - window) if window else 0
-        return pages[0] * self.arena.page + low, n - low, in_pool
+        return table[0] * self.arena.page + low, n - low, True
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
         """Per KV leaf, keys/values `[positions, heads, dim]` the last forward wrote:
@@ -486,8 +413,8 @@ class PagedDecodeBatch:
         """What a step evaluates to complete the batch's writes."""
         tail = self.arena.tail
         rings = [tail.keys, tail.values] if tail is not None else []
-        pool = [self.pool.keys, self.pool.values] if self.pool is not None else []
-        return [self.arena.keys, self.arena.values, *rings, *pool, self.states]
+        return [self.arena.keys, self.arena.values, *rings, self.pool.keys,
+                self.pool.values, self.states]
 
     def pending_writes(self) -> list[mx.array]:
         return self.arrays()
@@ -538,30 +465,31 @@ def _real_positions(a: mx.array, index: mx.array) -> mx.array:
     return a.transpose(0, 2, 1, 3).reshape(b * n, h, d)[index]
 
 
-def _runs(table: list[int], only: list[int] | None = None) -> list[tuple[int, int, int]]:
+def _runs(table: list[int]) -> list[tuple[int, int, int]]:
     """(index in the table, first page id, pages) of each run of consecutive ids at
-    consecutive indices, among the indices `only` (ascending; None: all)."""
-    index = range(len(table)) if only is None else only
-    runs, i = [], 0
-    while i < len(index):
-        j, n = index[i], 1
-        while (i + n < len(index) and index[i + n] == j + n
-               and table[j + n] == table[j] + n):
+    consecutive indices."""
+    runs, j = [], 0
+    while j < len(table):
+        n = 1
+        while j + n < len(table) and table[j + n] == table[j] + n:
             n += 1
         runs.append((j, table[j], n))
-        i += n
+        j += n
     return runs
 
 
-def paged_decode_reaches(model, layout: CacheLayout, arena: PageArena) -> bool:
+def paged_decode_reaches(model, layout: CacheLayout, arena: PageArena, pool: KVPool) -> bool:
     """Whether a decode in pages reaches every attention layer of the model through
     the hook (a layer calling mx.fast's attention directly would see only the new
-    position): one token of two rows prefilled, joined and decoded once."""
+    position): one token of two rows (in the first two pages of `pool`) prefilled,
+    joined and decoded once."""
+    page = pool.page
     caches = batch_cache.model_caches(layout, [0, 0], [0, 0])
     logits = model(mx.array([[1], [2]]), cache=caches)[:, -1, :]
-    batch = PagedDecodeBatch(layout, arena)
-    batch.add([JoinGroup([0, 1], [None, None], caches, mx.argmax(logits, axis=-1))])
-    mx.eval(batch.forward(model))
+    batch = PagedDecodeBatch(layout, arena, pool)
+    batch.add([JoinGroup([0, 1], [None, None], caches, mx.argmax(logits, axis=-1),
+                         [[page], [2 * page]])])
+    mx.eval(batch.forward(model, slots=[[page + 1], [2 * page + 1]]))
     reached = batch.hook_reached()
     batch.clear()
     return reached

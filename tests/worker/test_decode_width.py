@@ -20,7 +20,7 @@ from mlxd.scheduler_proc.allocator import SlotAllocator
 from mlxd.scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from mlxd.worker_proc.kv_pool import KVGeometry, KVPool
 from mlxd.worker_proc.decode_pages import scaled_dot_product_attention
-from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, ARENA_PAGES, kv_budget
+from mlxd.worker_proc.memory import ACTIVATION_RESERVE_BYTES, kv_budget
 from mlxd.worker_proc.model_runner import runner_for
 from support import decode_rows
 
@@ -122,12 +122,11 @@ class Driver:
     def _check(self, joined: bool) -> None:
         batch = self.runner.batch
         assert sorted(batch.rids) == sorted(self.running)
-        if self.page:   # the rows read the pool in place: nothing copied elsewhere
+        if self.page:   # the rows read the pool in place: every window a pool page
             batch.check_integrity()
-            assert batch.cache_tokens == 0
+            assert all(e > 0 for t in batch.tables for e in t)
             ahead = 1 if self.runner.overlap else 0   # the chained decode's position
             assert batch.lengths == [self.lengths[rid] + ahead for rid in batch.rids]
-            self.spans.append((batch.cache_tokens, 0))
             return
         if None not in batch.row_rids:   # a join or a compaction dropped the dead rows
             self.dead = []
@@ -158,8 +157,6 @@ def test_rows_of_various_lengths_join_and_decode_across_steps(overlap, layout):
     d.decode(2)
     if layout == "padded":   # decodes between joins count too
         assert any(span != rule for span, rule in d.spans)
-    else:   # no prefix: nothing copied
-        assert all(span == 0 for span, _ in d.spans)
 
 
 @LAYOUTS
@@ -177,13 +174,13 @@ def test_joins_with_cached_prefixes_of_different_lengths(overlap, layout):
 def test_a_prefix_ending_mid_page_is_copied_into_the_rows_own_page(overlap):
     """The window where a cached prefix ends inside a page: the prefix's positions are
     copied (in the pool) into the page the row took for that window, before its
-    first position there; the row reads that page like any other, the arena stays
-    empty, and the copies hold the prefix's KV as stored."""
+    first position there; the row reads that page like any other, and the copies
+    hold the prefix's KV as stored."""
     d = Driver(overlap, "paged")
     d.step({rid: (30 + rid, 100 + rid) for rid in range(6)})   # prefixes end mid-page
     d.decode(2)
     batch, pool = d.runner.batch, d.runner.pool
-    assert batch.cache_tokens == 0 and all(e > 0 for t in batch.tables for e in t)
+    assert all(e > 0 for t in batch.tables for e in t)
     prefill = d.prefills[0]   # rid 0: 100 prefix positions, 30 new
     window = 100 // DECODE_PAGE
     own = prefill.new_slot_ids[0] // DECODE_PAGE
@@ -196,17 +193,15 @@ def test_a_prefix_ending_mid_page_is_copied_into_the_rows_own_page(overlap):
     d.step(releases=(0, 3))
     d.step({7: (200, 0), 8: (3, 70)}, releases=(1,))
     d.decode(3)
-    assert batch.cache_tokens == 0
 
 
 @OVERLAP
 def test_rows_without_a_mid_page_prefix_copy_nothing(overlap):
     """Fresh prompts and prefixes of whole pages: every window of every row is one
-    pool page, read in place; the arena holds nothing."""
+    pool page, read in place."""
     d = Driver(overlap, "paged")
     d.step({1: (300, 0), 2: (5, 2 * DECODE_PAGE), 3: (70, 0)})
     d.decode(70)   # rows cross page boundaries, chained or not
-    assert d.runner.batch.cache_tokens == 0
     assert all(e > 0 for t in d.runner.batch.tables for e in t)
 
 
@@ -267,7 +262,7 @@ def test_in_pages_the_scheduler_checks_no_decode_width():
 def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running):
     """Padded: memory.kv_budget reports the scheduler's budget for its pool, and the
     pool plus twice that budget (a join copies) fits the memory it split. Pages: one
-    KV term, the pool in whole pages, beside a small arena."""
+    KV term, the pool in whole pages."""
     budget = kv_budget(tokens * 100 + ACTIVATION_RESERVE_BYTES, 0, 100,
                        max_running=max_running, ceiling=10**9, page=0)
     assert budget.decode_cache_tokens == decode_cache_budget(budget.capacity, max_running)
@@ -276,9 +271,8 @@ def test_the_worker_memory_split_uses_the_shared_budget(tokens, max_running):
     assert fixed.decode_cache_tokens == decode_cache_budget(3000, max_running)
     paged = kv_budget(tokens * 100 + ACTIVATION_RESERVE_BYTES, 0, 100,
                       max_running=max_running, ceiling=10**9, page=DECODE_PAGE)
-    arena = ARENA_PAGES * DECODE_PAGE
-    assert paged.decode_cache_tokens == arena and paged.capacity % DECODE_PAGE == 0
-    assert tokens - arena - DECODE_PAGE < paged.capacity <= tokens - arena
+    assert paged.decode_cache_tokens == 0 and paged.capacity % DECODE_PAGE == 0
+    assert tokens - DECODE_PAGE < paged.capacity <= tokens
 
 
 @OVERLAP

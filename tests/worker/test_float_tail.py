@@ -8,17 +8,19 @@ either shows); and in a batch decoding a real model: what the rings hold after
 joins, decode steps and verifies that reject drafts, and that with a tail as long
 as every row the decode is the float pages' decode."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlxd.worker_proc import batch_cache
-from mlxd.worker_proc.decode import JoinGroup
+from mlxd.worker_proc.decode import JoinGroup, decode_rows
 from mlxd.worker_proc.decode_pages import (
     PageArena, install_hook, paged_attention, step_pairs, tail_pairs, tail_ring,
 )
+from mlxd.worker_proc.kv_pool import KVPool
 from mlxd.worker_proc.model_runner import probe_geometry
-from mlxd.worker_proc.paged_batch import PagedDecodeBatch
 from support import dense_reference, load_reference
 
 PAGE = 8
@@ -102,24 +104,44 @@ def test_a_row_attended_only_from_its_ring():
 
 # ---- in a batch, on a real model ----------------------------------------------
 
-def joined(model, geometry, arena, lengths):
-    """A PagedDecodeBatch of `arena` with rows prefilled over `lengths` tokens."""
+ROOM = 8   # pages each row of `joined` may fill
+
+
+def slot_of(row: int, position: int) -> int:
+    """Where `joined` keeps row `row`'s position: its own run of ROOM pages."""
+    return (1 + row * ROOM) * PAGE + position
+
+
+def joined(model, geometry, lengths, bits: int = 0, **tail):
+    """A PagedDecodeBatch of rows prefilled over `lengths` tokens, their KV in a pool
+    of PAGE-position pages (`bits`: quantized) at `slot_of`; `tail`: decode_rows'
+    float tail settings (rings with room for verifies of 8 drafts unless said)."""
     install_hook(model)
+    g = replace(geometry, k_bits=bits, v_bits=bits)
     width = max(lengths)
     pads = [width - n for n in lengths]
-    caches = batch_cache.model_caches(geometry.cache_layout, pads, pads)
+    caches = batch_cache.model_caches(g.cache_layout, pads, pads)
     tokens = mx.array([[1] * (width - n) + [(7 * i + r) % 50 + 3 for i in range(n)]
                        for r, n in enumerate(lengths)])
     logits = model(tokens, cache=caches)[:, -1, :]
-    batch = PagedDecodeBatch(geometry.cache_layout, arena)
+    pool = KVPool(g, (1 + len(lengths) * ROOM) * PAGE, page=PAGE)
+    for leaf, cache in enumerate(batch_cache.kv_leaves(g.cache_layout, caches)):
+        for r, n in enumerate(lengths):
+            k, v = batch_cache.row_columns(cache, r, width - n, width)
+            pool.write(leaf, mx.array([slot_of(r, p) for p in range(n)]),
+                       k.swapaxes(0, 1), v.swapaxes(0, 1))
+    batch = decode_rows(g, PAGE, pool, **{"tail_slack": 8, **tail})
     batch.add([JoinGroup(list(range(len(lengths))), [None] * len(lengths), caches,
-                         mx.argmax(logits, axis=-1))])
+                         mx.argmax(logits, axis=-1),
+                         [[slot_of(r, p) for p in range(n)] for r, n in enumerate(lengths)])])
     return batch
 
 
-def arena_for(g, **kw):
-    return PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 8,
-                     PAGE, **kw)
+def forward(batch, model, drafts=None):
+    """`batch.forward`, every new position at its `slot_of`."""
+    queries = [1 + len(d) for d in drafts] if drafts else [1] * len(batch.lengths)
+    return batch.forward(model, drafts, [[slot_of(r, n + j) for j in range(q)] for r, (n, q)
+                                         in enumerate(zip(batch.lengths, queries))])
 
 
 def ring_positions(batch, row, leaf):
@@ -142,11 +164,9 @@ def check_the_tail_reads_what_was_written(batch, float_batch):
         held = ring_positions(batch, row, 0)
         base = n - ring
         at = base + (np.arange(ring) - base) % ring   # the position each index stands for
-        table = float_batch.tables[row]
         for j in np.flatnonzero(counted[row].any(axis=0)):
             p = at[j]
-            page = table[p // PAGE]
-            want = np.asarray(float_batch.arena.keys[0][0][:, page * PAGE + p % PAGE])
+            want = np.asarray(float_batch.pool.keys[0][0][:, slot_of(row, p)])
             assert np.allclose(held[:, j], want, atol=1e-5), (row, p)
 
 
@@ -159,15 +179,15 @@ def test_the_tail_reads_only_what_its_rings_hold(llama_model, slack):
     model, _ = load_reference(llama_model)
     g = probe_geometry(model)
     keep = 6
-    batch = joined(model, g, arena_for(g, k_bits=8, v_bits=8, float_tail=keep, max_rows=2,
-                                       tail_slack=slack), [3, 2 * PAGE + 5, 12])
-    float_batch = joined(model, g, arena_for(g), [3, 2 * PAGE + 5, 12])
+    batch = joined(model, g, [3, 2 * PAGE + 5, 12], bits=8, float_tail=keep, max_rows=2,
+                   tail_slack=slack)
+    float_batch = joined(model, g, [3, 2 * PAGE + 5, 12])
     long_draft = list(range(5, 5 + 7))
     cut = False
     for step, drafts in enumerate([None, None, [[4, 4], [], long_draft], None,
                                    [[9], long_draft, [3, 3, 3]], None, None, None, None, None]):
         for b in (batch, float_batch):
-            mx.eval(b.forward(model, drafts), b.arrays())
+            mx.eval(forward(b, model, drafts), b.arrays())
         check_the_tail_reads_what_was_written(batch, float_batch)
         if drafts is not None:
             for b in (batch, float_batch):
@@ -189,16 +209,15 @@ def test_a_verify_attends_as_one_at_a_time_decoding(llama_model):
     model, _ = load_reference(llama_model)
     g = probe_geometry(model)
     lengths, drafts = [40, 3, 21], [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
-    at_once, one_by_one = (joined(model, g, arena_for(g, k_bits=8, v_bits=8, float_tail=6,
-                                                      max_rows=3), lengths)
+    at_once, one_by_one = (joined(model, g, lengths, bits=8, float_tail=6, max_rows=3)
                            for _ in range(2))
     inputs = np.asarray(at_once.tokens)
-    verified = np.asarray(at_once.forward(model, drafts)).reshape(3, 5, -1)
+    verified = np.asarray(forward(at_once, model, drafts)).reshape(3, 5, -1)
     stepped = []
     for j in range(5):
         one_by_one.tokens = mx.array([int(inputs[i]) if j == 0 else drafts[i][j - 1]
                                       for i in range(3)], mx.int32)
-        stepped.append(np.asarray(one_by_one.forward(model)))
+        stepped.append(np.asarray(forward(one_by_one, model)))
     stepped = np.stack(stepped, axis=1)
     assert np.abs(verified - stepped).max() < 1e-5
 
@@ -210,14 +229,14 @@ def test_a_tail_as_long_as_the_rows_decodes_as_float_pages(llama_model):
     model, _ = load_reference(llama_model)
     g = probe_geometry(model)
     lengths = [3, 2 * PAGE + 5, 12]
-    runs = {name: joined(model, g, arena_for(g, **kw), lengths) for name, kw in [
-        ("float", {}), ("tail", dict(k_bits=8, v_bits=8, float_tail=256, max_rows=3)),
-        ("pages", dict(k_bits=8, v_bits=8))]}
+    runs = {name: joined(model, g, lengths, **kw) for name, kw in [
+        ("float", {}), ("tail", dict(bits=8, float_tail=256, max_rows=3)),
+        ("pages", dict(bits=8))]}
     gaps = {"tail": 0.0, "pages": 0.0}
     for drafts in [None, [[4, 4], [7], []], None, None]:
         out = {}
         for name, b in runs.items():
-            out[name] = np.asarray(b.forward(model, drafts))
+            out[name] = np.asarray(forward(b, model, drafts))
             if drafts is not None:
                 b.accept([1, 2, 1], mx.array([3, 3, 3]))
         for name in gaps:

@@ -30,17 +30,15 @@ class Engine:
         model, _ = load_reference(path)
         geometry = probe_geometry(model)
         states = max_running if geometry.state_shapes else 0
-        # as the worker sizes them: a window pool for every running window and a
-        # step's prefill, twice, at most the KV pool's size
+        # as the worker holds them: in pages every layer is in the pool (no window pool)
         window = max(geometry.cache_layout.windows, default=0)
-        windows = min(kv_capacity, 2 * (max_running * window + 4096)) if window else 0
-        self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states, windows,
+        self.runner = runner_for(model, KVPool(geometry, kv_capacity, 2 * states,
                                                  page=DECODE_PAGE),
                                   overlap=overlap)
         self.scheduler = Scheduler(SchedulerLimits(
             kv_capacity=kv_capacity, max_context=4096, chunked_prefill_size=chunk,
             max_running_requests=max_running, state_slots=states, snapshot_slots=states,
-            window_capacity=windows, window=window, decode_page=self.runner.decode_page))
+            window=window, decode_page=self.runner.decode_page))
         self.out: dict[int, list[tuple[int, float]]] = {}
 
     def add(self, rid: int, ids: list[int], max_tokens: int = MAX_TOKENS) -> None:

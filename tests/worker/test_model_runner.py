@@ -27,6 +27,8 @@ class Driver:
                  page: int = DECODE_PAGE):
         model, _ = load_reference(model_path)
         self.model = model
+        if window_capacity and decode_layout == "auto":   # a window pool is padded's
+            decode_layout = "padded"
         pool = KVPool(probe_geometry(model), capacity, state_slots, window_capacity, page=page)
         self.runner = runner_for(model, pool, overlap=overlap, decode_layout=decode_layout)
         self.book = PageBooker(capacity, page)

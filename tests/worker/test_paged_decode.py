@@ -148,34 +148,68 @@ def test_a_model_the_hook_cannot_reach_decodes_padded(llama_model):
     assert runner.decode_page == 0
 
 
-def test_a_join_writes_each_row_into_its_own_pages_however_they_lie(llama_model):
-    """Rows of a left-padded prefill group join into pages handed out in runs and
-    alone (a fragmented arena): every page holds its row's positions, in order."""
+def test_a_join_reads_each_row_where_its_pages_lie_and_refuses_stray_slots(llama_model):
+    """Rows join with the pool pages their slots are in, handed out in runs and alone
+    and in no order: each table names them, window by window, and nothing is
+    copied; slots not at their page's offsets are refused, not copied anywhere."""
     from mlxd.worker_proc import batch_cache
-    from mlxd.worker_proc.decode import JoinGroup
-    from mlxd.worker_proc.paged_batch import PagedDecodeBatch
+    from mlxd.worker_proc.decode import JoinGroup, decode_rows
+    from mlxd.worker_proc.paged_batch import SlotMismatch
 
     model, _ = load_reference(llama_model)
     g = probe_geometry(model)
     lengths = [3, 2 * PAGE + 5, PAGE]
+    pages = [[12], [3, 9, 8], [5]]
+    slots = [[t[p // PAGE] * PAGE + p % PAGE for p in range(n)] for t, n in zip(pages, lengths)]
+
+    def prefilled(lengths):
+        width = max(lengths)
+        pads = [width - n for n in lengths]
+        caches = batch_cache.model_caches(g.cache_layout, pads, pads)
+        model(mx.array([[1] * (width - n) + [(7 * i + r) % 50 + 3 for i in range(n)]
+                        for r, n in enumerate(lengths)]), cache=caches)
+        return caches
+
+    pool = KVPool(g, 12 * PAGE, page=PAGE)
+    before = [np.asarray(a) for a in pool.keys[0] + pool.values[0]]
+    batch = decode_rows(g, PAGE, pool)
+    batch.add([JoinGroup([0, 1, 2], [None] * 3, prefilled(lengths), mx.zeros((3,), mx.int32),
+                         slots)])
+    assert batch.tables == pages and batch.lengths == lengths
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, pool.keys[0] + pool.values[0]))
+    stray = decode_rows(g, PAGE, pool)
+    with pytest.raises(SlotMismatch, match="offsets"):
+        stray.add([JoinGroup([7], [None], prefilled([3]), mx.zeros((1,), mx.int32),
+                             [[PAGE + 1, PAGE + 2, PAGE + 3]])])
+    with pytest.raises(SlotMismatch, match="slots"):
+        stray.add([JoinGroup([7], [None], prefilled([3]), mx.zeros((1,), mx.int32))])
+
+
+def test_positions_past_a_rows_slots_are_scratch_and_touch_no_pool_slot(llama_model):
+    """A forward whose `slots` name fewer positions than a row computes (a draft
+    model's row past its own draft count): the named ones are written at their
+    slots, the rest to the arena's page 0 only, and no window is taken for them."""
+    from mlxd.worker_proc import batch_cache
+    from mlxd.worker_proc.decode import JoinGroup, decode_rows
+
+    model, _ = load_reference(llama_model)
+    g = probe_geometry(model)
+    lengths, pages = [5, PAGE - 1], [1, 3]
     width = max(lengths)
     pads = [width - n for n in lengths]
     caches = batch_cache.model_caches(g.cache_layout, pads, pads)
-    tokens = mx.array([[1] * (width - n) + [(7 * i + r) % 50 + 3 for i in range(n)]
-                       for r, n in enumerate(lengths)])
-    model(tokens, cache=caches)
-    arena = PageArena(g.num_layers, g.n_kv_heads, g.k_head_dim, g.v_head_dim, g.dtype, 12, PAGE)
-    arena._free = [12, 11, 3, 9, 8, 5, 2, 1, 10, 7, 6, 4]   # runs and lone pages, no order
-    batch = PagedDecodeBatch(g.cache_layout, arena)
-    batch.add([JoinGroup([0, 1, 2], [None] * 3, caches, mx.zeros((3,), mx.int32))])
-    assert batch.lengths == lengths
-    arena.check_integrity(batch.tables)
-    assert any(b != a + 1 for t in batch.tables for a, b in zip(t, t[1:])), "no gap tested"
-    for leaf in (0, g.num_layers - 1):
-        want = np.asarray(caches[leaf].keys)
-        for r, (table, n) in enumerate(zip(batch.tables, lengths)):
-            got = np.concatenate([page_of(arena, leaf, p) for p in table], axis=1)[:, :n]
-            assert np.array_equal(got, want[r, :, width - n:width])
+    model(mx.array([[1] * (width - n) + [3] * n for n in lengths]), cache=caches)
+    pool = KVPool(g, 4 * PAGE, page=PAGE)
+    batch = decode_rows(g, PAGE, pool)
+    batch.add([JoinGroup([0, 1], [None] * 2, caches, mx.array([4, 4]),
+                         [[p * PAGE + i for i in range(n)] for p, n in zip(pages, lengths)])])
+    named = [[PAGE + 5, PAGE + 6, PAGE + 7], [3 * PAGE + PAGE - 1]]
+    mx.eval(batch.forward(model, [[5, 6], [5, 6]], named), batch.arrays())
+    assert batch.direct == named[0] + named[1] + [0, 0]
+    assert batch.tables == [[1], [3, 0]]   # row 1's next window: scratch only
+    # (the join wrote nothing: the prefill would have written the rows' positions)
+    written = np.abs(np.asarray(pool.keys[0][0])).sum(axis=(0, 2)) > 0
+    assert set(np.flatnonzero(written).tolist()) == set(named[0] + named[1])
 
 
 def test_the_arena_is_allocated_once_at_its_first_size():

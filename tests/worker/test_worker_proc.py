@@ -192,12 +192,11 @@ def test_ready_limits(worker, llama_model):
     assert isinstance(limits.blas, str) and limits.blas
     assert isinstance(limits.device, str)
     assert limits.bytes_per_token > 0
-    # one KV store: the pool (page 0 is padding), beside a small arena for the
-    # windows a row cannot read in place
+    # one KV store: the pool (page 0 is padding), and no decode cache beside it
     assert limits.decode_page == DECODE_PAGE
     assert limits.kv_pool_bytes == (KV_CAPACITY + DECODE_PAGE) * limits.bytes_per_token
     assert limits.vocab_size == config["vocab_size"]
-    assert limits.decode_cache_tokens > 0 and limits.decode_cache_tokens % DECODE_PAGE == 0
+    assert limits.decode_cache_tokens == 0
     assert limits.overlap is True
 
 
