@@ -33,6 +33,7 @@ from mlxd.protocol import (
     WorkerError, WorkerReady, encode,
 )
 from mlxd.runtime.keys import KeyPair, read_secret_key
+from mlxd.runtime.kv_layout import DECODE_PAGE
 from mlxd.protocol.codec import MAX_FRAME_BYTES
 from mlxd.runtime.sockets import max_step_bytes
 from mlxd.runtime.worker_group import free_ports
@@ -73,7 +74,7 @@ class TcpWorker(ProcHarness):
         self.decoder = Decoder(WorkerReady, StepResult, WorkerError)
         assert isinstance(self._recv(self.results, self.decoder, "Ready"), WorkerReady)
         self.step_ids = itertools.count(1)
-        self.slots = itertools.count(1)
+        self.pages = itertools.count(1)   # a fresh page per request, as the scheduler books
 
     def lines(self, text: str) -> int:
         """How often its whole log says `text`."""
@@ -92,10 +93,12 @@ class TcpWorker(ProcHarness):
         self.steps.send(encode(Step(next(self.step_ids), [DecodeRow(-12345, 1)])))
         assert isinstance(self._recv(self.results, self.decoder, "the reset"), WorkerError)
         rid, ids = 7, [5, 6, 7, 8, 9]
-        prefill = PrefillInput(rid, ids, [], [next(self.slots) for _ in ids], SamplingParams())
+        first = next(self.pages) * DECODE_PAGE   # position p at offset p of the page
+        prefill = PrefillInput(rid, ids, [], [first + p for p in range(len(ids))],
+                               SamplingParams())
         started = time.monotonic()
         for step in (Step(next(self.step_ids), prefills=[prefill]),
-                     Step(next(self.step_ids), [DecodeRow(rid, next(self.slots))]),
+                     Step(next(self.step_ids), [DecodeRow(rid, first + len(ids))]),
                      Step(next(self.step_ids), releases=[rid])):
             self.steps.send(encode(step))
             reply = self._recv(self.results, self.decoder, f"step {step.step_id}")

@@ -448,7 +448,7 @@ WRONG_TYPES += [(StepResult, [1, [], [], [], None, good_timing(), [], [], []], 5
                  replace(good_timing(), i, v)) for i, v in TIMING_FIELD_BAD]
 # limits the scheduler and tokenizer size everything by: counts of at least 1 (KV bytes
 # per token and state slots may be 0: a model without attention or without state)
-LIMITS_FIELD_BAD = [(0, 0), (0, -5), (0, "many"), (0, None), (1, 0), (2, 0), (2, 4096.0),
+LIMITS_FIELD_BAD = [(0, 0), (0, -5), (0, "many"), (0, None), (1, -1), (2, 0), (2, 4096.0),
                     (3, 0), (4, -1), (5, 0), (6, -1), (7, -1), (8, None), (9, 1), (10, None),
                     (11, 1), (12, "on"), (13, None), (14, -1), (15, -1), (16, -1), (17, [0]),
                     (17, None)]
