@@ -1,23 +1,19 @@
 """Decode without padding: the running rows' KV in pages, attended where it lies.
 
-Each KV leaf of the model has a page arena: keys and values `[heads, (pages + 1) *
-P, dim]`, head-major (a head's page is P consecutive rows; P = kv_layout's
-DECODE_PAGE), page 0 never handed out. A running row owns a list of pages (its page
-table) holding its positions in order; the page ids are the same in every leaf. A
-decode step writes each row's new position into its last page (a scatter of one
-position per row and head), then attends, per (row, page) pair, the row's queries
-to that page in place with `mx.gather_mm` (scores, then weights x values), and
-merges each row's pairs by their softmax's log-sum-exp; a lone row whose pages are
-one run is attended as one slice instead. A verify forward (speculative decoding)
-gives each row several consecutive query positions at once: all are written first,
-then each query attends causally (the positions up to its own), every page read
-once per row for all of them. A step's cost follows the pages the rows
-hold, not the longest row; a row joins by writing its own pages (one slice per run
-of consecutive pages) and leaves by giving them back; nothing else moves. A full
-page another running row holds for the same pool slots (a cached prefix both start
-from) is held by both instead of written twice (shared_pages, paged_batch). The
-arena starts small and grows as rows need pages, up to the memory split's decode
-budget.
+A store of pages (the KV pool, kv_pool.py, or a `PageArena`) holds, per KV leaf,
+keys and values `[heads, (pages + 1) * P, dim]`, head-major (a head's page is P
+consecutive rows; P = kv_layout's DECODE_PAGE), page 0 never handed out. A running
+row's page table names the pages holding its positions in order; the page ids are
+the same in every leaf. A decode step writes each row's new position into its page
+(a scatter of one position per row and head), then attends, per (row, page) pair,
+the row's queries to that page in place with `mx.gather_mm` (scores, then weights x
+values), and merges each row's pairs by their softmax's log-sum-exp; a lone row
+whose pages are one run is attended as one slice instead. A verify forward
+(speculative decoding) gives each row several consecutive query positions at once:
+all are written first, then each query attends causally (the positions up to its
+own), every page read once per row for all of them. A step's cost follows the pages
+the rows hold, not the longest row. The decode batch (paged_batch) reads the pool;
+its `PageArena` has page 0 (padding and scratch positions) and the float tails.
 
 The model stays mlx_lm's own module. Its attention layers call
 `scaled_dot_product_attention(queries, keys, values, cache=..., ...)` from the
@@ -274,7 +270,7 @@ def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
     queries = [1] * len(lengths) if queries is None else list(queries)
     slots = max(queries)
     rows, pages, starts, last_pos, ends = [], [], [], [], []
-    # (a table entry 0 is a window held elsewhere: no pair here)
+    # (a table entry 0 is a window of scratch positions only: no pair here)
     for r, (table, n, q) in enumerate(zip(tables, lengths, queries)):
         low = max(0, n - q - window + 1) if window else 0   # the first query's window start
         end = np.full(slots, n) if below is None else np.asarray(below[r])
@@ -286,7 +282,7 @@ def step_pairs(tables: list[list[int]], lengths: list[int], arena: "PageArena",
         last_pos.append(np.broadcast_to(query_positions(n, q, slots), (count, slots)))
         ends.append(np.broadcast_to(end, (count, slots)))
     pages = np.concatenate(pages)
-    held = pages != 0   # a window a row holds in another store (paged_batch)
+    held = pages != 0   # (see above)
     positions = np.concatenate(starts)[held][:, None] + np.arange(page)   # [n, page]
     return _pairs(np.concatenate(rows)[held], pages[held], arena, positions,
                   np.concatenate(last_pos)[held], window, slots,
@@ -492,7 +488,8 @@ class PagedLayerCache:
     row) of every position, each `[B * heads * L]`, in (row, head, position) order:
     the order of `keys.reshape(-1, dim)` for the `[B, heads, L, dim]` the model
     writes) says where the new positions go; `pairs` are the arena's (row, page)
-    pairs to read, `pool_pairs` the pool's (either None: no row reads that store). `span` (one row whose positions are one
+    pairs to read, `pool_pairs` the pool's (either None: no row reads that store; the
+    decode batch reads the pool only). `span` (one row whose positions are one
     run of rows of one store) is (first row, positions, in the pool): from the
     window start of the row's first query (0 without a window) to its last query,
     included."""

@@ -226,7 +226,7 @@ class PagedDecodeBatch:
                 if slots is not None and at >= len(slots[i]):
                     table.append(0)
                     continue
-                s = slots[i][at] if slots is not None else 0
+                s = slots[i][at] if slots is not None and at >= 0 else 0
                 if not s:
                     raise SlotMismatch(f"row {self.row_rids[i]}: no page for position {p}")
                 if s % page:
