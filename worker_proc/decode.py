@@ -134,7 +134,7 @@ def arena_for(geometry: KVGeometry, page: int, float_tail: int = 0, max_rows: in
                      max_rows=max_rows, tail_slack=tail_slack, all_rings=all_rings)
 
 
-def decode_rows(geometry: KVGeometry, page: int, pool=None, all_rings: bool = False,
+def decode_rows(geometry: KVGeometry, page: int, pool, all_rings: bool = False,
                 float_tail: int = 0, max_rows: int = 0, tail_slack: int = 0) -> DecodeRows:
     """The decode batch of the layout `decode_page_for` chose (`page`; 0: padded). In
     pages, rows read `pool` (a KVPool of pages of `page` positions, with no window

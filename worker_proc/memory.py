@@ -14,6 +14,7 @@ from mlxd.runtime.kv_layout import CACHE_STEP, decode_cache_budget
 # Room for activations, logits and MLX's buffer cache beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 512 * 1024 * 1024
 
+
 def machine_memory_bytes() -> int:
     try:
         size = mx.device_info().get("memory_size", 0)

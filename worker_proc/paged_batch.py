@@ -131,7 +131,10 @@ class PagedDecodeBatch:
         for j in [j for j, e in enumerate(table) if not e]:
             table[j] = _copy_into_own_page(held, j, page, copies)
         if not all(table):
-            raise SlotMismatch(f"row {rid}: slots {slots} are not at their pages' offsets")
+            w = table.index(0)
+            raise SlotMismatch(f"row {rid}: the slots of positions {w * page}.. "
+                               f"({slots[w * page:w * page + 4]}...) are not at their "
+                               f"page's offsets")
         return table
 
     def _copy_in_pool(self, sources: list[int], targets: list[int]) -> None:
