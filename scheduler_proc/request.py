@@ -8,8 +8,9 @@ from mlxd.protocol import Pin, SamplingParams, TokenizedRequest, Usage
 
 class Status(enum.Enum):
     WAITING = 0
-    RUNNING = 1
-    FINISHED = 2
+    PREFILLING = 1   # running; the worker has no decode row for it until its last piece
+    RUNNING = 2      # running, in the decode batch
+    FINISHED = 3
 
 
 @dataclass(eq=False)
@@ -20,7 +21,8 @@ class Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    # KV of all_ids[:len(slot_ids)]; written by KVBook only (the slots' owner)
+    # KV of all_ids[:len(slot_ids)]: its progress, the one number of how far its KV
+    # goes (booked for the step in flight included); written by KVBook only
     slot_ids: list[int] = field(default_factory=list)
     prefix_len: int = 0          # leading slots owned by the radix tree (locked)
     # window (position // page) -> the pool page this request took for it (allocator.py)
@@ -36,7 +38,6 @@ class Request:
     state_slot: int = 0
     state_from: int = 0
     pending_snapshot: int = 0
-    fill_len: int = 0            # tokens this admission prefills (prompt + output so far)
     cached_tokens: int | None = None   # prefix reused at the first admission
     disk_tokens: int = 0         # of those, read from the disk tier
     hashes: list[int] = field(default_factory=list)   # block hashes of all_ids[:hash_key]
@@ -46,8 +47,8 @@ class Request:
     arrival: int = 0             # its number in the waiting queue's arrival order
     overtaken: int = 0           # later arrivals admitted while this one waited (LPM order)
     # the waiting queue's cached-prefix match, kept until the tree changes
-    match_key: tuple = ()        # (tree version, fill_len) when match_len was computed
-    match_len: int = 0           # cached prefix length of all_ids[:fill_len - 1]
+    match_key: tuple = ()        # (tree version, num_tokens) when match_len was computed
+    match_len: int = 0           # cached prefix length of all_ids[:-1]
     match_node: object = None    # the tree node that prefix ends at
     # cache_control: prefixes to pin once the tree holds them (KVBook takes them)
     pins: list[Pin] = field(default_factory=list)
@@ -61,7 +62,6 @@ class Request:
         req = cls(msg.rid, msg.input_ids, msg.sampling, max_new_tokens,
                   frozenset(msg.stop_token_ids), output_ids=list(msg.output_ids),
                   resumes=msg.resumes)
-        req.fill_len = len(req.all_ids)
         req.pins = sorted(msg.pin, key=lambda p: p.offset)
         req.report_usage = msg.resumes > 0   # the front end learns its count anew
         return req
@@ -71,9 +71,24 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        """len(all_ids), without building the list."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def behind(self) -> int:
+        """Tokens it has and whose KV is not booked yet: what it has to catch up
+        (its input while it prefills; 1 in a decode, the token just sampled)."""
+        return self.num_tokens - len(self.slot_ids)
+
+    @property
     def prefilling(self) -> bool:
-        """Still computing the KV of its input (possibly chunk by chunk)."""
-        return len(self.slot_ids) < self.fill_len
+        """Running, still computing the KV of its input (possibly piece by piece)."""
+        return self.status is Status.PREFILLING
+
+    @property
+    def running(self) -> bool:
+        return self.status is Status.PREFILLING or self.status is Status.RUNNING
 
     def finish_reason_after(self, token: int) -> str | None:
         if token in self.stop_token_ids:

@@ -1,11 +1,17 @@
 """The pure scheduler: no sockets, no MLX. Requests in, Steps out, results in, tokens out.
 
-Each step, running decodes come first: they get a slot each, made by evicting
-cached prefixes and, if that is not enough, by retracting the request with the
-least progress. Then prefill work fills the step's token budget: the next chunk
-of the one request being prefilled in chunks, then new requests, longest cached
-prefix first, in the waiting queue's order (waiting.py). Finished requests and
-every finished chunk go into the radix tree.
+A request's progress is one number, the length of its KV (`len(slot_ids)`: what
+the worker computed, or computes in the step in flight); it is behind by the
+tokens it has past that (`Request.behind`). Each step every running request
+catches up: those one token behind (the token just sampled) decode it, with a
+draft after it where speculation proposes one; their slots are made first, by
+evicting cached prefixes and, if that is not enough, by retracting the request
+with the least progress. Those still prefilling compute their next piece within
+the step's token budget, in admission order. The budget left admits waiting
+requests, longest cached prefix first, in the waiting queue's order (waiting.py):
+each starts at the progress its cached prefix gives, so a prefix hit, a resume
+after a retraction and a chunked prefill are one catch-up from different points.
+Finished requests and every finished piece go into the radix tree.
 """
 
 import random
@@ -81,8 +87,7 @@ class Scheduler:
         self.decode_cache_tokens = limits.decode_cache_tokens or decode_cache_budget(
             limits.kv_capacity, limits.max_running_requests)
         self.waiting = WaitingQueue(self.kv)
-        self.running: dict[int, Request] = {}
-        self.chunking: Request | None = None   # at most one request prefills in chunks
+        self.running: dict[int, Request] = {}   # in admission order
         self._prefilled: list[Request] = []     # requests with a chunk in the last Step
         self._releases: list[int] = []
         self._outbox: list[TokenEntry] = []
@@ -118,7 +123,7 @@ class Scheduler:
     def abort(self, rid: int) -> None:
         if rid in self.running:
             req = self.running[rid]
-            self.kv.drop_tail(req, len(req.all_ids))   # draft slots of a step in flight
+            self.kv.drop_tail(req, req.num_tokens)   # draft slots of a step in flight
             self._finish(req, "abort", TokenEntry(rid, [], []))
             return
         req = self.waiting.find(rid)
@@ -164,7 +169,7 @@ class Scheduler:
         if self.kv.disk is not None:
             self._disk_news(result)
         for req in self._prefilled:   # their new KV is in the pool now: share it
-            if req.status is Status.RUNNING:
+            if req.running:
                 self.kv.cache_progress(req)
         self._prefilled = []
         tops = result.top_logprobs or [None] * len(result.tokens)
@@ -196,7 +201,7 @@ class Scheduler:
             reason = req.finish_reason_after(tokens[n])
             n += 1
         req.accepted_tokens += min(accepted, n)
-        self.kv.drop_tail(req, len(req.all_ids) - 1)
+        self.kv.drop_tail(req, req.num_tokens - 1)
         entry = TokenEntry(req.rid, tokens[:n], logprobs[:n],
                            None if all(t is None for t in tops[:n]) else tops[:n])
         if len(req.output_ids) == n or req.report_usage:
@@ -237,11 +242,8 @@ class Scheduler:
     def _resume(self, req: Request) -> None:
         """Run `req` again from its tokens so far (its KV is gone)."""
         del self.running[req.rid]
-        if self.chunking is req:
-            self.chunking = None
         self.kv.release(req, keep=False)
         req.status = Status.WAITING
-        req.fill_len = len(req.all_ids)
         req.resumes += 1
         self.num_resumes += 1
         self.spec.forget(req.rid)
@@ -361,11 +363,8 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         """Back to the front of the queue; its KV stays cached for the resume."""
         del self.running[req.rid]
-        if self.chunking is req:
-            self.chunking = None
         self.kv.release(req, keep=True)
         req.status = Status.WAITING
-        req.fill_len = len(req.all_ids)
         req.retractions += 1
         self.num_retractions += 1
         self._releases.append(req.rid)
@@ -384,19 +383,22 @@ class Scheduler:
         return (f"the request needs {width} tokens of decode cache; the "
                 f"decode caches may span {self.decode_cache_tokens} tokens")
 
-    # ---- prefill: chunks, then admissions -----------------------------------------
+    # ---- prefill: running requests catch up, then admissions ---------------------------
 
     def _schedule_prefills(self, decoding: list[Request]) -> list[PrefillInput]:
+        """The step's prefill pieces within its token budget: the next piece of each
+        running request still prefilling, in admission order, then the first piece
+        of waiting requests admitted."""
         budget = self.limits.max_prefill_tokens
         prefills: list[PrefillInput] = []
         rows = list(decoding)   # the decode batch of the next step
-        if self.chunking is not None:
-            chunk = self._next_chunk(self.chunking, budget, rows)
-            if chunk is not None:
-                prefills.append(chunk)
-                budget -= self._cost(chunk)
-                if chunk.needs_logits:
-                    rows.append(self.running[chunk.rid])
+        for req in [r for r in self.running.values() if r.prefilling]:
+            piece = self._next_piece(req, budget, rows)
+            if piece is not None:
+                prefills.append(piece)
+                budget -= self._cost(piece)
+                if piece.needs_logits:
+                    rows.append(req)
         order = self.waiting.order()
         for req, cached in order:
             if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
@@ -404,9 +406,7 @@ class Scheduler:
             prefilling = [self.running[p.rid] for p in prefills]
             if req.rid in self._releases or self.waiting.should_wait(req, cached, prefilling):
                 continue
-            # a chunked request still prefilling keeps a place in the decode width
-            pending = self.chunking.fill_len if self.chunking is not None else 0
-            p = self._admit(req, budget, rows, pending, first=not prefills)
+            p = self._admit(req, budget, rows, first=not prefills)
             if p is None:
                 break
             prefills.append(p)
@@ -422,39 +422,50 @@ class Scheduler:
         prefix at a fraction (gathering and attending over it takes time too)."""
         return len(p.input_ids) + int(self.limits.cached_token_cost * len(p.prefix_slot_ids))
 
-    def _next_chunk(self, req: Request, budget: int, rows: list[Request]) -> PrefillInput | None:
-        start = len(req.slot_ids)
+    def _piece_len(self, req: Request, start: int, budget: int) -> int:
+        """How many of the request's tokens after `start` (the KV it has, or will
+        have read from disk) it computes in this step's `budget`: what it is behind,
+        at most a chunk, at least one."""
         budget -= int(self.limits.cached_token_cost * start)
-        n = self._resume_cut(start, min(req.fill_len - start, self.limits.chunked_prefill_size,
-                                         max(1, budget)), req.fill_len)
-        last = start + n == req.fill_len
-        if last and rows and not self._width_fits(rows, req.fill_len):
+        n = min(req.num_tokens - start, self.limits.chunked_prefill_size, max(1, budget))
+        return self._resume_cut(start, n, req.num_tokens)
+
+    def _pending_rows(self) -> list[int]:
+        """The lengths of the running requests still prefilling: each will join the
+        decode batch at its whole length."""
+        return [r.num_tokens for r in self.running.values() if r.prefilling]
+
+    def _next_piece(self, req: Request, budget: int, rows: list[Request]) -> PrefillInput | None:
+        """The next piece of a running request still prefilling, or None while there
+        is no room for it."""
+        n = self._piece_len(req, len(req.slot_ids), budget)
+        last = n == req.behind
+        if last and rows and not self._width_fits(rows, req.num_tokens):
             return None   # its row would not fit the decode caches yet: wait
         if not self.kv.make_room(n, self.kv.window_need(n), slots=self.kv.extend_room(req, n)):
             return None
         return self._prefill_input(req, n)
 
-    def _admit(self, req: Request, budget: int, rows: list[Request], pending: int,
+    def _admit(self, req: Request, budget: int, rows: list[Request],
                first: bool) -> PrefillInput | None:
-        """Start `req` (or its first chunk) if memory and the step's budget allow;
-        None stops admission. The step's first prefill always gets a token."""
-        prefix, node = self.kv.match(req.all_ids[:req.fill_len - 1])
+        """Start `req` (its first piece) if memory and the step's budget allow; None
+        stops admission. The step's first prefill always gets a token. At most one
+        running request is part-way through its prefill."""
+        prefix, node = self.kv.match(req.all_ids[:-1])
         total = len(req.prompt_ids) + req.max_new_tokens   # the most it may hold
         fitting = self.kv.fitting_prefix(prefix, total)   # alone, it must fit the pool
         if fitting < len(prefix):
             prefix, node = self.kv.match(req.all_ids[:fitting])
         hit = self._disk_hit(req, prefix, node)
         cached = hit.end if hit else len(prefix)
-        extend = req.fill_len - cached
-        budget -= int(self.limits.cached_token_cost * cached)
-        if budget < 1 and not first:
+        if int(self.limits.cached_token_cost * cached) >= budget and not first:
             return None
-        n = self._resume_cut(cached, min(extend, self.limits.chunked_prefill_size,
-                                         max(1, budget)), req.fill_len)
-        if n < extend and self.chunking is not None:
+        n = self._piece_len(req, cached, budget)
+        pending = self._pending_rows()
+        if cached + n < req.num_tokens and pending:
             return None
-        if self.running and not self._width_fits(rows, req.fill_len, pending):
-            return None   # chunked or not, it joins the decode caches at this length
+        if self.running and not self._width_fits(rows, req.num_tokens, *pending):
+            return None   # in pieces or not, it joins the decode caches at this length
         # Headroom for the running rows' next tokens; never asked of a request alone.
         alone = not self.running
         loaded = cached - len(prefix)   # read from disk into new slots
@@ -468,35 +479,33 @@ class Scheduler:
             self.kv.release(req, keep=False)
             return None
         self.waiting.remove(req)
-        req.status = Status.RUNNING
+        req.status = Status.PREFILLING
         if req.cached_tokens is None:   # (a request resumed here counts its prompt's)
             req.cached_tokens = min(cached, len(req.prompt_ids))
             req.disk_tokens = min(loaded, req.cached_tokens)
             if self.kv.disk is not None:
                 self.kv.disk.hit_tokens += loaded
         self.running[req.rid] = req
-        if n < extend:
-            self.chunking = req
         return self._prefill_input(req, loaded + n, hit)
 
     def _disk_hit(self, req: Request, prefix: list[int], node) -> DiskHit | None:
         """How far the disk tier continues the request's cached prefix."""
         if self.kv.disk is None:
             return None
-        if req.hash_key != req.fill_len:   # its block hashes, once per admission length
-            req.hashes, req.hash_key = block_hashes(req.all_ids[:req.fill_len]), req.fill_len
+        if req.hash_key != req.num_tokens:   # its block hashes, once per admission length
+            req.hashes, req.hash_key = block_hashes(req.all_ids), req.num_tokens
         windows = self.kv.tree.path_windows(node) if self.kv.window and prefix else []
-        return self.kv.disk.match(req.hashes, len(prefix), req.fill_len - 1, windows)
+        return self.kv.disk.match(req.hashes, len(prefix), req.num_tokens - 1, windows)
 
-    def _resume_cut(self, start: int, n: int, fill_len: int) -> int:
+    def _resume_cut(self, start: int, n: int, end: int) -> int:
         """With a disk tier, a window or recurrent model's prefill of its last piece
         stops at the last block boundary before it and computes the rest next step:
         the tree then holds what resuming there needs (the window's KV, the state),
         and so does the disk, so the same prompt can be read back up to it."""
         if self.kv.disk is None or not (self.kv.window or self.kv.needs_state) or \
-                start + n != fill_len:
+                start + n != end:
             return n
-        cut = (fill_len - 1) // PREFIX_BLOCK * PREFIX_BLOCK
+        cut = (end - 1) // PREFIX_BLOCK * PREFIX_BLOCK
         return cut - start if cut > start else n
 
     def _prefill_input(self, req: Request, n: int, hit: DiskHit | None = None) -> PrefillInput:
@@ -510,9 +519,9 @@ class Scheduler:
         loaded = hit.end - start if hit is not None else 0
         new_slots = self.kv.extend(req, loaded, window_keep=self.kv.window) + \
             self.kv.extend(req, n - loaded)
-        done = len(req.slot_ids) == req.fill_len
-        if done and self.chunking is req:
-            self.chunking = None
+        done = not req.behind
+        if done:   # its last piece: the worker makes its decode row
+            req.status = Status.RUNNING
         p = PrefillInput(req.rid, req.all_ids[start:len(req.slot_ids)], prefix_slots,
                          new_slots, req.sampling, needs_logits=done,
                          num_generated=len(req.output_ids))
@@ -563,8 +572,6 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, entry: TokenEntry, keep_kv: bool = True) -> None:
         del self.running[req.rid]
-        if self.chunking is req:
-            self.chunking = None
         req.status = Status.FINISHED
         self.spec.forget(req.rid)
         self.kv.release(req, keep=keep_kv)

@@ -70,9 +70,9 @@ class WaitingQueue:
         """Length of the request's cached prefix; recomputed only after the tree
         changed, so a long waiting queue costs little per step. Either way the
         prefix counts as used now, so waiting requests keep theirs in the LRU."""
-        key = (self._kv.tree.version, req.fill_len)
+        key = (self._kv.tree.version, req.num_tokens)
         if req.match_key != key:
-            slots, req.match_node = self._kv.match(req.all_ids[:req.fill_len - 1])
+            slots, req.match_node = self._kv.match(req.all_ids[:-1])
             req.match_len, req.match_key = len(slots), key
         elif req.match_node is not None:
             self._kv.tree.touch(req.match_node)
@@ -87,7 +87,7 @@ class WaitingQueue:
         if cached is None:
             cached = self.cached_len(req)
         ids = req.all_ids
-        return any(common_prefix_len(ids, other.all_ids[:other.fill_len]) - cached
+        return any(common_prefix_len(ids, other.all_ids) - cached
                    >= SHARED_PREFIX_WAIT for other in prefilling)
 
     @staticmethod

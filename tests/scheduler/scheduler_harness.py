@@ -226,7 +226,8 @@ class Harness:
             total += computed
             assert 0 < len(p.input_ids) == len(p.new_slot_ids)
             assert 0 < computed <= s.limits.chunked_prefill_size
-            assert p.needs_logits == (len(req.slot_ids) == req.fill_len)
+            assert p.needs_logits == (len(req.slot_ids) == req.num_tokens)
+            assert p.needs_logits == (not req.prefilling)   # then it decodes
             assert p.num_generated == len(req.output_ids)
             assert req.slot_ids[:len(p.prefix_slot_ids)] == p.prefix_slot_ids
             assert req.slot_ids[len(p.prefix_slot_ids):] == p.new_slot_ids
@@ -290,9 +291,10 @@ class Harness:
             self._spill(spill)
         missed = []
         for rid in set(self.ctx) - set(self.batch) - {p.rid for p in step.prefills}:
-            # a request part-way through its chunks may wait for room: it is the one
-            # chunked request, or it was aborted while this step was in flight
-            assert self.s.chunking is self.s.running.get(rid) or rid not in self.s.running
+            # a request part-way through its chunks may wait for room: it is still
+            # prefilling, or it was aborted while this step was in flight
+            req = self.s.running.get(rid)
+            assert req is None or req.prefilling
         rids, tokens = [], []
         for row in step.decodes:
             rid = row.rid

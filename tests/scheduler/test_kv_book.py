@@ -17,7 +17,7 @@ def test_extend_appends_new_private_slots_after_a_cached_prefix():
     kv.attach_prefix(req, slots, node)
     new = kv.extend(req, 3)
     assert len(new) == 3 and not set(new) & set(slots)
-    assert req.slot_ids == slots + new and req.prefix_len == 3 and not req.prefilling
+    assert req.slot_ids == slots + new and req.prefix_len == 3 and req.behind == 0
     assert kv.allocator.num_free == 32 - 6
     kv.check_integrity([req])                   # the new slots are the request's own
     assert kv.extend(req, 0) == [] and len(req.slot_ids) == 6

@@ -25,14 +25,16 @@ HEADROOM = SchedulerLimits(1, 1).decode_headroom   # 16
 
 # ---- Request -------------------------------------------------------------------------
 
-def test_request_fill_len_prefilling_and_finish_reason():
+def test_request_progress_and_finish_reason():
     req = Request.from_message(make_request(1, n=5, max_new=3, stop=(EOS, 9)), 3)
-    assert req.fill_len == 5 and req.prefilling and req.all_ids == prompt_of(1, 5)
+    assert req.num_tokens == 5 and req.behind == 5 and req.all_ids == prompt_of(1, 5)
     assert req.status is Status.WAITING and req.stop_token_ids == frozenset({EOS, 9})
     assert req.cached_tokens is None and req.retractions == 0
+    assert not req.prefilling and not req.running
     KVBook(8).extend(req, 5)                      # KV for the whole prompt
-    assert not req.prefilling
+    assert req.behind == 0
     req.output_ids.append(PLAIN)
+    assert req.num_tokens == 6 and req.behind == 1   # the token a decode computes
     assert req.finish_reason_after(PLAIN) is None
     assert req.all_ids == prompt_of(1, 5) + [PLAIN]
     req.output_ids.append(9)
@@ -650,7 +652,8 @@ def _chunked_decoding_retracted_and_waiting() -> Harness:
     h.s._retract(h.s.running[1])
     h.add(make_request(4, n=30, max_new=4), make_request(5, n=4, max_new=4))
     h.run_step()
-    assert h.s.chunking is h.s.running[4] and sorted(h.s.running) == [2, 3, 4]
+    assert h.s.running[4].prefilling and sorted(h.s.running) == [2, 3, 4]
+    assert not h.s.running[2].prefilling and h.s.running[2].behind == 1
     assert [r.rid for r in h.s.waiting] == [1, 5] and h.output(1)
     return h
 
@@ -659,7 +662,7 @@ def test_reset_worker_resumes_running_requests_and_books_no_slot():
     h = _chunked_decoding_retracted_and_waiting()
     h.schedule()                                  # in flight when the worker dies
     h.worker_dies("the worker process died")
-    assert not h.final and not h.s.running and h.s.chunking is None
+    assert not h.final and not h.s.running
     assert h.s.kv.allocator.num_free == h.cap and h.s.kv.tree.total_size == 0
     assert h.s.stats()["used_slots"] == 0 and h.s.stats()["free_slots"] == h.cap
     assert [r.rid for r in h.s.waiting] == [2, 3, 4, 1, 5]
@@ -1141,7 +1144,7 @@ def test_abort_in_the_middle_of_a_chunked_prefill():
     assert h.final[1].usage == Usage(prompt_tokens=30, completion_tokens=0, cached_tokens=0)
     step = h.run_step()
     assert step.releases == [1] and not step.prefills
-    assert h.s.chunking is None and h.run_step() is None
+    assert h.run_step() is None
     h.assert_idle()
     # the two chunks it computed are cached
     h.add(make_request(2, prompt=prompt_of(1, 30)))
@@ -1245,7 +1248,8 @@ def test_a_request_retracted_while_prefilling_in_chunks():
     while not h.retracted:
         h.run_step()
     [(step_id, rid)] = h.retracted
-    assert rid == 2 and h.output(2) == [] and h.s.chunking is None
+    assert rid == 2 and h.output(2) == [] and not h.s.waiting[0].prefilling
+    assert h.s.waiting[0].status is Status.WAITING
     before = [p for s in h.steps[:step_id - 1] for p in s.prefills if p.rid == 2]
     assert not any(p.needs_logits for p in before)
     h.run_until_idle()

@@ -60,7 +60,7 @@ def test_waiting_requests_keep_their_cached_prefix_fresh_without_rematching():
     tree.insert(b, list(tree.match_prefix(b)[0]))   # b used again; nothing new: same version
     version = tree.version
     assert s.waiting.cached_len(req) == 20 and tree.version == version   # from the cache
-    assert req.match_key == (version, req.fill_len)
+    assert req.match_key == (version, req.num_tokens)
     tree.evict(20)                               # the least recently used goes: b
     assert tree.match_prefix(a)[0] and not tree.match_prefix(b)[0]
 

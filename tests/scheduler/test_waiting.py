@@ -205,12 +205,12 @@ def test_cached_lengths_are_recomputed_only_when_the_tree_version_changes():
     assert queue.cached_len(req) == 0 and kv.matches == 3
 
 
-def test_a_new_fill_len_is_matched_again():
+def test_a_new_length_is_matched_again():
     kv = CountingKV(256)
     cache(kv, BASE[:40])
     queue, (req,) = queue_of(kv, BASE[:20])
     assert queue.cached_len(req) == 19
-    req.output_ids, req.fill_len = BASE[20:30], 30   # retracted after 10 outputs
+    req.output_ids = BASE[20:30]                # retracted after 10 outputs
     assert queue.cached_len(req) == 29 and kv.matches == 2
 
 
