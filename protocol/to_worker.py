@@ -99,8 +99,8 @@ class DecodeRow:
     `slot` (with a window pool, the windowed layers' to window slot `window`).
 
     Speculative decoding: `draft` holds tokens proposed to follow the input; one
-    forward verifies them, writing their KV at `draft_slots` (and `draft_windows`),
-    and the row's result is a run of the accepted ones and one token more
+    forward verifies them, writing their KV at `draft_slots` (drafts are verified in
+    pages only: a worker with a window pool verifies none), and the row's result is a run of the accepted ones and one token more
     (StepResult.runs). `model_draft` asks the worker's draft model for that many
     tokens instead: `draft` is then empty and `draft_slots` holds as many slots.
 
@@ -113,7 +113,6 @@ class DecodeRow:
     window: int = wire(Int(minimum=0), default=0)
     draft: list[int] = wire(List(Int()), default_factory=list)
     draft_slots: list[int] = wire(List(Int()), default_factory=list)
-    draft_windows: list[int] = wire(List(Int(minimum=0)), default_factory=list)
     model_draft: int = wire(Int(minimum=0), default=0)
     chain_page: int = wire(Int(minimum=0), default=0)
 
@@ -124,9 +123,6 @@ class DecodeRow:
         if len(self.draft_slots) != (self.model_draft or len(self.draft)):
             raise ProtocolError(f"request {self.rid}: its draft and draft_slots differ "
                                 "in length")
-        if self.draft_windows and len(self.draft_windows) != len(self.draft_slots):
-            raise ProtocolError(f"request {self.rid}: draft_windows must align with "
-                                "draft_slots")
 
     @property
     def drafts(self) -> bool:

@@ -304,8 +304,6 @@ class Scheduler:
             if not draft:
                 continue
             row.draft_slots = self.kv.extend(req, len(draft))
-            if self.kv.window:
-                row.draft_windows = req.window_ids[len(req.window_ids) - len(draft):]
             if self.spec.by_model:   # the worker's draft model fills them
                 row.model_draft = len(draft)
             else:

@@ -76,7 +76,8 @@ class DecodeRows(Protocol):
         """The pool pages (`DecodeRow.chain_page`) rows' next positions start."""
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
-        """Per KV layer, keys/values `[rows, heads, dim]` the last forward wrote."""
+        """Per KV layer, keys/values `[rows, heads, dim]` the last forward computed
+        and the runner still writes to the pool (pages: none, the forward did)."""
 
     def pending_writes(self) -> list[mx.array]:
         """What a step evaluates to complete the batch's own writes."""

@@ -167,9 +167,6 @@ class DraftModel:
         at its next positions (their KV at `slots[i]`); keeps each row's last logits
         (`_last_logits`)."""
         self.batch.tokens = mx.array([run[0] for run in runs], dtype=mx.int32)
-        if max(len(run) for run in runs) == 1:
-            self._last_logits = self.batch.forward(self.model, slots=slots)
-            return
         logits = self.batch.forward(self.model, [run[1:] for run in runs], slots)
         ends, at = [], 0
         for run in runs:

@@ -377,8 +377,8 @@ class ModelRunner:
         slots = [[d.slot] + d.draft_slots[:len(draft)] for d, draft in zip(decodes, drafts)]
         logits = self.batch.forward(self.model, drafts, slots)
         positions = [p for row, d in zip(rows, drafts) for p in _positions(row, d)]
+        # (the forward wrote every verified position at its slot: the pages are the pool)
         sampled = self._sample(logits, positions, masks=masks, probs=proposal is not None)
-        self._write_verified(decodes, drafts, slots)
         mx.eval(sampled.tokens, sampled.logprobs)
         chosen, starts = sampled.tokens.tolist(), _starts(drafts)
         tokens = [chosen[at:at + _agreed(d, chosen[at:at + len(d) + 1]) + 1]
@@ -416,26 +416,6 @@ class ModelRunner:
             flat, logprobs, None if s.top_ids is None else s.top_ids[index],
             None if s.top_logprobs is None else s.top_logprobs[index]),
             runs=[len(run) for run in tokens])
-
-    def _write_verified(self, decodes: list[DecodeRow], drafts: list[list[int]],
-                        row_slots: list[list[int]]) -> None:
-        """Every verified position's KV to the pool, at the Step's slots, where the
-        forward did not write it there itself (the scheduler frees the rejected
-        ones' after reading the runs)."""
-        slots = [s for row in row_slots for s in row]
-        direct = self.batch.direct
-        windows = []
-        if self.pool.uses_windows:   # the windowed layers' KV goes to the window pool
-            windows = [w for row, d in zip(decodes, drafts)
-                       for w in [row.window] + row.draft_windows[:len(d)]]
-        pending = [k for k, d in enumerate(direct) if not d]
-        if not pending:
-            return
-        if len(pending) < len(slots):
-            slots = [slots[k] for k in pending]
-            windows = [windows[k] for k in pending] if windows else []
-        index = mx.array(pending) if len(pending) < len(direct) else None
-        self.pool.write_layers(self.batch.newest_kv(), write_ids(slots, windows), index)
 
     # ---- prefill ----------------------------------------------------------
 

@@ -57,7 +57,6 @@ class PagedDecodeBatch:
         self.states: list[list[mx.array]] = []
         self._leaves: list[PagedLayerCache] = []   # the last forward's KV leaves
         self._held: list[int] = []   # the rows' lengths before the last forward
-        self._positions: mx.array | None = None   # a verify's real positions of [B * L]
         self._verified = None   # a verify's (inputs, states before it), with states
         # the last forward's new positions (rows' in turn): the pool slot each was
         # written at by the forward itself (0: a scratch position)
@@ -287,11 +286,9 @@ class PagedDecodeBatch:
         self._verified = (inputs, self.states) if width > 1 and self.states else None
         logits = self._run(model, inputs, queries, slots)
         if width == 1:
-            self._positions = None
             return logits[:, -1, :]
-        self._positions = mx.array([i * width + j for i, q in enumerate(queries)
-                                    for j in range(q)])
-        return logits.reshape(-1, logits.shape[-1])[self._positions]
+        real = mx.array([i * width + j for i, q in enumerate(queries) for j in range(q)])
+        return logits.reshape(-1, logits.shape[-1])[real]
 
     def _run(self, model, inputs: mx.array, queries: list[int],
              slots: list[list[int]] | None = None) -> mx.array:
@@ -400,13 +397,9 @@ class PagedDecodeBatch:
         return table[0] * self.arena.page + low, n - low, True
 
     def newest_kv(self) -> list[tuple[mx.array, mx.array]]:
-        """Per KV leaf, keys/values `[positions, heads, dim]` the last forward wrote:
-        one per row, or after a verify every row's positions in turn."""
-        if self._positions is None:
-            return [(c.newest[0][:, :, -1, :], c.newest[1][:, :, -1, :]) for c in self._leaves]
-        return [(_real_positions(c.newest[0], self._positions),
-                 _real_positions(c.newest[1], self._positions))
-                for c in self._leaves]
+        """None to write: the forward wrote every new position to the pool itself
+        (`direct`)."""
+        return []
 
     def hook_reached(self) -> bool:
         """The last forward's attention went through every KV leaf's `attend`."""
@@ -460,12 +453,6 @@ def _per_head(rows: np.ndarray, heads: int) -> mx.array:
     """Each row's `[rows, L]` store rows repeated for every head, in the order
     update_and_fetch flattens the new KV in (decode_pages.per_head_rows)."""
     return mx.array(per_head_rows(rows, heads), mx.int32)
-
-
-def _real_positions(a: mx.array, index: mx.array) -> mx.array:
-    """`[B, heads, L, dim]` -> the positions `index` of `[B * L, heads, dim]`."""
-    b, h, n, d = a.shape
-    return a.transpose(0, 2, 1, 3).reshape(b * n, h, d)[index]
 
 
 def _runs(table: list[int]) -> list[tuple[int, int, int]]:

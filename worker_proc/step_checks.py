@@ -29,15 +29,11 @@ def check_decode(step: Step, running: list[int], pool: KVPool) -> list[DecodeRow
 
 
 def check_drafts(step: Step, pool: KVPool, vocab_size: int) -> None:
-    """Draft tokens the model can embed, at slots (and, with a window pool, window
-    slots, one per draft token) the pool holds."""
+    """Draft tokens the model can embed, at slots the pool holds."""
     for row in step.decodes:
         if not _in_range(row.draft, vocab_size):
             raise ValueError(f"step {step.step_id}: a draft token outside [0, {vocab_size})")
         pool.check_slots(row.draft_slots)
-        if pool.uses_windows and len(row.draft_windows) != len(row.draft_slots):
-            raise ValueError("draft_windows must name the window slots of every draft")
-        pool.check_window_ids(row.draft_windows)
 
 
 def check_prefills(prefills: list[PrefillInput], running: list[int], pool: KVPool,

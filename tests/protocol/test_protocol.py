@@ -89,7 +89,7 @@ SAMPLES = [
     StepResult(3, [1, 2], [5, 6, 7, 8], [-0.25, -1.0, -0.5, -3.5], runs=[3, 1]),
     Step(10, decodes=[DecodeRow(1, 30, draft=[5, 6], draft_slots=[32, 33]), DecodeRow(2, 31)],
          chain_next=False),
-    Step(11, decodes=[DecodeRow(1, 30, window=3, draft_slots=[32, 33], draft_windows=[4, 5],
+    Step(11, decodes=[DecodeRow(1, 30, window=3, draft_slots=[32, 33],
                                 model_draft=2, chain_page=7), DecodeRow(2, 31, chain_page=0)]),
     StepResult(2, [1, 2], [5, 6], [-0.25, -3.5], top_logprobs=[None, [[6, 5], [-3.5, -4.0]]],
                timing=StepTiming(compute_ms=1.5)),
@@ -127,7 +127,7 @@ def test_decoder_with_all_classes_round_trips_everything():
 
 
 NESTED = [SAMPLING, SamplingParams(), PREFILL, RESUMED, ENTRY, LIMITS, TIMING, StepTiming(),
-          Usage(0, 0, 0), DecodeRow(1, 30), DecodeRow(1, 30, 3, [5], [32], [4], 0, 9)]
+          Usage(0, 0, 0), DecodeRow(1, 30), DecodeRow(1, 30, 3, [5], [32], 0, 9)]
 
 
 @pytest.mark.parametrize("nested", NESTED, ids=ids(NESTED))
@@ -243,10 +243,10 @@ def good_prefill():
             [], 0, 0, 0]
 
 
-def wire_row(rid, slot, window=0, draft=(), slots=(), windows=(), model_draft=0, page=0):
-    """A DecodeRow's wire fields: rid, slot, window, draft, draft_slots, draft_windows,
-    model_draft, chain_page."""
-    return [rid, slot, window, list(draft), list(slots), list(windows), model_draft, page]
+def wire_row(rid, slot, window=0, draft=(), slots=(), model_draft=0, page=0):
+    """A DecodeRow's wire fields: rid, slot, window, draft, draft_slots, model_draft,
+    chain_page."""
+    return [rid, slot, window, list(draft), list(slots), model_draft, page]
 
 
 def good_row():
@@ -371,11 +371,11 @@ WRONG_TYPES = [
     (TokenBatch, good_batch(), 3, ["x"]),
     (Step, good_step([good_row()]), 0, "1"),
     # a row's chain_page: one page id (>= 0) per decode row
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, -1)]),
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, "3")]),
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, [3])]),
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, [1, 2])]),
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 7, None)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, -1)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, "3")]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, [3])]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, [1, 2])]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, None)]),
     (Step, good_step([good_row()]), 0, None),
     (Step, good_step([good_row()]), 1, [replace(good_row(), 0, True)]),
     (Step, good_step([good_row()]), 1, "1"),
@@ -400,7 +400,7 @@ WRONG_TYPES = [
     (Step, good_step([good_row()]), 3, None),
     (Step, good_step([good_row()]), 3, [1.0]),
     # a DecodeRow's other fields, and rows of the wrong shape
-    (Step, good_step([good_row()]), 1, [good_row()[:7]]),
+    (Step, good_step([good_row()]), 1, [good_row()[:6]]),
     (Step, good_step([good_row()]), 1, [good_row() + [0]]),
     (Step, good_step([good_row()]), 1, [None]),
     (Step, good_step([good_row()]), 1, [replace(good_row(), 1, None)]),
@@ -409,9 +409,8 @@ WRONG_TYPES = [
     (Step, good_step([good_row()]), 1, [replace(good_row(), 3, [1.5])]),
     (Step, good_step([good_row()]), 1, [replace(good_row(), 3, 5)]),
     (Step, good_step([good_row()]), 1, [replace(good_row(), 4, None)]),
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 5, [-1])]),
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, -1)]),
-    (Step, good_step([good_row()]), 1, [replace(good_row(), 6, True)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 5, -1)]),
+    (Step, good_step([good_row()]), 1, [replace(good_row(), 5, True)]),
     (Step, good_step([good_row()]), 4, None),
     (Step, good_step([good_row()]), 5, None),
     (Step, good_step([good_row()]), 5, 1),
@@ -520,20 +519,6 @@ def test_model_drafts_with_their_slots_are_accepted():
     assert step.has_drafts and [row.model_draft for row in step.decodes] == [2, 0]
     assert [row.drafts for row in step.decodes] == [True, False]
     assert step.decode_rids == [1, 2]
-
-
-@pytest.mark.parametrize("windows", [[[4], []], [[4, 5, 6], []], [[], [6]]])
-def test_draft_window_ids_align_with_slots(windows):
-    rows = [wire_row(1, 2, 1, [5, 6], [9, 10], windows[0]), wire_row(2, 3, 1, [], [], windows[1])]
-    with pytest.raises(ProtocolError, match="draft_windows"):
-        decode_as(Step, [Step.TAG, *good_step(rows, chain_next=False)])
-
-
-def test_draft_window_ids_with_their_slots_are_accepted():
-    rows = [wire_row(1, 2, 1, [5, 6], [9, 10], [4, 5]), wire_row(2, 3, 1)]
-    step = decode_as(Step, [Step.TAG, *good_step(rows, chain_next=False)])
-    assert [row.draft_windows for row in step.decodes] == [[4, 5], []]
-    assert step.has_drafts and step.to_wire()[1] == rows
 
 
 def test_aligned_step_result_with_top_logprobs_is_accepted():
