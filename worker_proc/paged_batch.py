@@ -137,10 +137,14 @@ class PagedDecodeBatch:
         return table
 
     def _copy_in_pool(self, sources: list[int], targets: list[int]) -> None:
-        """Copy these pool slots' KV (as stored) to those, in every KV layer."""
+        """Copy these pool slots' KV (as stored) to those, in every KV layer. The
+        reads are computed first: a read of the pool still pending when its write
+        runs keeps MLX from writing in place (the write would copy the layer's pool)."""
         src, dst = mx.array(sources, mx.int32), mx.array(targets, mx.int32)
-        for layer in range(len(self.pool.keys)):
-            self.pool.write_raw(layer, dst, self.pool.read_raw(layer, src))
+        read = [self.pool.read_raw(layer, src) for layer in range(len(self.pool.keys))]
+        mx.eval(read)
+        for layer, parts in enumerate(read):
+            self.pool.write_raw(layer, dst, parts)
 
     def _write_rings(self, kv: list, rings: list[int], lengths: list[int],
                      lefts: list[int]) -> None:

@@ -440,3 +440,27 @@ def test_penalised_rows_report_the_raw_logprobs(llama_model):
     raw = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     want = raw[mx.arange(len(tokens)), mx.array(tokens)].tolist()
     assert max(abs(a - b) for (_, a), b in zip(d.out[4], want)) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["last-piece", "middle-chunk", "beside-a-decode"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "chained"])
+def test_a_prefill_from_a_cached_prefix_writes_the_pool_in_place(llama_model, overlap, case):
+    """A prefill reads its prefix from the pool and writes its new KV into the pool in
+    the same step (a join copies the positions of a prefix that ends inside a page
+    into the row's own page; a decode beside it reads the pool too). Were a read
+    still pending when a write runs, MLX could not write in place and every such
+    step would copy every layer's whole pool (~0.6 s a layer at serving sizes)."""
+    d = Driver(llama_model, capacity=1 << 17, overlap=overlap)
+    ids = [(i % 400) + 10 for i in range(300)]
+    d.step([d.prefill(1, ids[:200], needs_logits=case == "beside-a-decode")])
+    for _ in range(2):
+        d.step()
+    d.runner.close()
+    one_layer = d.runner.pool.keys[0][0].nbytes   # what a copy of one layer's keys takes
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    d.step([d.prefill(2, ids[200:], prefix_slots=d.slot_ids[1][:200],
+                      needs_logits=case != "middle-chunk")])
+    d.step()
+    d.runner.close()
+    assert mx.get_peak_memory() - before < one_layer / 2
