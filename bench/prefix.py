@@ -75,14 +75,19 @@ def run(model: str, prompts, gen_len: int, cache: bool, args) -> dict:
         server.stop()
 
 
-async def _ttft(address: str, prompt: list[int], warm: list[int]) -> tuple[float, dict]:
-    """(seconds to the first token of `prompt`, its usage), after a warm-up request."""
+async def _ttft(address: str, prompt: list[int], warm: list[int],
+                second: bool = False) -> tuple:
+    """(seconds to the first token of `prompt`, its usage), after a warm-up request;
+    with `second`, the seconds to its second token too (the first decode after the
+    prefill: it waits for the step's pool writes, a join's included)."""
     from mlxd.client import AsyncClient
 
     async with AsyncClient(address, timeout=900) as c:
         await c.generate(input_ids=warm, max_tokens=2, ignore_eos=True)
         start = now()
-        first, _, _, usage = await timed_stream(c, prompt, 2)
+        first, end, _, usage = await timed_stream(c, prompt, 2)
+    if second:
+        return first - start, end - start, usage
     return first - start, usage
 
 
@@ -113,15 +118,16 @@ def restart_run(model: str, prompt: list[int], warm: list[int], args) -> dict:
 
 async def _half_cached(address: str, cold: list[int], prompt: list[int],
                        warm: list[int]) -> dict:
-    """TTFT of `cold` (nothing cached) and of `prompt` after its first half ran as a
-    request of its own (cached), on one server."""
+    """TTFT and time to the second token of `cold` (nothing cached) and of `prompt`
+    after its first half ran as a request of its own (cached), on one server."""
     from mlxd.client import AsyncClient
 
-    cold_s, _ = await _ttft(address, cold, warm)
+    cold_s, cold_second_s, _ = await _ttft(address, cold, warm, second=True)
     async with AsyncClient(address, timeout=900) as c:
         await c.generate(input_ids=prompt[:len(prompt) // 2], max_tokens=2, ignore_eos=True)
-    half_s, usage = await _ttft(address, prompt, warm)
-    return {"cold_s": cold_s, "half_cached_s": half_s, "cached": usage.get("cached_tokens", 0)}
+    half_s, half_second_s, usage = await _ttft(address, prompt, warm, second=True)
+    return {"cold_s": cold_s, "half_cached_s": half_s, "cached": usage.get("cached_tokens", 0),
+            "cold_second_token_s": cold_second_s, "half_cached_second_token_s": half_second_s}
 
 
 def half_cached_main(args) -> None:

@@ -50,3 +50,5 @@ def test_half_cached_prefix_bench_reports_both_ttfts(llama_model, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "p.json").read_text())
     assert report["cached"] == 100 and report["cold_s"] > 0 and report["half_cached_s"] > 0
+    assert report["half_cached_second_token_s"] >= report["half_cached_s"]
+    assert report["cold_second_token_s"] >= report["cold_s"]
