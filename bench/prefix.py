@@ -75,20 +75,17 @@ def run(model: str, prompts, gen_len: int, cache: bool, args) -> dict:
         server.stop()
 
 
-async def _ttft(address: str, prompt: list[int], warm: list[int],
-                second: bool = False) -> tuple:
-    """(seconds to the first token of `prompt`, its usage), after a warm-up request;
-    with `second`, the seconds to its second token too (the first decode after the
-    prefill: it waits for the step's pool writes, a join's included)."""
+async def _ttft(address: str, prompt: list[int], warm: list[int]) -> tuple[float, float, dict]:
+    """(seconds to the first token of `prompt`, to its second (the first decode after
+    the prefill: it waits for the step's pool writes, a join's included), its usage),
+    after a warm-up request."""
     from mlxd.client import AsyncClient
 
     async with AsyncClient(address, timeout=900) as c:
         await c.generate(input_ids=warm, max_tokens=2, ignore_eos=True)
         start = now()
         first, end, _, usage = await timed_stream(c, prompt, 2)
-    if second:
-        return first - start, end - start, usage
-    return first - start, usage
+    return first - start, end - start, usage
 
 
 def restart_run(model: str, prompt: list[int], warm: list[int], args) -> dict:
@@ -100,13 +97,13 @@ def restart_run(model: str, prompt: list[int], warm: list[int], args) -> dict:
     try:
         first = MlxdServer(model, *flags)
         try:
-            cold, _ = asyncio.run(_ttft(first.address, prompt, warm))
-            memory, hit = asyncio.run(_ttft(first.address, prompt, warm))
+            cold, _, _ = asyncio.run(_ttft(first.address, prompt, warm))
+            memory, _, hit = asyncio.run(_ttft(first.address, prompt, warm))
         finally:
             first.stop()
         second = MlxdServer(model, *flags)
         try:
-            disk, read = asyncio.run(_ttft(second.address, prompt, warm))
+            disk, _, read = asyncio.run(_ttft(second.address, prompt, warm))
         finally:
             second.stop()
     finally:
@@ -122,10 +119,10 @@ async def _half_cached(address: str, cold: list[int], prompt: list[int],
     after its first half ran as a request of its own (cached), on one server."""
     from mlxd.client import AsyncClient
 
-    cold_s, cold_second_s, _ = await _ttft(address, cold, warm, second=True)
+    cold_s, cold_second_s, _ = await _ttft(address, cold, warm)
     async with AsyncClient(address, timeout=900) as c:
         await c.generate(input_ids=prompt[:len(prompt) // 2], max_tokens=2, ignore_eos=True)
-    half_s, half_second_s, usage = await _ttft(address, prompt, warm, second=True)
+    half_s, half_second_s, usage = await _ttft(address, prompt, warm)
     return {"cold_s": cold_s, "half_cached_s": half_s, "cached": usage.get("cached_tokens", 0),
             "cold_second_token_s": cold_second_s, "half_cached_second_token_s": half_second_s}
 

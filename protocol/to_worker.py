@@ -100,9 +100,10 @@ class DecodeRow:
 
     Speculative decoding: `draft` holds tokens proposed to follow the input; one
     forward verifies them, writing their KV at `draft_slots` (drafts are verified in
-    pages only: a worker with a window pool verifies none), and the row's result is a run of the accepted ones and one token more
-    (StepResult.runs). `model_draft` asks the worker's draft model for that many
-    tokens instead: `draft` is then empty and `draft_slots` holds as many slots.
+    pages only: a worker with a window pool verifies none), and the row's result is
+    a run of the accepted ones and one token more (StepResult.runs). `model_draft`
+    asks the worker's draft model for that many tokens instead: `draft` is then
+    empty and `draft_slots` holds as many slots.
 
     Pages: `chain_page` is the pool page the row's next position after this Step's
     goes to where that position starts a page (0: in its input's page, or not
